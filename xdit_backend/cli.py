@@ -1,0 +1,166 @@
+"""``xdit-backend serve|start|stop|status|sample|demo|bench``: the command line over launcher and client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import launcher, paths
+from .client import BackendError, Client, NoBackend
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, e.g. 0,1; got {text!r}")
+
+
+def _add_socket(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", type=Path, default=None,
+                        help=f"the backend's Unix socket (default: ${paths.SOCKET_ENV} or {paths.default_socket()})")
+
+
+def _add_launch(parser: argparse.ArgumentParser) -> None:
+    _add_socket(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is visible")
+    parser.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices for the ranks, e.g. 0,1,2,3")
+    parser.add_argument("--collective-timeout", type=float, default=600.0,
+                        help="seconds any collective may wait before the backend fails (default 600)")
+    parser.add_argument("--heartbeat", type=float, default=30.0, help="idle seconds between rank checks (default 30)")
+    parser.add_argument("--max-payload-mb", type=int, default=1024, help="largest request payload (default 1024)")
+
+
+def launch_options(args: argparse.Namespace) -> launcher.LaunchOptions:
+    return launcher.LaunchOptions(
+        socket=paths.resolve_socket(args.socket), nproc=args.nproc, device=args.device, gpus=args.gpus,
+        collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xdit-backend", description="Multi-process parallel DiT sampling backend")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    _add_launch(commands.add_parser("serve", help="run a backend in the foreground"))
+    start = commands.add_parser("start", help="start a backend in the background; prints its status")
+    _add_launch(start)
+    start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every rank (default 180)")
+    _add_socket(commands.add_parser("status", help="the running backend's status as JSON; exit 1 if none"))
+    _add_socket(commands.add_parser("stop", help="stop the backend"))
+
+    sample = commands.add_parser("sample", help="generate one latent through the backend")
+    _add_launch(sample)
+    sample.add_argument("--model", required=True, help="a built-in model (flux-tiny) or a model file")
+    sample.add_argument("--width", type=int, default=1024)
+    sample.add_argument("--height", type=int, default=1024)
+    sample.add_argument("--steps", type=int, default=20)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--cfg", type=float, default=1.0, help="true CFG scale (uses the negative when > 1)")
+    sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
+    sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
+    sample.add_argument("--batch", type=int, default=1)
+    sample.add_argument("--embeds", type=Path, default=None,
+                        help="safetensors with context, pooled [, negative_context, negative_pooled]")
+    sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
+
+    demo = commands.add_parser("demo", help="serial vs. backend on the built-in tiny model")
+    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--size", type=int, default=512, help="image side in pixels (default 512)")
+    demo.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
+
+    bench = commands.add_parser("bench", help="benchmarks (timings live here, never in tests)")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    transport = bench_kinds.add_parser("transport", help="backend cold start and socket round trips")
+    transport.add_argument("--nproc", type=int, default=2)
+    transport.add_argument("--repeats", type=int, default=200)
+    return parser
+
+
+def cmd_serve(args) -> int:
+    return launcher.serve(launch_options(args))
+
+
+def cmd_start(args) -> int:
+    status = launcher.start(launch_options(args), timeout=args.timeout)
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+def cmd_status(args) -> int:
+    try:
+        print(json.dumps(Client(args.socket).status(), indent=2))
+        return 0
+    except NoBackend as exc:
+        print(f"xdit-backend: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_stop(args) -> int:
+    socket_path = paths.resolve_socket(args.socket)
+    if launcher.stop(socket_path):
+        print(f"stopped the backend at {socket_path}")
+    else:
+        print(f"no backend was running at {socket_path}")
+    return 0
+
+
+def print_progress(step: int, total: int, elapsed: float) -> None:
+    end = "\n" if step == total else ""
+    print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
+
+
+def cmd_sample(args) -> int:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
+              "seed": args.seed, "cfg": args.cfg, "batch": args.batch}
+    fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift)) if v is not None})
+    tensors = load_file(args.embeds) if args.embeds else {}
+    client = Client(args.socket)
+    ephemeral = client.hello_or_none() is None
+    if ephemeral:
+        print(f"no backend at {client.socket_path}: starting one for this request", file=sys.stderr)
+        launcher.start(launch_options(args))
+    try:
+        started = time.perf_counter()
+        result, info = client.sample(fields, tensors, on_progress=print_progress)
+        elapsed = time.perf_counter() - started
+    finally:
+        if ephemeral:
+            launcher.stop(client.socket_path)
+    samples = result["samples"].to(torch.float32).contiguous()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"samples": samples}, str(args.out))
+    print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s ({info.get('layout', '')})",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        handler = lambda a: run_demo(steps=a.steps, size=a.size, nproc=a.nproc)  # noqa: E731
+    elif args.command == "bench":
+        from .bench import run_transport_bench
+
+        handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
+    else:
+        handler = globals()[f"cmd_{args.command}"]
+    try:
+        return handler(args)
+    except (BackendError, launcher.LaunchError, paths.UnsafeDirectoryError) as exc:
+        print(f"xdit-backend: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

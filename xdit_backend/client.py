@@ -1,0 +1,214 @@
+"""The client: talk to a backend over its socket, start one when asked, stream progress, cancel.
+
+Used by the CLI and by the ComfyUI nodes; it imports nothing of torch.distributed.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import launcher, paths, protocol
+from .protocol import Connection, Message
+
+POLL_S = 0.1  # how often a waiting client checks its cancel callback
+DEATH_REPORT_WAIT_S = 15.0  # how long to wait for the launcher to record which rank failed
+
+
+class BackendError(Exception):
+    """An error reported by (or about) the backend: ``kind``, ``message``, ``hint``, ``rank``."""
+
+    def __init__(self, kind: str, message: str, hint: str = "", rank: int | None = None, traceback: str = ""):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.hint = hint
+        self.rank = rank
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+    @classmethod
+    def from_message(cls, reply: Message) -> BackendError:
+        f = reply.fields
+        kind = f.get("kind", "error")
+        error_cls = {"cancelled": Cancelled}.get(kind, cls)
+        return error_cls(kind, f.get("message", ""), f.get("hint", ""), f.get("rank"), f.get("traceback", ""))
+
+
+class NoBackend(BackendError):
+    """Nothing answers at the socket."""
+
+
+class BackendDied(BackendError):
+    """The backend went away during a request (a rank died or lost its peers)."""
+
+
+class Cancelled(BackendError):
+    """The request was cancelled; its partial result was dropped."""
+
+
+ProgressCallback = Callable[[int, int, float], None]
+
+
+class Client:
+    """One backend, addressed by its socket. Each call opens its own connection, so a Client can
+    be shared between threads."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, auto_start: bool = False,
+                 launch: launcher.LaunchOptions | None = None, connect_timeout: float = 5.0):
+        self.socket_path = paths.resolve_socket(socket_path)
+        self.auto_start = auto_start
+        self.launch = launch
+        self.connect_timeout = connect_timeout
+
+    # ------------------------------------------------------------------ connections
+
+    def _connect(self) -> Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout)
+        try:
+            sock.connect(str(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise NoBackend("no_backend", f"no backend answers at {self.socket_path} ({exc.strerror})",
+                            "start one with `xdit-backend start`, or let the client start it (auto_start)") from None
+        except OSError:
+            sock.close()
+            raise
+        return Connection(sock, direction="reply")
+
+    def _connect_or_start(self) -> Connection:
+        try:
+            return self._connect()
+        except NoBackend:
+            if not self.auto_start:
+                raise
+        launcher.start(self._launch_options())
+        return self._connect()
+
+    def _launch_options(self) -> launcher.LaunchOptions:
+        """What to start: the options given, else the last backend's at this socket, else defaults."""
+        if self.launch is not None:
+            return self.launch
+        previous = launcher.read_state(self.socket_path)
+        if previous and "options" in previous:
+            return launcher.LaunchOptions.from_json(previous["options"])
+        return launcher.LaunchOptions(socket=self.socket_path)
+
+    def _call(self, message: Message, timeout: float = 60.0) -> Message:
+        """Send one request and return its one reply (raising BackendError for an error reply)."""
+        message.fields.setdefault("id", uuid.uuid4().hex)
+        conn = self._connect_or_start()
+        try:
+            conn.send(message)
+            reply = conn.receive(idle_timeout=timeout)
+        except (protocol.ConnectionClosed, protocol.FrameError, OSError) as exc:
+            raise BackendError("connection", f"the backend at {self.socket_path} stopped answering ({exc})",
+                               "check `xdit-backend status`; the log is next to the socket") from None
+        finally:
+            conn.close()
+        if reply.type == "error":
+            raise BackendError.from_message(reply)
+        return reply
+
+    # ------------------------------------------------------------------ calls
+
+    def hello(self) -> dict:
+        return self._call(Message("hello", {"client": "xdit_backend.client"})).fields
+
+    def hello_or_none(self) -> dict | None:
+        """The backend's hello, or None when nothing (or nothing sane) answers; never starts one."""
+        try:
+            conn = self._connect()
+        except (NoBackend, OSError):
+            return None
+        try:
+            conn.send(Message("hello", {"id": "probe", "client": "xdit_backend.client"}))
+            reply = conn.receive(idle_timeout=self.connect_timeout)
+            return reply.fields if reply.type == "hello" else None
+        except (protocol.ConnectionClosed, protocol.FrameError, OSError):
+            return None
+        finally:
+            conn.close()
+
+    def status(self) -> dict:
+        return self._call(Message("status")).fields["status"]
+
+    def echo(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Send tensors to the backend and back (a check and a measure of the transport)."""
+        return self._call(Message("echo", {}, tensors)).tensors
+
+    def unload(self, model: str | None = None) -> list[str]:
+        fields = {"model": model} if model else {}
+        return self._call(Message("unload", fields), timeout=600.0).fields["info"]["unloaded"]
+
+    def shutdown(self) -> None:
+        self._call(Message("shutdown"), timeout=60.0)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._call(Message("cancel", {"target": request_id})).fields["info"]["cancelled"]
+
+    def sample(self, fields: dict, tensors: dict[str, torch.Tensor] | None = None, *,
+               on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
+               timeout: float | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Run one generation; returns (tensors, info). Raises Cancelled, BackendDied or BackendError.
+
+        ``on_progress(step, total, elapsed_s)`` is called for every step; ``should_cancel()`` is polled
+        while waiting and, once it returns True, the request is cancelled on every rank.
+        """
+        request_id = uuid.uuid4().hex
+        conn = self._connect_or_start()
+        deadline = time.monotonic() + timeout if timeout else None
+        cancel_sent = False
+        try:
+            conn.send(Message("sample", {"id": request_id, **fields}, tensors or {}))
+            while True:
+                if not cancel_sent and ((should_cancel and should_cancel())
+                                        or (deadline and time.monotonic() > deadline)):
+                    conn.send(Message("cancel", {"id": uuid.uuid4().hex, "target": request_id}))
+                    cancel_sent = True
+                try:
+                    reply = conn.receive(idle_timeout=POLL_S)
+                except socket.timeout:
+                    continue
+                except (protocol.ConnectionClosed, protocol.FrameError, OSError):
+                    raise self._died(request_id) from None
+                if reply.id != request_id:
+                    continue  # the acknowledgement of our cancel
+                if reply.type == "progress" and on_progress:
+                    on_progress(reply.fields["step"], reply.fields["total"], reply.fields["elapsed_s"])
+                elif reply.type == "result":
+                    return reply.tensors, reply.fields.get("info", {})
+                elif reply.type == "error":
+                    if reply.fields.get("kind") == "rank_failed":
+                        raise self._died(request_id, reply.fields.get("message", ""))
+                    error = BackendError.from_message(reply)
+                    if isinstance(error, Cancelled) and deadline and time.monotonic() > deadline:
+                        raise BackendError("timeout", f"request {request_id} took longer than {timeout:.0f} s "
+                                           "and was cancelled", "allow more time, or use fewer steps") from None
+                    raise error
+        finally:
+            conn.close()
+
+    def _died(self, request_id: str, said: str = "") -> BackendDied:
+        """Build the error for a backend that went away, naming the rank the launcher saw fail."""
+        deadline = time.monotonic() + DEATH_REPORT_WAIT_S
+        state = None
+        while time.monotonic() < deadline:
+            state = launcher.read_state(self.socket_path)
+            if state and state.get("status") in ("failed", "stopped"):
+                break
+            time.sleep(0.1)
+        summary = launcher.failure_summary(state)
+        rank = state["root_cause"]["rank"] if summary else None
+        what = summary or said or "the connection closed without a reply"
+        log = (state or {}).get("log", str(paths.log_file(self.socket_path)))
+        return BackendDied("rank_failed", f"the backend failed during request {request_id}: {what}",
+                           f"the next request restarts the backend; details in {log}", rank)

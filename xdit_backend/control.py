@@ -1,0 +1,100 @@
+"""The control plane between ranks: commands and small records over a CPU process group.
+
+Commands travel as protocol frames inside uint8 tensors, so nothing is pickled between ranks
+either. The group given here is a gloo group (the default group on CPU, a side group next to
+NCCL on CUDA), so none of this touches the accelerator or synchronises with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from . import protocol
+
+# A rank that loses a peer inside a collective exits with this code; the launcher then looks for
+# the rank that failed first (see launcher.root_cause).
+EXIT_PEER_LOST = 75
+
+
+class PeerLost(Exception):
+    """A collective failed because another rank stopped answering."""
+
+
+def _collective(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise PeerLost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+
+
+def broadcast_bytes(data: bytes | None, group, src: int = 0) -> bytes:
+    """Send ``data`` from ``src`` to every rank of ``group``; every rank returns it."""
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    _collective(dist.broadcast, length, src=src, group=group)  # [1]
+    if dist.get_rank() == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    if buffer.numel():
+        _collective(dist.broadcast, buffer, src=src, group=group)  # [length]
+    return buffer.numpy().tobytes()
+
+
+def broadcast_message(message: protocol.Message | None, group, src: int = 0) -> protocol.Message | None:
+    """Broadcast one protocol message (tensors included) from ``src``; None is a heartbeat."""
+    frame = protocol.encode_bytes(message) if message is not None else b""
+    data = broadcast_bytes(frame if dist.get_rank() == src else None, group, src)
+    if not data:
+        return None
+    return protocol.decode_bytes(data, protocol.Limits(max_payload_bytes=len(data)), direction="request")
+
+
+def gather_json(record: dict, group) -> list[dict]:
+    """Every rank contributes a small JSON record; every rank gets the list ordered by rank."""
+    data = json.dumps(record).encode()
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _collective(dist.all_gather, lengths, length, group=group)  # world × [1]
+    width = int(max(t.item() for t in lengths))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    _collective(dist.all_gather, gathered, padded, group=group)  # world × [width]
+    return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, lengths)]
+
+
+class StepGate:
+    """Once per denoising step, rank 0 tells every rank whether to go on.
+
+    This is how a cancel, a client that went away or a failure on rank 0 stops every rank
+    within one step, and it bounds how long any rank waits without hearing from rank 0.
+    A request always ends with one STOP: ranks other than 0 loop ``while gate.passes()``
+    without knowing the step count, and rank 0 calls ``close()`` however its work ended.
+    """
+
+    GO, STOP = 0, 1
+
+    def __init__(self, group):
+        self.group = group
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self.open = False
+
+    def passes(self, stop: bool = False) -> bool:
+        """Rank 0's ``stop`` decides; returns True on every rank when the work should go on."""
+        self._flag[0] = self.STOP if stop else self.GO
+        _collective(dist.broadcast, self._flag, src=0, group=self.group)  # [1]
+        self.open = int(self._flag[0]) == self.GO
+        return self.open
+
+    def begin(self) -> None:
+        """Rank 0: the other ranks have been sent a request and now wait at the gate."""
+        self.open = True
+
+    def close(self) -> None:
+        """Rank 0: send the final STOP unless one was already sent."""
+        if self.open:
+            self.passes(stop=True)

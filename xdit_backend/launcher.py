@@ -1,0 +1,265 @@
+"""Starting, watching and stopping a backend: N ranks on torch.distributed.run (torchrun's engine).
+
+``serve`` runs the elastic agent in this process, with every rank a ``python -m xdit_backend.worker``
+subprocess. The rendezvous is c10d on port 0, so the OS picks a free port (never a fixed 29500).
+The launcher keeps a state file beside the socket (options, pid, status, and the ranks that
+failed, with their messages), which is how ``start`` and the client can say which rank died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import paths
+from .control import EXIT_PEER_LOST
+
+
+class LaunchError(Exception):
+    """The backend could not be started; the message names the rank and what it said."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    socket: Path
+    nproc: int | None = None  # None: every visible GPU with --device cuda, 2 ranks on the CPU
+    device: str | None = None  # "cpu" or "cuda"; None: cuda when a GPU is visible
+    gpus: tuple[int, ...] | None = None
+    collective_timeout: float = 600.0
+    heartbeat: float = 30.0
+    max_payload_mb: int = 1024
+
+    def resolved(self) -> LaunchOptions:
+        """Fill in the device and the number of ranks from what this machine has."""
+        device = self.device or ("cuda" if _cuda_device_count() else "cpu")
+        nproc = self.nproc
+        if nproc is None:
+            nproc = len(self.gpus) if self.gpus else (_cuda_device_count() if device == "cuda" else 2)
+        if self.gpus and len(self.gpus) != nproc:
+            raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
+        if nproc < 1:
+            raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+        return LaunchOptions(**{**asdict(self), "device": device, "nproc": nproc})
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "socket": str(self.socket), "gpus": list(self.gpus) if self.gpus else None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> LaunchOptions:
+        gpus = tuple(data["gpus"]) if data.get("gpus") else None
+        return cls(**{**data, "socket": Path(data["socket"]), "gpus": gpus})
+
+    def cli_args(self) -> list[str]:
+        args = ["--socket", str(self.socket), "--collective-timeout", str(self.collective_timeout),
+                "--heartbeat", str(self.heartbeat), "--max-payload-mb", str(self.max_payload_mb)]
+        if self.nproc is not None:
+            args += ["--nproc", str(self.nproc)]
+        if self.device is not None:
+            args += ["--device", self.device]
+        if self.gpus:
+            args += ["--gpus", ",".join(map(str, self.gpus))]
+        return args
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --------------------------------------------------------------------------- state file
+
+
+def read_state(socket_path: Path) -> dict | None:
+    try:
+        return json.loads(paths.state_file(socket_path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _write_state(socket_path: Path, **state) -> None:
+    target = paths.state_file(socket_path)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(target)
+
+
+def failure_summary(state: dict | None) -> str | None:
+    """One line naming the rank that failed first and what it said, from a launcher state."""
+    if not state or state.get("status") != "failed" or not state.get("root_cause"):
+        return None
+    cause = state["root_cause"]
+    return f"rank {cause['rank']} {cause['what']}"
+
+
+def _root_cause(failures: list[dict]) -> dict:
+    """The failure that explains the others: ranks that only lost a peer are effects, not causes."""
+    causes = [f for f in failures if f["exitcode"] != EXIT_PEER_LOST] or failures
+    return min(causes, key=lambda f: (f["timestamp"], f["rank"]))
+
+
+def _describe_failure(rank: int, failure) -> dict:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()} (pid {failure.pid})"
+    elif failure.exitcode == EXIT_PEER_LOST:
+        what = f"stopped after losing contact with another rank (pid {failure.pid})"
+    else:
+        what = f"exited with code {failure.exitcode} (pid {failure.pid})"
+    if message and failure.exitcode >= 0:
+        what += f": {message}"
+    return {"rank": rank, "exitcode": failure.exitcode, "pid": failure.pid, "what": what,
+            "timestamp": failure.timestamp}
+
+
+# --------------------------------------------------------------------------- serve (foreground)
+
+
+def serve(options: LaunchOptions) -> int:
+    """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    options = options.resolved()
+    sock = options.socket
+    paths.ensure_private_dir(sock.parent)
+    from .client import Client  # the client asks whether a backend already answers here
+
+    live = Client(sock).hello_or_none()
+    if live is not None:
+        raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}; stop it with "
+                          f"`xdit-backend stop --socket {sock}` or choose another --socket")
+    if options.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, options.gpus))
+    os.environ["XDIT_LAUNCHER_PID"] = str(os.getpid())
+    rank_logs = sock.with_name(sock.name + ".ranks")
+    shutil.rmtree(rank_logs, ignore_errors=True)
+    state = {"pid": os.getpid(), "options": options.to_json(), "log": str(paths.log_file(sock)),
+             "started": time.time()}
+    _write_state(sock, status="starting", **state)
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=options.nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # port 0: the OS picks a free one
+        max_restarts=0,  # a failed rank fails the backend; the client restarts it on the next request
+        monitor_interval=0.2,
+        logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
+    )
+    worker_args = ["-m", "xdit_backend.worker", "--socket", str(sock), "--device", options.device,
+                   "--collective-timeout", str(options.collective_timeout), "--heartbeat", str(options.heartbeat),
+                   "--max-payload-mb", str(options.max_payload_mb)]
+    try:
+        elastic_launch(config, sys.executable)(*worker_args)
+    except ChildFailedError as exc:
+        failures = [_describe_failure(rank, f) for rank, f in sorted(exc.failures.items())]
+        cause = _root_cause(failures)
+        _write_state(sock, status="failed", failures=failures, root_cause=cause, **state)
+        print(f"xdit-backend: rank {cause['rank']} {cause['what']}", file=sys.stderr)
+        return 1
+    finally:
+        if sock.exists() and Client(sock).hello_or_none() is None:
+            sock.unlink(missing_ok=True)
+    _write_state(sock, status="stopped", **state)
+    return 0
+
+
+# --------------------------------------------------------------------------- start / stop (background)
+
+
+def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
+    """Start ``serve`` in the background and return the backend's status once every rank is ready."""
+    from .client import Client
+
+    options = options.resolved()
+    sock = options.socket
+    paths.ensure_private_dir(sock.parent)
+    client = Client(sock)
+    live = client.hello_or_none()
+    if live is not None:
+        raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}")
+    log_path = paths.log_file(sock)
+    paths.state_file(sock).unlink(missing_ok=True)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "xdit_backend.cli", "serve", *options.cli_args()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: `stop` can end it and every rank together
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.hello_or_none() is not None:
+            return client.status()
+        if process.poll() is not None:
+            summary = failure_summary(read_state(sock)) or f"the launcher exited with code {process.returncode}"
+            raise LaunchError(f"the backend failed to start: {summary} (log: {log_path})")
+        time.sleep(0.1)
+    _terminate_group(process.pid)
+    raise LaunchError(f"the backend did not become ready within {timeout:.0f} s (log: {log_path})")
+
+
+def stop(socket_path: Path, timeout: float = 30.0) -> bool:
+    """Ask the backend to shut down, wait for its launcher to exit; returns False if none was running."""
+    from .client import BackendError, Client, NoBackend
+
+    state = read_state(socket_path) or {}
+    pid = state.get("pid")
+    try:
+        Client(socket_path).shutdown()
+        asked = True
+    except (NoBackend, BackendError, OSError):
+        asked = False
+    if pid is None or not _alive(pid):
+        return asked
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        _terminate_group(pid)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of this process counts as gone
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        return waited == 0
+    except ChildProcessError:
+        return True
+
+
+def _terminate_group(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM the launcher's process group (it and its ranks), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)  # started by `start`: the launcher leads its own process group
+        except ProcessLookupError:
+            try:
+                os.kill(pid, sig)  # a foreground `serve` in someone's terminal: just the launcher
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if not _alive(pid):
+            return

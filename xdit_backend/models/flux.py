@@ -1,0 +1,96 @@
+"""Flux: diffusers ``FluxTransformer2DModel`` fed the way ComfyUI feeds its own Flux model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """ComfyUI's latent scaling: raw VAE space outside the sampler, model space inside."""
+
+    channels: int
+    scale: float
+    shift: float
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        return (latent - self.shift) * self.scale
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        return latent / self.scale + self.shift
+
+
+FLUX_LATENT = LatentFormat(channels=16, scale=0.3611, shift=0.1159)
+FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
+FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
+
+
+def pack(latent: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] → [B, (h/2)·(w/2), C·4]: 2×2 patches as tokens, channel-major within a patch."""
+    b, c, h, w = latent.shape
+    patches = latent.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # [B, h/2, w/2, C, 2, 2]
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, (h/2)·(w/2), C·4] → [B, C, h, w], the inverse of ``pack``."""
+    b, _, packed = tokens.shape
+    c = packed // 4
+    patches = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)  # [B, C, h/2, 2, w/2, 2]
+    return patches.reshape(b, c, h, w)
+
+
+def image_ids(h: int, w: int) -> torch.Tensor:
+    """[(h/2)·(w/2), 3] positions (0, row, column) of the image tokens, as ComfyUI and diffusers build them."""
+    rows = torch.arange(h // 2).view(-1, 1).expand(h // 2, w // 2)
+    cols = torch.arange(w // 2).view(1, -1).expand(h // 2, w // 2)
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+class FluxModel:
+    """A loaded Flux transformer and the calls the sampler needs from it."""
+
+    family = "flux"
+    latent_format = FLUX_LATENT
+    default_shift = FLUX_DEFAULT_SHIFT
+    default_guidance = FLUX_DEFAULT_GUIDANCE
+
+    def __init__(self, transformer, name: str):
+        self.transformer = transformer.eval().requires_grad_(False)
+        self.name = name
+        config = transformer.config
+        self.context_dim = config.joint_attention_dim
+        self.pooled_dim = config.pooled_projection_dim
+        self.has_guidance = bool(config.guidance_embeds)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The tensors a request must carry for one side (positive or negative) of the guidance."""
+        return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
+
+    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: float) -> torch.Tensor:
+        """The denoised estimate for ``x`` [B, 16, h, w] (model space) at noise level ``sigma`` [B]."""
+        b, _, h, w = x.shape
+        tokens = pack(x).to(self.dtype)  # [B, h/2·w/2, 64]
+        context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
+        velocity = self.transformer(
+            hidden_states=tokens,
+            encoder_hidden_states=context,
+            pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
+            timestep=sigma.to(self.device, self.dtype),  # diffusers multiplies by 1000, as ComfyUI does
+            img_ids=image_ids(h, w).to(self.device),
+            txt_ids=torch.zeros(context.shape[1], 3, device=self.device),
+            guidance=torch.full((b,), guidance, device=self.device) if self.has_guidance else None,
+            return_dict=False,
+        )[0]
+        velocity = unpack(velocity.float(), h, w)  # [B, 16, h, w]
+        return x - velocity * sigma.view(-1, 1, 1, 1)  # flow matching: x0 = x − σ·v

@@ -1,0 +1,53 @@
+"""Where a backend lives on disk: its socket, its private directory, its state file and log."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+SOCKET_ENV = "XDIT_SOCKET"
+
+
+def default_socket() -> Path:
+    """``$XDIT_SOCKET``, else ``$XDG_RUNTIME_DIR/comfyui-xdit/backend.sock``, else a per-user /tmp dir."""
+    if os.environ.get(SOCKET_ENV):
+        return Path(os.environ[SOCKET_ENV])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "comfyui-xdit" if runtime else Path(tempfile.gettempdir()) / f"comfyui-xdit-{os.getuid()}"
+    return base / "backend.sock"
+
+
+def resolve_socket(path: str | os.PathLike | None) -> Path:
+    return Path(path).expanduser().absolute() if path else default_socket()
+
+
+def state_file(socket_path: Path) -> Path:
+    """The launcher's record of this backend: options, pid, status, failures."""
+    return socket_path.with_name(socket_path.name + ".state.json")
+
+
+def log_file(socket_path: Path) -> Path:
+    """Where a background backend's output (launcher and every rank) goes."""
+    return socket_path.with_name(socket_path.name + ".log")
+
+
+class UnsafeDirectoryError(Exception):
+    pass
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Create ``directory`` as 0700, or check that an existing one is ours and private."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        raise UnsafeDirectoryError(
+            f"socket directory {directory} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); "
+            f"choose another place with --socket or ${SOCKET_ENV}"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise UnsafeDirectoryError(
+            f"socket directory {directory} has mode {stat.S_IMODE(info.st_mode):o}; other users could reach "
+            f"the backend. Run `chmod 700 {directory}` or choose another place with --socket"
+        )

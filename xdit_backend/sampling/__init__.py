@@ -1,0 +1,1 @@
+"""Schedules, samplers and noise, with ComfyUI's math so results match KSampler's."""

@@ -1,0 +1,251 @@
+"""Rank 0's socket server: connections, the request queue, cancellation and replies.
+
+One thread accepts connections and one thread reads each connection. Requests that need the
+ranks (``sample``, ``unload``, ``shutdown``) are queued and executed one at a time, in order, by
+rank 0's main thread (worker.Leader). Everything else (``hello``, ``status``, ``echo``,
+``cancel``) is answered by the connection's own thread at once, even while a sample runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import protocol
+from .protocol import Connection, FrameError, Message, error_message
+
+log = logging.getLogger("xdit_backend.server")
+
+QUEUED_TYPES = ("sample", "unload", "shutdown")
+MAX_CONNECTIONS = 64
+
+
+class Job:
+    """One queued request and the connection its replies go to."""
+
+    def __init__(self, message: Message, conn: Connection):
+        self.message = message
+        self.conn = conn
+        self.cancel_reason = ""
+        self._cancelled = threading.Event()
+        self.started = time.monotonic()
+
+    @property
+    def id(self) -> str:
+        return self.message.id
+
+    @property
+    def type(self) -> str:
+        return self.message.type
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self, reason: str) -> None:
+        if not self._cancelled.is_set():
+            self.cancel_reason = reason
+            self._cancelled.set()
+
+    def reply(self, message: Message) -> None:
+        message.fields.setdefault("id", self.id)
+        try:
+            self.conn.send(message)
+        except OSError:
+            self.cancel("the client disconnected")
+
+    def fail(self, kind: str, message: str, hint: str = "", **extra) -> None:
+        self.reply(error_message(kind, message, hint, **extra))
+
+    def progress(self, step: int, total: int) -> None:
+        self.reply(Message("progress", {"step": step, "total": total, "elapsed_s": time.monotonic() - self.started}))
+
+
+class SocketServer:
+    """Listens on a Unix socket that only its owner can reach, and feeds a FIFO of jobs."""
+
+    def __init__(self, path: Path, status: Callable[[], dict], limits: protocol.Limits = protocol.DEFAULT_LIMITS):
+        self.path = path
+        self.status = status
+        self.limits = limits
+        self._queue: collections.deque[Job] = collections.deque()
+        self._ready = threading.Condition()
+        self._jobs: dict[str, Job] = {}  # queued and running, by request id
+        self._running: Job | None = None
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._listener: socket.socket | None = None
+        self.shutting_down = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        if self.path.exists():
+            self.path.unlink()  # a stale socket of a backend that died (the launcher checked none answers)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is created 0600
+        try:
+            listener.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, name="xdit-accept", daemon=True).start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ the queue, for rank 0's main thread
+
+    def next_job(self, timeout: float) -> Job | None:
+        """The oldest queued job (now running), or None after ``timeout`` seconds without one."""
+        with self._ready:
+            if not self._queue:
+                self._ready.wait(timeout)
+            if not self._queue:
+                return None
+            job = self._queue.popleft()
+            self._running = job
+            return job
+
+    def finish(self, job: Job) -> None:
+        with self._ready:
+            self._jobs.pop(job.id, None)
+            if self._running is job:
+                self._running = None
+
+    def queue_state(self) -> dict:
+        with self._ready:
+            return {"queued": len(self._queue), "running": self._running.id if self._running else None}
+
+    def fail_all(self, kind: str, message: str, hint: str = "", **extra) -> None:
+        """Answer every queued and running job with the same error (the backend is going away)."""
+        with self._ready:
+            jobs = list(self._jobs.values())
+            self._queue.clear()
+            self._jobs.clear()
+        for job in jobs:
+            job.cancel(message)
+            job.fail(kind, message, hint, **extra)
+
+    def _enqueue(self, job: Job) -> str | None:
+        with self._ready:
+            if self.shutting_down:
+                return "the backend is shutting down"
+            if not job.id:
+                return f"a {job.type!r} request needs an 'id'"
+            if job.id in self._jobs:
+                return f"request id {job.id!r} is already queued or running"
+            self._jobs[job.id] = job
+            if job.type == "shutdown":
+                self.shutting_down = True
+                self._queue.appendleft(job)
+            else:
+                self._queue.append(job)
+            self._ready.notify()
+        return None
+
+    def _cancel(self, target: str, reason: str) -> bool:
+        with self._ready:
+            job = self._jobs.get(target)
+            if job is None or job.type == "shutdown":
+                return False
+            if job in self._queue:
+                self._queue.remove(job)
+                self._jobs.pop(target, None)
+                queued = True
+            else:
+                queued = False
+        job.cancel(reason)
+        if queued:  # never started: answer now; a running job is answered by the main thread
+            job.fail("cancelled", f"request {target} was cancelled before it started ({reason})")
+        return True
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept_loop(self) -> None:
+        while self._listener is not None:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._connections.acquire(blocking=False):
+                self._refuse(sock, "busy", f"more than {MAX_CONNECTIONS} connections are open", "retry later")
+                continue
+            threading.Thread(target=self._serve_connection, args=(sock,), name="xdit-conn", daemon=True).start()
+
+    def _refuse(self, sock: socket.socket, kind: str, message: str, hint: str) -> None:
+        conn = Connection(sock, self.limits, direction="request")
+        try:
+            conn.send(error_message(kind, message, hint))
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        conn = Connection(sock, self.limits, direction="request")
+        mine: list[Job] = []
+        try:
+            uid = _peer_uid(sock)
+            if uid != os.getuid():
+                self._refuse(sock, "forbidden", f"uid {uid} may not use this backend", "run the client as its owner")
+                return
+            while True:
+                try:
+                    message = conn.receive(idle_timeout=None)
+                except protocol.ConnectionClosed:
+                    return
+                except FrameError as exc:
+                    conn.send(error_message(exc.kind, exc.message, exc.hint))
+                    if exc.fatal:
+                        return
+                    continue
+                self._dispatch(message, conn, mine)
+        except OSError:
+            return  # the peer went away mid-frame or mid-reply
+        finally:
+            for job in mine:
+                self._cancel(job.id, "the client disconnected")
+            conn.close()
+            self._connections.release()
+
+    def _dispatch(self, message: Message, conn: Connection, mine: list[Job]) -> None:
+        reply_id = {"id": message.id}
+        if message.type == "hello":
+            status = self.status()
+            conn.send(Message("hello", {**reply_id, "protocol": protocol.PROTOCOL_VERSION,
+                                        "world_size": status["world_size"], "pid": status["pid"]}))
+        elif message.type == "status":
+            conn.send(Message("status", {**reply_id, "status": {**self.status(), **self.queue_state()}}))
+        elif message.type == "echo":
+            conn.send(Message("result", {**reply_id, "elapsed_s": 0.0, "info": {}}, message.tensors))
+        elif message.type == "cancel":
+            found = self._cancel(message.fields.get("target", ""), "cancelled by the client")
+            conn.send(Message("result", {**reply_id, "elapsed_s": 0.0, "info": {"cancelled": found}}))
+        elif message.type in QUEUED_TYPES:
+            job = Job(message, conn)
+            refusal = self._enqueue(job)
+            if refusal:
+                conn.send(error_message("bad_request", refusal, id=message.id))
+            else:
+                mine[:] = [j for j in mine if not j.cancelled and j.id in self._jobs] + [job]
+                if message.type == "shutdown" and self._running is not None:
+                    self._running.cancel("the backend is shutting down")
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED: pid, uid, gid)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]

@@ -1,0 +1,243 @@
+"""Every rank of the backend: join the process group, then execute the requests rank 0 broadcasts.
+
+Started by launcher.py through torch.distributed.run as ``python -m xdit_backend.worker``.
+Rank 0 also owns the socket (server.py) and decides; the other ranks follow its broadcasts.
+Until the parallel methods land, a ``sample`` runs on rank 0 alone while the other ranks
+wait at the step gate, so cancellation and failures already behave as they will then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from . import __version__, protocol
+from .control import EXIT_PEER_LOST, PeerLost, StepGate, broadcast_message, gather_json
+from .models import registry
+from .models.registry import ModelError
+from .protocol import Message
+from .request import RequestError, SampleRequest
+from .sampling.generate import GenerationStopped, generate
+from .server import Job, SocketServer
+
+log = logging.getLogger("xdit_backend.worker")
+
+LAUNCHER_PID_ENV = "XDIT_LAUNCHER_PID"
+
+
+class StartupError(Exception):
+    """A rank cannot start; the launcher shows this message with the rank's number."""
+
+
+@dataclass
+class Runtime:
+    """This rank's place in the backend. The process groups live here, never in module globals."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    control: object  # a gloo group for commands and the step gate (the default group on CPU)
+    started: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m xdit_backend.worker")
+    parser.add_argument("--socket", required=True, type=Path)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--collective-timeout", type=float, default=600.0)
+    parser.add_argument("--heartbeat", type=float, default=30.0)
+    parser.add_argument("--max-payload-mb", type=int, default=1024)
+    return parser.parse_args(argv)
+
+
+def start_runtime(args: argparse.Namespace) -> Runtime:
+    """Join the process group (gloo on CPU, NCCL on CUDA) and pin this rank to its device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise StartupError(
+                f"--device cuda, but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}; "
+                "start the backend with --device cpu, or install a CUDA build of torch"
+            )
+        if local_rank >= torch.cuda.device_count():
+            raise StartupError(
+                f"local rank {local_rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible; "
+                "start the backend with --nproc equal to the number of GPUs (or list them with --gpus)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    timeout = timedelta(seconds=args.collective_timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time())
+
+
+def describe_rank(rt: Runtime) -> dict:
+    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+    return {"rank": rt.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(rt.device),
+            "device_name": name, "threads": torch.get_num_threads()}
+
+
+class Leader:
+    """Rank 0: takes jobs from the socket server, broadcasts them, runs them, replies."""
+
+    def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float):
+        self.rt = rt
+        self.server = SocketServer(socket_path, self.status, limits)
+        self.ranks = ranks
+        self.heartbeat = heartbeat
+        self.gate = StepGate(rt.control)
+        self.models: dict[str, object] = {}
+
+    def status(self) -> dict:
+        return {
+            "pid": int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())),
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": __version__,
+            "world_size": self.rt.world_size,
+            "ranks": self.ranks,
+            "models": sorted(self.models),
+            "uptime_s": round(time.time() - self.rt.started, 3),
+            "socket": str(self.server.path),
+        }
+
+    def serve(self) -> None:
+        while True:
+            job = self.server.next_job(timeout=self.heartbeat)
+            if job is None:
+                broadcast_message(None, self.rt.control)  # heartbeat: the others' wait stays bounded
+                continue
+            try:
+                if job.type == "shutdown":
+                    broadcast_message(job.message, self.rt.control)
+                    self.server.fail_all("shutdown", "the backend is shutting down")
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"stopped": True}}))
+                    return
+                if job.type == "unload":
+                    broadcast_message(job.message, self.rt.control)
+                    unloaded = self.unload(job.message.fields.get("model"))
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
+                elif job.type == "sample":
+                    self.sample(job)
+            finally:
+                self.server.finish(job)
+
+    def unload(self, model: str | None) -> list[str]:
+        names = [model] if model else list(self.models)
+        return [name for name in names if self.models.pop(name, None) is not None]
+
+    def model(self, name: str):
+        if name not in self.models:
+            self.models[name] = registry.build(name, self.rt.device)
+        return self.models[name]
+
+    def sample(self, job: Job) -> None:
+        try:
+            request = SampleRequest.parse(job.message)
+            model = self.model(request.model)
+            positive, negative = request.conditioning(model)
+            if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
+                positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, model)
+        except (RequestError, ModelError) as exc:
+            job.fail("bad_request", exc.message, exc.hint)
+            return
+        broadcast_message(Message("sample", {"id": job.id}), self.rt.control)  # the others go to the gate
+        self.gate.begin()
+
+        def after_step(done: int, total: int) -> bool:
+            job.progress(done, total)
+            return self.gate.passes(stop=job.cancelled)
+
+        try:
+            latent = generate(model, request.generation(model, positive, negative), after_step)
+        except GenerationStopped:
+            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
+            return
+        except PeerLost:
+            raise
+        except Exception as exc:  # a failure inside the model: report it, keep serving
+            log.exception("request %s failed", job.id)
+            self.gate.close()
+            job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
+                     rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
+            return
+        self.gate.close()
+        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started,
+                                     "info": {"world_size": self.rt.world_size, "ranks_working": 1,
+                                              "layout": "serial on rank 0"}},
+                          {"samples": latent}))
+
+
+def follow(rt: Runtime) -> None:
+    """Ranks other than 0: execute what rank 0 broadcasts until it says shutdown."""
+    gate = StepGate(rt.control)
+    while True:
+        command = broadcast_message(None, rt.control)
+        if command is None:
+            continue  # heartbeat
+        if command.type == "shutdown":
+            return
+        if command.type == "sample":
+            while gate.passes():
+                pass
+
+
+@record
+def run(args: argparse.Namespace) -> None:
+    rt = start_runtime(args)
+    ranks = gather_json(describe_rank(rt), rt.control)  # also proves every rank is up
+    if rt.rank != 0:
+        try:
+            follow(rt)
+        except PeerLost as exc:
+            log.error("rank %d lost contact with rank 0: %s", rt.rank, exc)
+            os._exit(EXIT_PEER_LOST)
+        dist.destroy_process_group()
+        return
+    limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
+    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat)
+    server = leader.server
+    server.start()
+    log.info("backend ready: world size %d, socket %s", rt.world_size, args.socket)
+    try:
+        leader.serve()
+    except PeerLost as exc:
+        message = f"rank 0 lost contact with another rank ({exc}); the backend is stopping"
+        log.error(message)
+        server.fail_all("rank_failed", message, "the next request restarts the backend", rank=0)
+        server.close()
+        os._exit(EXIT_PEER_LOST)
+    server.close()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
