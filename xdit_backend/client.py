@@ -180,7 +180,7 @@ class Client:
                     continue
                 except (protocol.ConnectionClosed, protocol.FrameError, OSError):
                     raise self._died(request_id) from None
-                if reply.id != request_id:
+                if reply.id != request_id and not (reply.type == "error" and not reply.id):
                     continue  # the acknowledgement of our cancel
                 if reply.type == "progress" and on_progress:
                     on_progress(reply.fields["step"], reply.fields["total"], reply.fields["elapsed_s"])

@@ -55,7 +55,7 @@ class Job:
             self._cancelled.set()
 
     def reply(self, message: Message) -> None:
-        message.fields.setdefault("id", self.id)
+        message.fields["id"] = self.id
         try:
             self.conn.send(message)
         except OSError:

@@ -1,0 +1,72 @@
+"""Fixtures that start real backends (gloo on the CPU) in private temporary directories."""
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from xdit_backend import launcher
+from xdit_backend.client import Client
+
+# Small, fast requests for the tiny model: the tests check behaviour, not speed.
+SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
+LONG = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 2000, "seed": 1}
+
+
+def short_socket_dir() -> Path:
+    """A private directory with a short path (Unix socket paths are limited to 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="xdit-test-", dir="/tmp"))
+
+
+class Backends:
+    """Starts backends for a test and makes sure every one is gone afterwards."""
+
+    def __init__(self):
+        self.started: list[tuple[Path, set[int]]] = []
+
+    def start(self, nproc: int, **options) -> Client:
+        sock = short_socket_dir() / "backend.sock"
+        status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options))
+        self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
+        return Client(sock)
+
+    def track(self, sock: Path) -> None:
+        """Also clean up whatever runs at ``sock`` (e.g. a backend a client restarted)."""
+        status = Client(sock).status()
+        self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
+
+    def cleanup(self) -> None:
+        for sock, pids in self.started:
+            launcher.stop(sock, timeout=15)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def backends():
+    manager = Backends()
+    yield manager
+    manager.cleanup()
+
+
+@pytest.fixture(scope="module")
+def backend1():
+    """One world-1 backend shared by a module's tests."""
+    manager = Backends()
+    yield manager.start(1)
+    manager.cleanup()
+
+
+@pytest.fixture(scope="module")
+def backend2():
+    """One world-2 backend shared by a module's tests."""
+    manager = Backends()
+    yield manager.start(2)
+    manager.cleanup()

@@ -1,0 +1,104 @@
+"""The CLI as users run it: start, status, stop, sample, and a rank that cannot start."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import short_socket_dir
+from safetensors.torch import load_file
+
+from xdit_backend import launcher
+from xdit_backend.client import Client
+
+
+def cli(*args, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xdit_backend.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def sock():
+    path = short_socket_dir() / "backend.sock"
+    yield path
+    launcher.stop(path, timeout=15)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def test_start_status_stop(sock):
+    started = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
+    assert started.returncode == 0, started.stderr
+    status = json.loads(started.stdout)
+    assert status["world_size"] == 2
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    assert {r["device"] for r in status["ranks"]} == {"cpu"}
+    assert status["protocol"] == 1 and status["models"] == [] and status["uptime_s"] >= 0
+
+    asked = cli("status", "--socket", sock)
+    assert asked.returncode == 0
+    assert json.loads(asked.stdout)["pid"] == status["pid"]
+
+    again = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
+    assert again.returncode == 1 and "already answers" in again.stderr
+
+    stopped = cli("stop", "--socket", sock)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    for pid in [status["pid"], *(r["pid"] for r in status["ranks"])]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    gone = cli("status", "--socket", sock)
+    assert gone.returncode == 1 and "no backend answers" in gone.stderr
+    assert not sock.exists()
+
+
+def test_a_rank_that_cannot_start_fails_start_with_its_number(sock):
+    """Asking for one more CUDA rank than there are GPUs: that rank fails, start says which and why."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    began = time.monotonic()
+    result = cli("start", "--socket", sock, "--nproc", gpus + 1, "--device", "cuda", timeout=120)
+    assert result.returncode == 1
+    assert f"rank {gpus} exited with code 1" in result.stderr
+    assert "StartupError" in result.stderr and ("no CUDA device" in result.stderr or "visible" in result.stderr)
+    assert time.monotonic() - began < 60, "a failed rank must fail start, not hang it"
+
+
+def test_sample_world_1_and_2_seeds(sock, tmp_path):
+    """Through the socket: world 1 and world 2 agree; the same seed repeats, another seed differs."""
+    common = ["--model", "flux-tiny", "--width", 128, "--height", 64, "--steps", 3, "--socket", sock]
+    out = {}
+    ephemeral = cli("sample", *common, "--seed", 5, "--nproc", 1, "--device", "cpu", "--out", tmp_path / "w1.st")
+    assert ephemeral.returncode == 0, ephemeral.stderr
+    assert "starting one for this request" in ephemeral.stderr
+    assert Client(sock).hello_or_none() is None, "the ephemeral backend must be stopped after the request"
+    out["w1"] = load_file(tmp_path / "w1.st")["samples"]
+
+    assert cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu").returncode == 0
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        result = cli("sample", *common, "--seed", seed, "--out", tmp_path / f"{name}.st")
+        assert result.returncode == 0, result.stderr
+        assert "step 3/3" in result.stderr
+        out[name] = load_file(tmp_path / f"{name}.st")["samples"]
+
+    assert out["w1"].shape == (1, 16, 8, 16) and out["w1"].dtype == torch.float32
+    assert torch.equal(out["a"], out["b"])
+    assert torch.equal(out["w1"], out["a"])
+    assert (out["a"] - out["c"]).abs().max() > 0.1
+
+
+def test_sample_with_embeds_file_and_batch(sock, tmp_path):
+    """--embeds supplies the conditioning; --batch 2 gives two latents, each its own noise slice."""
+    from safetensors.torch import save_file
+
+    embeds = {"context": torch.randn(2, 5, 64), "pooled": torch.randn(2, 32)}
+    save_file(embeds, tmp_path / "embeds.st")
+    common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--seed", 3,
+              "--socket", sock, "--nproc", 1, "--device", "cpu"]
+    result = cli("sample", *common, "--batch", 2, "--embeds", tmp_path / "embeds.st", "--out", tmp_path / "o.st")
+    assert result.returncode == 0, result.stderr
+    samples = load_file(tmp_path / "o.st")["samples"]
+    assert samples.shape == (2, 16, 8, 8)
+    assert not torch.equal(samples[0], samples[1])

@@ -1,0 +1,137 @@
+"""A live backend answers bad input with error frames and keeps serving."""
+
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from conftest import LONG, SMALL
+from test_protocol import MALFORMED, frame
+
+from xdit_backend import protocol
+from xdit_backend.client import BackendError, Cancelled
+from xdit_backend.protocol import Message
+
+
+def raw_connection(client) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(client.socket_path))
+    return sock
+
+
+def read_reply(sock: socket.socket) -> Message:
+    return protocol.Connection(sock, direction="reply").receive(idle_timeout=30)
+
+
+def assert_still_serving(client):
+    """A real request on the same server succeeds after the bad input."""
+    result, _ = client.sample(SMALL)
+    assert result["samples"].shape == (1, 16, 8, 8)
+    assert torch.isfinite(result["samples"]).all()
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_frame_gets_error_frame_and_server_keeps_serving(backend1, name):
+    """Each malformed frame is answered with an error frame; the next good request succeeds."""
+    data, fatal, words = MALFORMED[name]
+    with raw_connection(backend1) as sock:
+        sock.sendall(data)
+        if name == "truncated" or name == "header too long":
+            sock.shutdown(socket.SHUT_WR)  # the rest of the frame never comes
+        reply = read_reply(sock)
+        assert reply.type == "error"
+        assert words in reply.fields["message"]
+        if fatal:  # the server ends a stream it can no longer read (EOF, or a reset if input was left unread)
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        else:  # the connection goes on: a good frame on it is answered
+            sock.sendall(frame({"type": "hello", "id": "again"}))
+            assert read_reply(sock).type == "hello"
+    assert_still_serving(backend1)
+
+
+def test_random_garbage_then_good_request(backend1):
+    with raw_connection(backend1) as sock:
+        sock.sendall(os.urandom(4096))
+        reply = read_reply(sock)
+        assert reply.type == "error" and reply.fields["kind"] == "bad_frame"
+    assert_still_serving(backend1)
+
+
+def test_huge_declared_payload_allocates_nothing(backend1):
+    """A frame declaring a 1 TiB payload is refused from its length alone."""
+    with raw_connection(backend1) as sock:
+        sock.sendall(frame({"type": "echo"})[:-8] + struct.pack(">Q", 1 << 40))
+        reply = read_reply(sock)
+        assert "exceeds the limit" in reply.fields["message"]
+    assert_still_serving(backend1)
+
+
+def test_bad_request_fields_are_named(backend1):
+    with pytest.raises(BackendError) as info:
+        backend1.sample({**SMALL, "width": 70})
+    assert "width 70 is not a multiple of 16" in info.value.message
+    with pytest.raises(BackendError) as info:
+        backend1.sample({**SMALL, "model": "no-such-model"})
+    assert "no-such-model" in info.value.message and "flux-tiny" in info.value.hint
+    with pytest.raises(BackendError) as info:
+        backend1.sample(SMALL, {"context": torch.full((1, 8, 64), float("nan")), "pooled": torch.zeros(1, 32)})
+    assert "NaN" in info.value.message
+    with pytest.raises(BackendError) as info:
+        backend1.sample(SMALL, {"context": torch.zeros(1, 8, 63), "pooled": torch.zeros(1, 32)})
+    assert "needs shape [1, 8, 64]" in info.value.message
+    assert_still_serving(backend1)
+
+
+def test_client_disconnecting_mid_request_drops_its_work(backend1):
+    """A client that goes away mid-sample gets its job cancelled; the backend serves the next one."""
+    sock = raw_connection(backend1)
+    sock.sendall(protocol.encode_bytes(Message("sample", {"id": "gone", **LONG})))
+    assert read_reply(sock).type == "progress"
+    sock.close()
+    deadline = time.monotonic() + 30
+    while backend1.status()["running"] is not None:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.05)
+    assert_still_serving(backend1)
+
+
+def test_cancel_stops_the_request_and_the_next_one_is_right(backend1):
+    first, _ = backend1.sample(SMALL)
+    started = threading.Event()
+    with pytest.raises(Cancelled) as info:
+        backend1.sample(LONG, on_progress=lambda *a: started.set(), should_cancel=started.is_set)
+    assert "cancelled" in info.value.message
+    again, _ = backend1.sample(SMALL)
+    assert torch.equal(first["samples"], again["samples"])
+
+
+def test_status_is_answered_while_a_sample_runs(backend1):
+    progressed = threading.Event()
+    statuses = []
+
+    def ask_status(*_):
+        if not progressed.is_set():
+            statuses.append(backend1.status())
+            progressed.set()
+
+    with pytest.raises(Cancelled):
+        backend1.sample(LONG, on_progress=ask_status, should_cancel=progressed.is_set)
+    assert statuses and statuses[0]["running"] is not None
+
+
+def test_echo_returns_the_tensors(backend1):
+    latent = torch.randn(1, 16, 128, 128)
+    assert torch.equal(backend1.echo({"latent": latent})["latent"], latent)
+
+
+def test_socket_and_directory_are_private(backend1):
+    assert stat.S_IMODE(backend1.socket_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(backend1.socket_path.parent.stat().st_mode) == 0o700
