@@ -102,3 +102,25 @@ def test_sample_with_embeds_file_and_batch(sock, tmp_path):
     samples = load_file(tmp_path / "o.st")["samples"]
     assert samples.shape == (2, 16, 8, 8)
     assert not torch.equal(samples[0], samples[1])
+
+
+def test_shutdown_is_answered_and_ends_every_process(backends):
+    """The client that asks for the shutdown gets a result, not an error, and every rank exits."""
+    client = backends.start(2)
+    status = client.status()
+    client.shutdown()
+    deadline = time.monotonic() + 30
+    pids = [status["pid"], *(r["pid"] for r in status["ranks"])]
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, "the backend did not exit after shutdown"
+        time.sleep(0.05)
+    assert client.hello_or_none() is None
+    assert launcher.read_state(client.socket_path)["status"] == "stopped"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -95,6 +95,7 @@ MALFORMED = {
     "payload too long": (frame({"type": "hello"})[:-8] + struct.pack(">Q", 1 << 40), True, "exceeds the limit"),
     "not json": (frame(b"{nope"), False, "not valid JSON"),
     "not an object": (frame(b"[1, 2]"), False, "must be a JSON object"),
+    "NaN in header": (frame(b'{"type": "sample", "cfg": NaN}'), False, "NaN is not a number JSON allows"),
     "too deep": (frame(b'{"type": "hello", "client": ' + b"[" * 50 + b"]" * 50 + b"}"), False, "nests deeper"),
     "unknown type": (frame({"type": "launch_missiles"}), False, "unknown message type"),
     "unknown field": (frame({"type": "hello", "evil": 1}), False, "unknown field 'evil'"),

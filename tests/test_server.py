@@ -79,6 +79,9 @@ def test_bad_request_fields_are_named(backend1):
         backend1.sample({**SMALL, "width": 70})
     assert "width 70 is not a multiple of 16" in info.value.message
     with pytest.raises(BackendError) as info:
+        backend1.sample({**SMALL, "guidance": 1e9})
+    assert "guidance 1000000000.0 is out of range" in info.value.message
+    with pytest.raises(BackendError) as info:
         backend1.sample({**SMALL, "model": "no-such-model"})
     assert "no-such-model" in info.value.message and "flux-tiny" in info.value.hint
     with pytest.raises(BackendError) as info:

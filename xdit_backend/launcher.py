@@ -47,6 +47,9 @@ class LaunchOptions:
             raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
         if nproc < 1:
             raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+        if not 0 < self.heartbeat * 2 <= self.collective_timeout:
+            raise LaunchError(f"--heartbeat {self.heartbeat:g} must be positive and at most half of "
+                              f"--collective-timeout {self.collective_timeout:g}, so idle ranks never time out")
         return LaunchOptions(**{**asdict(self), "device": device, "nproc": nproc})
 
     def to_json(self) -> dict:
@@ -128,6 +131,7 @@ def _describe_failure(rank: int, failure) -> dict:
 def serve(options: LaunchOptions) -> int:
     """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -171,6 +175,9 @@ def serve(options: LaunchOptions) -> int:
         _write_state(sock, status="failed", failures=failures, root_cause=cause, **state)
         print(f"xdit-backend: rank {cause['rank']} {cause['what']}", file=sys.stderr)
         return 1
+    except SignalException as exc:  # Ctrl-C or SIGTERM: the agent has stopped every rank
+        _write_state(sock, status="stopped", signal=exc.sigval.name, **state)
+        return 128 + int(exc.sigval)
     finally:
         if sock.exists() and Client(sock).hello_or_none() is None:
             sock.unlink(missing_ok=True)
@@ -205,11 +212,20 @@ def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
         if client.hello_or_none() is not None:
             return client.status()
         if process.poll() is not None:
-            summary = failure_summary(read_state(sock)) or f"the launcher exited with code {process.returncode}"
+            summary = failure_summary(read_state(sock)) or _last_line(log_path) or (
+                f"the launcher exited with code {process.returncode}")
             raise LaunchError(f"the backend failed to start: {summary} (log: {log_path})")
         time.sleep(0.1)
     _terminate_group(process.pid)
     raise LaunchError(f"the backend did not become ready within {timeout:.0f} s (log: {log_path})")
+
+
+def _last_line(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def stop(socket_path: Path, timeout: float = 30.0) -> bool:

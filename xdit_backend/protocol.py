@@ -218,7 +218,7 @@ def _check_payload_length(payload_len: int, limits: Limits) -> None:
 
 def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction: str) -> Message:
     try:
-        fields = json.loads(header)
+        fields = json.loads(header, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise FrameError(f"header is not valid JSON: {str(exc)[:200]}", fatal=False) from None
     if not isinstance(fields, dict):
@@ -235,6 +235,10 @@ def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction
         )
     _check_fields(msg_type, fields, schemas[msg_type], limits)
     return Message(msg_type, fields, _decode_tensors(payload, limits))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _check_json_depth(value, max_depth: int) -> None:

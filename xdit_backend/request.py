@@ -71,8 +71,10 @@ class SampleRequest:
                     f"{name} {side} is not a multiple of 16 (8 for the VAE × 2 for the 2×2 patches)",
                     f"use {name} {side // 16 * 16 or 16} or {(side // 16 + 1) * 16}",
                 )
-        if not 0.0 <= self.cfg <= 100.0 or (self.shift is not None and not 0.0 < self.shift <= 100.0):
-            raise RequestError(f"cfg {self.cfg} or shift {self.shift} is out of range (cfg 0..100, shift >0..100)")
+        for name, value, low, high in (("cfg", self.cfg, 0.0, 100.0), ("guidance", self.guidance, 0.0, 100.0),
+                                       ("shift", self.shift, 1e-3, 100.0)):
+            if value is not None and not low <= value <= high:
+                raise RequestError(f"{name} {value} is out of range: it must lie in {low:g}..{high:g}")
 
     def _check_tensors(self) -> None:
         unknown = sorted(set(self.tensors) - set(TENSOR_NAMES))

@@ -130,10 +130,10 @@ class SocketServer:
         with self._ready:
             return {"queued": len(self._queue), "running": self._running.id if self._running else None}
 
-    def fail_all(self, kind: str, message: str, hint: str = "", **extra) -> None:
-        """Answer every queued and running job with the same error (the backend is going away)."""
+    def fail_all(self, kind: str, message: str, hint: str = "", *, spare: Job | None = None, **extra) -> None:
+        """Answer every queued and running job but ``spare`` with the same error (the backend is going away)."""
         with self._ready:
-            jobs = list(self._jobs.values())
+            jobs = [job for job in self._jobs.values() if job is not spare]
             self._queue.clear()
             self._jobs.clear()
         for job in jobs:
@@ -215,6 +215,12 @@ class SocketServer:
                 self._dispatch(message, conn, mine)
         except OSError:
             return  # the peer went away mid-frame or mid-reply
+        except Exception as exc:
+            log.exception("connection handler failed")
+            try:
+                conn.send(error_message("internal", f"{type(exc).__name__}: {exc}", "see the backend log"))
+            except OSError:
+                pass
         finally:
             for job in mine:
                 self._cancel(job.id, "the client disconnected")

@@ -130,7 +130,7 @@ class Leader:
             try:
                 if job.type == "shutdown":
                     broadcast_message(job.message, self.rt.control)
-                    self.server.fail_all("shutdown", "the backend is shutting down")
+                    self.server.fail_all("shutdown", "the backend is shutting down", spare=job)
                     job.reply(Message("result", {"elapsed_s": 0.0, "info": {"stopped": True}}))
                     return
                 if job.type == "unload":
@@ -160,6 +160,11 @@ class Leader:
                 positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, model)
         except (RequestError, ModelError) as exc:
             job.fail("bad_request", exc.message, exc.hint)
+            return
+        except Exception as exc:  # e.g. out of memory while building the model
+            log.exception("request %s could not be prepared", job.id)
+            job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
+                     rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
         broadcast_message(Message("sample", {"id": job.id}), self.rt.control)  # the others go to the gate
         self.gate.begin()
