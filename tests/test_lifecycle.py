@@ -115,7 +115,8 @@ def test_shutdown_is_answered_and_ends_every_process(backends):
         assert time.monotonic() < deadline, "the backend did not exit after shutdown"
         time.sleep(0.05)
     assert client.hello_or_none() is None
-    assert launcher.read_state(client.socket_path)["status"] == "stopped"
+    state = launcher.read_state(client.socket_path)
+    assert state["status"] == "stopped", state.get("failures")
 
 
 def _running(pid: int) -> bool:

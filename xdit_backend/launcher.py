@@ -104,9 +104,17 @@ def failure_summary(state: dict | None) -> str | None:
 
 
 def _root_cause(failures: list[dict]) -> dict:
-    """The failure that explains the others: ranks that only lost a peer are effects, not causes."""
-    causes = [f for f in failures if f["exitcode"] != EXIT_PEER_LOST] or failures
-    return min(causes, key=lambda f: (f["timestamp"], f["rank"]))
+    """The failure that explains the others.
+
+    Effects rank last: a rank that only lost a peer (EXIT_PEER_LOST), and a rank ended by SIGTERM,
+    which is how the agent stops the survivors once one rank has failed (it records them as failures
+    too, with timestamps in whole seconds, so time alone cannot tell cause from effect).
+    """
+
+    def effect(failure: dict) -> int:
+        return {EXIT_PEER_LOST: 2, -signal.SIGTERM: 1}.get(failure["exitcode"], 0)
+
+    return min(failures, key=lambda f: (effect(f), f["timestamp"], f["rank"]))
 
 
 def _describe_failure(rank: int, failure) -> dict:

@@ -1,0 +1,28 @@
+"""Which failure the launcher reports when several ranks end at once."""
+
+import signal
+
+import pytest
+
+from xdit_backend.control import EXIT_PEER_LOST
+from xdit_backend.launcher import _root_cause
+
+
+def failure(rank, exitcode, timestamp=100):
+    return {"rank": rank, "exitcode": exitcode, "timestamp": timestamp, "pid": 1000 + rank, "what": ""}
+
+
+@pytest.mark.parametrize("failures,cause", [
+    # rank 1 SIGKILLed; the agent then SIGTERMs rank 0 in the same second
+    ([failure(0, -signal.SIGTERM), failure(1, -signal.SIGKILL)], 1),
+    # rank 1 SIGKILLed; rank 0 noticed first and exited as having lost a peer
+    ([failure(0, EXIT_PEER_LOST), failure(1, -signal.SIGKILL)], 1),
+    # rank 2 raised; the others lost it or were stopped
+    ([failure(0, EXIT_PEER_LOST), failure(1, -signal.SIGTERM), failure(2, 1)], 2),
+    # two real failures: the earlier one
+    ([failure(0, 1, timestamp=101), failure(1, 1, timestamp=100)], 1),
+    # only effects: still one is named
+    ([failure(0, -signal.SIGTERM), failure(1, EXIT_PEER_LOST)], 0),
+])
+def test_root_cause_prefers_causes_over_effects(failures, cause):
+    assert _root_cause(failures)["rank"] == cause
