@@ -52,6 +52,11 @@ def broadcast_message(message: protocol.Message | None, group, src: int = 0) -> 
     return protocol.decode_bytes(data, protocol.Limits(max_payload_bytes=len(data)), direction="request")
 
 
+def barrier(group) -> None:
+    """Wait until every rank of ``group`` has arrived."""
+    _collective(dist.barrier, group=group)
+
+
 def gather_json(record: dict, group) -> list[dict]:
     """Every rank contributes a small JSON record; every rank gets the list ordered by rank."""
     data = json.dumps(record).encode()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import __version__, protocol
-from .control import EXIT_PEER_LOST, PeerLost, StepGate, broadcast_message, gather_json
+from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json
 from .models import registry
 from .models.registry import ModelError
 from .protocol import Message
@@ -207,6 +207,16 @@ def follow(rt: Runtime) -> None:
                 pass
 
 
+def leave_together(rt: Runtime) -> None:
+    """End a clean shutdown: no rank exits before every rank has finished.
+
+    No destroy_process_group: measured here, a gloo rank that destroys its group while a peer
+    is still connected aborts at exit ("terminate called without an active exception"), which
+    turned clean shutdowns into failures. Process exit releases the connections.
+    """
+    barrier(rt.control)
+
+
 @record
 def run(args: argparse.Namespace) -> None:
     rt = start_runtime(args)
@@ -214,10 +224,10 @@ def run(args: argparse.Namespace) -> None:
     if rt.rank != 0:
         try:
             follow(rt)
+            leave_together(rt)
         except PeerLost as exc:
             log.error("rank %d lost contact with rank 0: %s", rt.rank, exc)
             os._exit(EXIT_PEER_LOST)
-        dist.destroy_process_group()
         return
     limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
     leader = Leader(rt, ranks, args.socket, limits, args.heartbeat)
@@ -233,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
         server.close()
         os._exit(EXIT_PEER_LOST)
     server.close()
-    dist.destroy_process_group()
+    leave_together(rt)
 
 
 def main(argv: list[str] | None = None) -> None:
