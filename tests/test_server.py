@@ -138,3 +138,10 @@ def test_echo_returns_the_tensors(backend1):
 def test_socket_and_directory_are_private(backend1):
     assert stat.S_IMODE(backend1.socket_path.stat().st_mode) == 0o600
     assert stat.S_IMODE(backend1.socket_path.parent.stat().st_mode) == 0o700
+
+
+def test_a_request_over_its_timeout_is_cancelled_with_a_clear_error(backend1):
+    with pytest.raises(BackendError) as info:
+        backend1.sample(LONG, timeout=1.0)
+    assert info.value.kind == "timeout" and "longer than 1 s" in info.value.message
+    assert_still_serving(backend1)
