@@ -15,6 +15,7 @@ from .client import Client
 from .models import registry
 from .request import SampleRequest
 from .protocol import Message
+from .parallel.denoiser import Denoiser
 from .sampling.generate import generate
 
 MODEL = "flux-tiny"
@@ -35,7 +36,7 @@ def run_serial(fields: dict) -> tuple[torch.Tensor, float]:
     model = registry.build(MODEL, torch.device("cpu"))
     positive, negative = registry.random_conditioning(MODEL, request.batch, request.seed, model)
     show, started = _progress("serial "), time.perf_counter()
-    latent = generate(model, request.generation(model, positive, negative),
+    latent = generate(Denoiser(model), request.generation(model, positive, negative),
                       lambda i, n: show(i, n, time.perf_counter() - started) or True)
     return latent, time.perf_counter() - started
 

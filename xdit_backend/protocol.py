@@ -77,6 +77,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "cfg": _NUM,
         "guidance": _NUM,
         "shift": _NUM,
+        "parallel": (dict, str),  # {"ulysses": 2, …} or "auto"
     },
     "cancel": {"target": str},
     "unload": {"model": str},

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import protocol
+from .config import ConfigError, ParallelConfig
 from .sampling.generate import Generation
 
 MAX_SIDE = 16384
@@ -37,7 +38,13 @@ class SampleRequest:
     cfg: float
     guidance: float | None
     shift: float | None
+    parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
     tensors: dict[str, torch.Tensor]
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens the transformer sees: the latent (1/8 of the image) in 2×2 patches."""
+        return (self.width // 16) * (self.height // 16)
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -58,6 +65,7 @@ class SampleRequest:
             cfg=float(f.get("cfg", 1.0)),
             guidance=float(f["guidance"]) if "guidance" in f else None,
             shift=float(f["shift"]) if "shift" in f else None,
+            parallel=_parallel(f.get("parallel", "auto")),
             tensors=dict(message.tensors),
         )
         request._check_geometry()
@@ -126,6 +134,17 @@ class SampleRequest:
             positive=positive,
             negative=negative,
         )
+
+
+def _parallel(value) -> ParallelConfig | None:
+    if value == "auto":
+        return None
+    if isinstance(value, str):
+        raise RequestError(f"parallel {value!r} is not a layout", 'send "auto" or degrees such as {"ulysses": 2}')
+    try:
+        return ParallelConfig.from_json(value)
+    except (ConfigError, TypeError) as exc:
+        raise RequestError(str(getattr(exc, "message", exc)), getattr(exc, "hint", "")) from None
 
 
 def _int_in(fields: dict, name: str, default: int, low: int, high: int) -> int:

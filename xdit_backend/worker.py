@@ -2,8 +2,8 @@
 
 Started by launcher.py through torch.distributed.run as ``python -m xdit_backend.worker``.
 Rank 0 also owns the socket (server.py) and decides; the other ranks follow its broadcasts.
-Until the parallel methods land, a ``sample`` runs on rank 0 alone while the other ranks
-wait at the step gate, so cancellation and failures already behave as they will then.
+Every rank runs each ``sample`` under the layout rank 0 resolved (parallel/denoiser.py), and
+every step ends at the step gate, so a cancel or a failure stops all ranks within one step.
 """
 
 from __future__ import annotations
@@ -24,11 +24,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import __version__, protocol
+from .attention import kernel_name
+from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json
+from .mesh import MeshCache
 from .models import registry
 from .models.registry import ModelError
 from .protocol import Message
 from .request import RequestError, SampleRequest
+from .parallel.denoiser import Denoiser
 from .sampling.generate import GenerationStopped, generate
 from .server import Job, SocketServer
 
@@ -98,8 +102,33 @@ def describe_rank(rt: Runtime) -> dict:
             "device_name": name, "threads": torch.get_num_threads()}
 
 
+class Executor:
+    """What every rank holds and does: loaded models, meshes per layout, and one generation."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.models: dict[str, object] = {}
+        self.meshes = MeshCache(rt.device.type)
+
+    def model(self, name: str):
+        if name not in self.models:
+            self.models[name] = registry.build(name, self.rt.device)
+        return self.models[name]
+
+    def unload(self, model: str | None) -> list[str]:
+        names = [model] if model else list(self.models)
+        return [name for name in names if self.models.pop(name, None) is not None]
+
+    def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
+        """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
+        model = self.model(request.model)
+        positive, negative = request.conditioning(model)
+        layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
+        return generate(Denoiser(model, layout), request.generation(model, positive, negative), after_step)
+
+
 class Leader:
-    """Rank 0: takes jobs from the socket server, broadcasts them, runs them, replies."""
+    """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
 
     def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float):
         self.rt = rt
@@ -107,7 +136,7 @@ class Leader:
         self.ranks = ranks
         self.heartbeat = heartbeat
         self.gate = StepGate(rt.control)
-        self.models: dict[str, object] = {}
+        self.executor = Executor(rt)
 
     def status(self) -> dict:
         return {
@@ -116,7 +145,8 @@ class Leader:
             "version": __version__,
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
-            "models": sorted(self.models),
+            "attention_kernel": kernel_name(self.rt.device),
+            "models": sorted(self.executor.models),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "socket": str(self.server.path),
         }
@@ -135,38 +165,49 @@ class Leader:
                     return
                 if job.type == "unload":
                     broadcast_message(job.message, self.rt.control)
-                    unloaded = self.unload(job.message.fields.get("model"))
+                    unloaded = self.executor.unload(job.message.fields.get("model"))
                     job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
                 elif job.type == "sample":
                     self.sample(job)
             finally:
                 self.server.finish(job)
 
-    def unload(self, model: str | None) -> list[str]:
-        names = [model] if model else list(self.models)
-        return [name for name in names if self.models.pop(name, None) is not None]
+    def resolve(self, job: Job) -> tuple[SampleRequest, str]:
+        """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
+        request = SampleRequest.parse(job.message)
+        model = self.executor.model(request.model)
+        positive, negative = request.conditioning(model)
+        if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
+            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, model)
+        facts = RequestFacts(request.batch, request.image_tokens, request.cfg, negative is not None)
+        model_facts = ModelFacts(request.model, model.heads, model.parallel_methods)
+        if request.parallel is None:
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)
+            why = f"auto: {why}"
+        else:
+            config, why = request.parallel, "as requested"
+            config.validate(self.rt.world_size, model_facts, facts, self.devices())
+        tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
+        fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
+        return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
 
-    def model(self, name: str):
-        if name not in self.models:
-            self.models[name] = registry.build(name, self.rt.device)
-        return self.models[name]
+    def devices(self) -> str:
+        kinds = sorted({r["device_name"] for r in self.ranks})
+        return f"{self.rt.world_size} ranks on {', '.join(kinds)}"
 
     def sample(self, job: Job) -> None:
         try:
-            request = SampleRequest.parse(job.message)
-            model = self.model(request.model)
-            positive, negative = request.conditioning(model)
-            if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
-                positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, model)
-        except (RequestError, ModelError) as exc:
-            job.fail("bad_request", exc.message, exc.hint)
+            request, layout = self.resolve(job)
+        except (RequestError, ModelError, ConfigError) as exc:
+            kind = "config" if isinstance(exc, ConfigError) else "bad_request"
+            job.fail(kind, exc.message, exc.hint)
             return
         except Exception as exc:  # e.g. out of memory while building the model
             log.exception("request %s could not be prepared", job.id)
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
-        broadcast_message(Message("sample", {"id": job.id}), self.rt.control)  # the others go to the gate
+        broadcast_message(Message("sample", request_fields(request), request.tensors), self.rt.control)
         self.gate.begin()
 
         def after_step(done: int, total: int) -> bool:
@@ -174,7 +215,7 @@ class Leader:
             return self.gate.passes(stop=job.cancelled)
 
         try:
-            latent = generate(model, request.generation(model, positive, negative), after_step)
+            latent = self.executor.generate(request, after_step)
         except GenerationStopped:
             job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
             return
@@ -188,22 +229,36 @@ class Leader:
             return
         self.gate.close()
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started,
-                                     "info": {"world_size": self.rt.world_size, "ranks_working": 1,
-                                              "layout": "serial on rank 0"}},
+                                     "info": {"world_size": self.rt.world_size, "layout": layout}},
                           {"samples": latent}))
+
+
+def request_fields(request: SampleRequest) -> dict:
+    """The JSON fields of a resolved request, as broadcast to the other ranks."""
+    fields = {name: getattr(request, name) for name in ("model", "width", "height", "batch", "steps", "seed", "cfg")}
+    fields.update({name: getattr(request, name) for name in ("guidance", "shift") if getattr(request, name) is not None})
+    return {**fields, "parallel": request.parallel.to_json()}
 
 
 def follow(rt: Runtime) -> None:
     """Ranks other than 0: execute what rank 0 broadcasts until it says shutdown."""
     gate = StepGate(rt.control)
+    executor = Executor(rt)
     while True:
         command = broadcast_message(None, rt.control)
         if command is None:
             continue  # heartbeat
         if command.type == "shutdown":
             return
-        if command.type == "sample":
-            while gate.passes():
+        if command.type == "unload":
+            executor.unload(command.fields.get("model"))
+        elif command.type == "sample":
+            gate.begin()
+            try:
+                executor.generate(SampleRequest.parse(command), lambda done, total: gate.passes())
+            except GenerationStopped:
+                pass
+            while gate.open and gate.passes():  # rank 0's closing STOP
                 pass
 
 

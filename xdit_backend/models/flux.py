@@ -56,6 +56,7 @@ class FluxModel:
     latent_format = FLUX_LATENT
     default_shift = FLUX_DEFAULT_SHIFT
     default_guidance = FLUX_DEFAULT_GUIDANCE
+    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
 
     def __init__(self, transformer, name: str):
         self.transformer = transformer.eval().requires_grad_(False)
@@ -64,6 +65,10 @@ class FluxModel:
         self.context_dim = config.joint_attention_dim
         self.pooled_dim = config.pooled_projection_dim
         self.has_guidance = bool(config.guidance_embeds)
+
+    @property
+    def heads(self) -> int:
+        return self.transformer.config.num_attention_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,20 +82,30 @@ class FluxModel:
         """The tensors a request must carry for one side (positive or negative) of the guidance."""
         return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
 
-    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: float) -> torch.Tensor:
-        """The denoised estimate for ``x`` [B, 16, h, w] (model space) at noise level ``sigma`` [B]."""
+    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: float,
+                   slices=None) -> torch.Tensor:
+        """The denoised estimate for ``x`` [B, 16, h, w] (model space) at noise level ``sigma`` [B].
+
+        With ``slices`` (sequence parallel), the transformer runs on this rank's slice of the image
+        tokens and their positions, and the velocity is gathered back from every slice.
+        """
         b, _, h, w = x.shape
-        tokens = pack(x).to(self.dtype)  # [B, h/2·w/2, 64]
+        tokens = pack(x).to(self.dtype)  # [B, N = h/2·w/2, 64]
+        ids = image_ids(h, w).to(self.device)  # [N, 3]
+        if slices is not None:
+            tokens, ids = slices.split(tokens, dim=1), slices.split(ids, dim=0)  # [B, N/P, 64], [N/P, 3]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         velocity = self.transformer(
             hidden_states=tokens,
             encoder_hidden_states=context,
             pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
             timestep=sigma.to(self.device, self.dtype),  # diffusers multiplies by 1000, as ComfyUI does
-            img_ids=image_ids(h, w).to(self.device),
+            img_ids=ids,
             txt_ids=torch.zeros(context.shape[1], 3, device=self.device),
             guidance=torch.full((b,), guidance, device=self.device) if self.has_guidance else None,
             return_dict=False,
         )[0]
+        if slices is not None:
+            velocity = slices.gather(velocity)  # [B, N/P, 64] → [B, N, 64]
         velocity = unpack(velocity.float(), h, w)  # [B, 16, h, w]
         return x - velocity * sigma.view(-1, 1, 1, 1)  # flow matching: x0 = x − σ·v

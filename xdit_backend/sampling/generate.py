@@ -42,33 +42,27 @@ def comfy_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
-def guided_x0(model, x: torch.Tensor, sigma: torch.Tensor, gen: Generation) -> torch.Tensor:
-    """Denoised estimate with ComfyUI's CFG: uncond + (cond − uncond)·cfg, both sides in one batch."""
-    if not gen.uses_cfg:
-        return model.predict_x0(x, sigma, gen.positive, gen.guidance)
-    both = {key: torch.cat([gen.positive[key], gen.negative[key]]) for key in gen.positive}
-    x0 = model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen.guidance)  # [2B, C, h, w]
-    cond, uncond = x0.chunk(2)
-    return uncond + (cond - uncond) * gen.cfg
-
-
-def generate(model, gen: Generation, after_step: Callable[[int, int], bool] = lambda i, n: True) -> torch.Tensor:
+def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] = lambda i, n: True) -> torch.Tensor:
     """Run the Euler loop; ``after_step(done, total)`` returning False raises GenerationStopped.
 
-    Returns the final latent in raw VAE space, float32, on the CPU.
+    ``denoiser`` (parallel/denoiser.py) gives the guided x0 and says which batch rows this rank
+    generates. Returns the final latent of the whole batch in raw VAE space, float32, on the CPU.
     """
-    fmt = model.latent_format
-    latent = gen.latent.float()
-    noise = comfy_noise(tuple(latent.shape), gen.seed)
-    if torch.count_nonzero(latent) > 0:  # ComfyUI does not shift an empty latent
-        latent = fmt.process_in(latent)
-    sigmas = flux_sigmas(gen.steps, gen.shift).to(model.device)
-    x = (sigmas[0] * noise.to(model.device) + (1 - sigmas[0]) * latent.to(model.device))  # CONST noise scaling
-    batch = torch.ones(x.shape[0], device=model.device)
-    for i in range(gen.steps):
-        x0 = guided_x0(model, x, sigmas[i] * batch, gen)
-        x = x + (x - x0) / sigmas[i] * (sigmas[i + 1] - sigmas[i])  # Euler: d = (x − x0)/σ
-        if not after_step(i + 1, gen.steps):
-            raise GenerationStopped()
+    fmt, device = denoiser.latent_format, denoiser.device
+    full = gen.latent.float()
+    rows = denoiser.rows(full.shape[0])
+    noise = comfy_noise(tuple(full.shape), gen.seed)[rows].to(device)  # drawn whole, as ComfyUI draws it
+    latent = (fmt.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)  # empty: unshifted
+    positive = {key: t[rows] for key, t in gen.positive.items()}
+    negative = {key: t[rows] for key, t in gen.negative.items()} if gen.uses_cfg else None
+    sigmas = flux_sigmas(gen.steps, gen.shift).to(device)
+    x = sigmas[0] * noise + (1 - sigmas[0]) * latent  # CONST noise scaling
+    batch = torch.ones(x.shape[0], device=device)
+    with denoiser.attached():
+        for i in range(gen.steps):
+            x0 = denoiser.x0(x, sigmas[i] * batch, positive, negative, gen.cfg, gen.guidance)
+            x = x + (x - x0) / sigmas[i] * (sigmas[i + 1] - sigmas[i])  # Euler: d = (x − x0)/σ
+            if not after_step(i + 1, gen.steps):
+                raise GenerationStopped()
     x = x / (1.0 - sigmas[-1])  # CONST inverse noise scaling (σ_last = 0: identity)
-    return fmt.process_out(x).cpu()
+    return denoiser.gather_rows(fmt.process_out(x)).cpu()

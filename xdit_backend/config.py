@@ -1,0 +1,190 @@
+"""ParallelConfig: one validated description of how the ranks share a generation.
+
+The rule everything else relies on: ``dp × cfg × pipefusion × ring × ulysses == world size``.
+Each violated rule raises ConfigError with the rule, the actual values and a way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+DEGREES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+
+
+class ConfigError(Exception):
+    """A parallel layout the backend will not run; says the rule, the values and the fix."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What validation needs to know of a model, without loading it."""
+
+    name: str
+    heads: int  # attention heads (Ulysses splits them)
+    supports: frozenset[str]  # the degrees this family can run with > 1
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What validation needs to know of a request."""
+
+    batch: int
+    image_tokens: int  # tokens of the latent the transformer sees (Flux: (H/16)·(W/16))
+    cfg_scale: float
+    has_negative: bool
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.cfg_scale != 1.0 and self.has_negative
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks share one generation. Every degree is a factor of the world size.
+
+    dp:          data parallel: the batch is split into ``dp`` slices, one per group of ranks.
+    cfg:         1 or 2: with 2, the conditional and unconditional passes run on the two halves.
+    pipefusion:  pipeline stages over the transformer blocks (PipeFusion; not in this version).
+    ring:        sequence parallel: image tokens split ``ring`` ways, K/V passed around a ring.
+    ulysses:     sequence parallel: image tokens split ``ulysses`` ways, heads exchanged all-to-all.
+    num_pipeline_patch, warmup_steps: PipeFusion's patch count and synchronous warm-up steps.
+    """
+
+    dp: int = 1
+    cfg: int = 1
+    pipefusion: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    num_pipeline_patch: int | None = None
+    warmup_steps: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cfg * self.pipefusion * self.ring * self.ulysses
+
+    @property
+    def sequence(self) -> int:
+        """Ranks that share one sequence (ring × ulysses)."""
+        return self.ring * self.ulysses
+
+    def describe(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) > 1]
+        return " × ".join(parts) or "serial"
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ParallelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown parallel settings {unknown}", f"known: {', '.join(sorted(known))}")
+        for name, value in data.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"parallel setting {name} must be a whole number, got {value!r}")
+        return cls(**data)
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, world_size: int, model: ModelFacts, request: RequestFacts, devices: str = "") -> None:
+        """Raise ConfigError for the first rule this layout breaks on this backend, model and request."""
+        for name in DEGREES:
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name}={value}: every degree must be at least 1", f"set {name}=1 to not use it")
+        self._check_world(world_size, devices)
+        if self.cfg not in (1, 2):
+            raise ConfigError(f"cfg={self.cfg}: CFG parallel splits exactly two passes (cond, uncond), so cfg is 1 or 2",
+                              "set cfg=2, and put the other ranks into ulysses or ring")
+        if self.cfg == 2 and not request.uses_cfg:
+            why = "no negative prompt was given" if not request.has_negative else f"cfg scale is {request.cfg_scale:g}"
+            raise ConfigError(
+                f"CFG parallel needs two passes per step, but {why}, so there is only one pass to run "
+                "(distilled-guidance models such as Flux-dev sample with cfg 1)",
+                f"use sequence parallel instead: ulysses={self.cfg * self.ulysses} (or ring={self.cfg * self.ring})")
+        for name in DEGREES:
+            if getattr(self, name) > 1 and name not in model.supports:
+                raise ConfigError(f"{name}={getattr(self, name)}: model {model.name} does not support {name} parallelism "
+                                  "in this version",
+                                  f"supported: {', '.join(sorted(model.supports)) or 'none'}")
+        if model.heads % self.ulysses:
+            ok = [u for u in range(1, model.heads + 1) if model.heads % u == 0]
+            raise ConfigError(f"ulysses={self.ulysses} does not divide the {model.heads} attention heads of {model.name}",
+                              f"use ulysses in {ok}, and ring for the remaining factor")
+        if request.image_tokens % self.sequence:
+            raise ConfigError(
+                f"ring × ulysses = {self.sequence} does not divide the {request.image_tokens} image tokens "
+                "(tokens are not padded: padding would change attention)",
+                "choose a width and height whose (W/16)·(H/16) is a multiple of "
+                f"{self.sequence}, e.g. multiples of {16 * self.sequence} pixels on one side")
+        if request.batch % self.dp:
+            raise ConfigError(f"dp={self.dp} does not divide the batch of {request.batch}",
+                              f"use a batch that is a multiple of {self.dp}, or dp=1")
+
+    def _check_world(self, world_size: int, devices: str) -> None:
+        if self.world_size == world_size:
+            return
+        factors = " × ".join(f"{name}={getattr(self, name)}" for name in DEGREES)
+        on = f" ({devices})" if devices else ""
+        fix_degree = _largest_fixable(self, world_size)
+        raise ConfigError(
+            f"the parallel degrees multiply to {self.world_size} ({factors}), "
+            f"but the backend runs {world_size} ranks{on}; dp × cfg × pipefusion × ring × ulysses must equal the ranks",
+            f"{fix_degree}or start the backend with --nproc {self.world_size}; or use --parallel auto")
+
+    # ------------------------------------------------------------------ auto
+
+    @classmethod
+    def auto(cls, world_size: int, model: ModelFacts, request: RequestFacts) -> tuple[ParallelConfig, str]:
+        """Pick degrees for this world size: CFG first when the request has two passes, then Ulysses up
+        to what the heads and tokens allow, then Ring for what is left, then data parallel over the
+        batch. Returns the config and a sentence saying why."""
+        remaining, picked, why = world_size, {}, []
+        if remaining % 2 == 0 and request.uses_cfg and "cfg" in model.supports:
+            picked["cfg"], remaining = 2, remaining // 2
+            why.append("cfg=2 (the request has cond and uncond passes)")
+        if "ulysses" in model.supports:
+            u = max(d for d in _divisors(remaining)
+                    if model.heads % d == 0 and request.image_tokens % d == 0)
+            if u > 1:
+                picked["ulysses"], remaining = u, remaining // u
+                why.append(f"ulysses={u} (divides the {model.heads} heads)")
+        if remaining > 1 and "ring" in model.supports:
+            ulysses = picked.get("ulysses", 1)
+            r = max(d for d in _divisors(remaining) if request.image_tokens % (d * ulysses) == 0)
+            if r > 1:
+                picked["ring"], remaining = r, remaining // r
+                why.append(f"ring={r} (for the factor the heads cannot take)")
+        if remaining > 1 and "dp" in model.supports and request.batch % remaining == 0:
+            picked["dp"], remaining = remaining, 1
+            why.append(f"dp={picked['dp']} (over the batch of {request.batch})")
+        if remaining > 1:
+            raise ConfigError(f"no layout of {world_size} ranks fits this request ({request.image_tokens} image tokens, "
+                              f"{model.heads} heads, batch {request.batch})",
+                              "change the resolution so the image tokens divide by the ranks, or start fewer ranks")
+        return cls(**picked), ", ".join(why) or "world size 1"
+
+    def with_degrees(self, **degrees) -> ParallelConfig:
+        return replace(self, **degrees)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest_fixable(config: ParallelConfig, world_size: int) -> str:
+    """A concrete 'set X=…' that would make the product right, when one degree alone can."""
+    for name in ("ulysses", "ring", "dp"):
+        rest = config.world_size // getattr(config, name)
+        if world_size % rest == 0:
+            return f"set {name}={world_size // rest}, "
+    return ""

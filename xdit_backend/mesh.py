@@ -1,0 +1,66 @@
+"""One DeviceMesh per layout, with named axes, and the groups each method uses.
+
+Axis order, outermost to innermost: ``dp, cfg, pipefusion, ring, ulysses``. Ulysses is innermost
+because it talks most (an all-to-all per attention layer), so its ranks are adjacent (same node,
+fastest links). Rank r sits at mesh coordinates given by that order in row-major layout, e.g.
+world 4 with cfg=2 × ulysses=2: ranks (0, 1) are the cond half, (2, 3) the uncond half.
+
+Meshes live in a MeshCache owned by the worker; nothing here keeps a group in a module global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import DEGREES, ParallelConfig
+
+AXES = DEGREES  # ("dp", "cfg", "pipefusion", "ring", "ulysses"), outermost first
+
+
+@dataclass
+class Layout:
+    """The groups of one layout, as this rank sees them. A group is None when its degree is 1."""
+
+    config: ParallelConfig
+    mesh: DeviceMesh
+
+    def group(self, axis: str):
+        return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
+
+    def index(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.mesh.get_local_rank(axis)
+
+    @property
+    def sequence_group(self):
+        """ring × ulysses flattened: the ranks that hold slices of one sequence (None without SP)."""
+        if self.config.sequence == 1:
+            return None
+        if self.config.ring == 1:
+            return self.group("ulysses")
+        if self.config.ulysses == 1:
+            return self.group("ring")
+        return self.mesh["ring", "ulysses"]._flatten("sequence").get_group()
+
+    @property
+    def sequence_index(self) -> int:
+        """Position of this rank's token slice: ring-major, ulysses-minor, matching the flattened group."""
+        return self.index("ring") * self.config.ulysses + self.index("ulysses")
+
+
+class MeshCache:
+    """Builds each layout's mesh once (all ranks together) and keeps it for later requests."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._layouts: dict[ParallelConfig, Layout] = {}
+
+    def get(self, config: ParallelConfig) -> Layout:
+        key = ParallelConfig(**{axis: getattr(config, axis) for axis in AXES})  # patches and warm-up do not matter
+        if key not in self._layouts:
+            shape = tuple(getattr(key, axis) for axis in AXES)
+            mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES)
+            self._layouts[key] = Layout(key, mesh)
+        return self._layouts[key]

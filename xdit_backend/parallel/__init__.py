@@ -1,0 +1,1 @@
+"""Parallel methods, attached to a model from outside: one module per method."""

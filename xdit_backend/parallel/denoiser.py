@@ -1,0 +1,86 @@
+"""The denoised estimate of one sampler step, shared by the ranks of a layout.
+
+- CFG parallel (cfg=2): the rank at cfg index 0 runs the conditional pass, index 1 the
+  unconditional one; both results are all-gathered and combined as ComfyUI does.
+- Sequence parallel (ring × ulysses): the model runs on this rank's token slice (sequence.py).
+- Data parallel (dp): this rank's dp group owns a slice of the batch rows (``rows``).
+Without a layout (or world 1) it is the serial computation, batching cond and uncond together.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .. import attention
+from . import sequence
+
+
+class Denoiser:
+    def __init__(self, model, layout=None):
+        self.model = model
+        self.layout = layout
+        self.latent_format = model.latent_format
+        self.device = model.device
+        config = layout.config if layout else None
+        self.cfg_group = layout.group("cfg") if layout else None
+        self.dp_group = layout.group("dp") if layout else None
+        self.slices = None
+        if config is not None and config.sequence > 1:
+            self.slices = sequence.TokenSlices(layout.sequence_group, layout.sequence_index, config.sequence)
+        self._processors: list = []
+
+    def rows(self, batch: int) -> slice:
+        """The batch rows this rank's dp group generates."""
+        if self.dp_group is None:
+            return slice(None)
+        per = batch // self.layout.config.dp
+        start = self.layout.index("dp") * per
+        return slice(start, start + per)
+
+    @contextmanager
+    def attached(self):
+        """Sequence-parallel processors on the model for the duration of a generation, then restored."""
+        if self.slices is None:
+            yield self
+            return
+        transformer = self.model.transformer
+        saved = transformer.attn_processors
+        self._processors = sequence.attach(transformer, self.layout, attention.local_attention(self.device))
+        try:
+            yield self
+        finally:
+            transformer.set_attn_processor(saved)
+            self._processors = []
+
+    def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None,
+           cfg: float, guidance: float) -> torch.Tensor:
+        """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, h, w] at sigma [B]."""
+        if self.cfg_group is not None:
+            side = positive if self.layout.index("cfg") == 0 else negative
+            mine = self._predict(x, sigma, side, guidance)  # [B, C, h, w]
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine.contiguous(), group=self.cfg_group)  # [cond, uncond], by cfg index
+            cond, uncond = both
+            return uncond + (cond - uncond) * cfg
+        if negative is None or cfg == 1.0:
+            return self._predict(x, sigma, positive, guidance)
+        both = {key: torch.cat([positive[key], negative[key]]) for key in positive}
+        x0 = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)  # [2B, C, h, w]
+        cond, uncond = x0.chunk(2)
+        return uncond + (cond - uncond) * cfg
+
+    def _predict(self, x, sigma, cond, guidance):
+        for processor in self._processors:
+            processor.text_tokens = cond["context"].shape[1]  # single-stream blocks need the split point
+        return self.model.predict_x0(x, sigma, cond, guidance, slices=self.slices)
+
+    def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B/dp, C, h, w] from each dp group → [B, C, h, w] on every rank."""
+        if self.dp_group is None:
+            return latent
+        parts = [torch.empty_like(latent) for _ in range(self.layout.config.dp)]
+        dist.all_gather(parts, latent.contiguous(), group=self.dp_group)  # dp × [B/dp, C, h, w]
+        return torch.cat(parts)
