@@ -84,8 +84,8 @@ def test_sample_world_1_and_2_seeds(sock, tmp_path):
         out[name] = load_file(tmp_path / f"{name}.st")["samples"]
 
     assert out["w1"].shape == (1, 16, 8, 16) and out["w1"].dtype == torch.float32
-    assert torch.equal(out["a"], out["b"])
-    assert torch.equal(out["w1"], out["a"])
+    assert torch.equal(out["a"], out["b"])  # the same backend repeats itself bit for bit
+    assert (out["w1"] - out["a"]).abs().max() <= 1e-4  # world 2 shares the work (auto layout)
     assert (out["a"] - out["c"]).abs().max() > 0.1
 
 
