@@ -125,3 +125,17 @@ def _running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_sample_layout_flags(sock, tmp_path):
+    """--ulysses 2 with no backend starts one of 2 ranks; a backend of another size is refused by size."""
+    common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--socket", sock, "--device", "cpu"]
+    result = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st")
+    assert result.returncode == 0, result.stderr
+    assert "world 2: ulysses=2 (as requested)" in result.stderr
+
+    assert cli("start", "--socket", sock, "--nproc", 1, "--device", "cpu").returncode == 0
+    refused = cli("sample", *common, "--ring", 2, "--out", tmp_path / "r.st")
+    assert refused.returncode == 1
+    assert "multiply to 2" in refused.stderr and "the backend runs 1 rank" in refused.stderr
+    assert "--nproc 2" in refused.stderr

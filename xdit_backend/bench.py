@@ -60,3 +60,103 @@ def run_transport_bench(nproc: int = 2, repeats: int = 200) -> int:
     print(f"| what | median ms | p90 ms | runs |\n|---|---|---|---|\n" + "\n".join(rows))
     print(f"\nframe size for the latent: {len(frame)} bytes")
     return 0
+
+
+# --------------------------------------------------------------------------- parallel layouts
+
+DEFAULT_LAYOUTS = ["serial", "ulysses=2", "ring=2", "cfg=2", "dp=2", "ulysses=2,ring=2", "ulysses=4", "ring=4",
+                   "cfg=2,ulysses=2", "cfg=2,ring=2", "dp=2,ulysses=2"]
+
+
+def parse_layout(text: str) -> dict:
+    """"cfg=2,ulysses=2" → {"cfg": 2, "ulysses": 2}; "serial" → {}."""
+    if text == "serial":
+        return {}
+    try:
+        return {name.strip(): int(value) for name, value in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"xdit-backend: layout {text!r} is not like ulysses=2,ring=2 (or serial)") from None
+
+
+def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
+    """Bytes one rank sends per step by the methods' algebra, and the formula as text.
+
+    A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
+    e bytes per element, U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels.
+    """
+    u, r, cfg, dp = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp"))
+    p = u * r
+    a, c, e = dims["attention_layers"], dims["hidden"], 4
+    n = (fields["width"] // 16) * (fields["height"] // 16)
+    text = dims["text_tokens"]
+    two_passes = fields["cfg"] != 1.0
+    b = fields["batch"] // dp * (2 if two_passes and cfg == 1 else 1)
+    total, terms = 0, []
+    if u > 1:
+        total += 4 * a * b * (n // p) * c * e * (u - 1) // u + a * b * text * (c // u) * e * (u - 1)
+        terms.append("Ulysses 4·A·B·(N/P)·C·e·(U−1)/U + A·B·L·(C/U)·e·(U−1)")
+    if r > 1:
+        total += 2 * a * b * (n // r) * (c // u) * e * (r - 1)  # after Ulysses a ring rank holds N/R tokens
+        terms.append("Ring 2·A·B·(N/R)·(C/U)·e·(R−1)")
+    if p > 1:
+        total += b * (n // p) * 64 * e * (p - 1)
+        terms.append("velocity B·(N/P)·64·e·(P−1)")
+    if cfg > 1:
+        total += b * n * 64 * e
+        terms.append("CFG B·N·64·e")
+    if dp > 1:
+        total += fields["batch"] // dp * n * 64 * e * (dp - 1) // fields["steps"]
+        terms.append("dp (B/dp)·N·64·e·(dp−1)/steps")
+    return total, " + ".join(terms) or "0"
+
+
+def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = None) -> int:
+    """Each layout on a CPU backend of its world size: step time, bytes sent per rank, peak memory."""
+    import json
+    import math
+
+    from .models.registry import BUILTINS
+
+    spec = BUILTINS[fields["model"]]
+    dims = {"attention_layers": spec.config["num_layers"] + spec.config["num_single_layers"],
+            "hidden": spec.config["num_attention_heads"] * spec.config["attention_head_dim"],
+            "text_tokens": spec.text_tokens}
+    wanted = [(text, parse_layout(text)) for text in layouts]
+    rows, records = [], []
+    by_world: dict[int, list] = {}
+    for text, degrees in wanted:
+        by_world.setdefault(math.prod(degrees.values()) if degrees else 1, []).append((text, degrees))
+    for world, group in sorted(by_world.items()):
+        with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
+            options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device="cpu")
+            launcher.start(options)
+            try:
+                client = Client(options.socket)
+                for text, degrees in group:
+                    request = {**fields, "parallel": degrees or {}}
+                    client.sample({**request, "steps": 2})  # warm-up: model, mesh, first-touch allocations
+                    _, info = client.sample({**request, "profile": True})
+                    records.append({**info, "layout": text, "world": world, "described": info["layout"]})
+            finally:
+                launcher.stop(options.socket)
+    serial = next((statistics.median(r["profile"][0]["step_s"][1:]) for r in records if r["layout"] == "serial"), None)
+    for record in records:
+        ranks = record["profile"]
+        steps = ranks[0]["step_s"][1:]  # the first step is warm-up
+        median = statistics.median(steps)
+        sent = max(sum(v for k, v in r["sent_bytes"].items() if k != "control") for r in ranks) / fields["steps"]
+        formula_bytes, formula = traffic_formula(parse_layout(record["layout"]), dims, fields)
+        memory = max(r["peak_memory_bytes"] for r in ranks) / 2**20
+        speedup = f"{serial / median:.2f}×" if serial else "—"
+        rows.append(f"| {record['layout']} | {record['world']} | {median * 1e3:.1f} | "
+                    f"{min(steps) * 1e3:.1f}–{max(steps) * 1e3:.1f} | {speedup} | {sent / 1024:.1f} | "
+                    f"{formula_bytes / 1024:.1f} | {formula} | {memory:.0f} |")
+    n = (fields["width"] // 16) * (fields["height"] // 16)
+    print(f"{fields['model']}, {fields['width']}×{fields['height']} ({n} image tokens), batch {fields['batch']}, "
+          f"cfg {fields['cfg']}, {fields['steps']} steps (first excluded), float32, CPU, gloo\n")
+    print("| layout | ranks | step median ms | step min–max ms | speed-up vs serial | sent/rank/step KiB, counted | "
+          "formula KiB | formula | peak RSS/rank MiB |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if json_path:
+        json_path.write_text(json.dumps({"fields": fields, "records": records}, indent=1))
+    return 0

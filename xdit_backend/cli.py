@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--embeds", type=Path, default=None,
                         help="safetensors with context, pooled [, negative_context, negative_pooled]")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
+    layout = sample.add_argument_group("parallel layout (default: --parallel auto)")
+    layout.add_argument("--ulysses", type=int, default=None, help="Ulysses sequence-parallel degree")
+    layout.add_argument("--ring", type=int, default=None, help="Ring sequence-parallel degree")
+    layout.add_argument("--cfg-parallel", action="store_true", help="cond and uncond on two halves of the ranks")
+    layout.add_argument("--dp", type=int, default=None, help="data-parallel degree (splits --batch)")
+    layout.add_argument("--parallel", choices=("auto",), default=None,
+                        help="let the backend pick degrees for its world size (the default without degrees)")
 
     demo = commands.add_parser("demo", help="serial vs. backend on the built-in tiny model")
     demo.add_argument("--steps", type=int, default=8)
@@ -77,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     transport = bench_kinds.add_parser("transport", help="backend cold start and socket round trips")
     transport.add_argument("--nproc", type=int, default=2)
     transport.add_argument("--repeats", type=int, default=200)
+    layouts = bench_kinds.add_parser("layouts", help="parallel layouts: step time, bytes sent per rank, peak memory")
+    layouts.add_argument("--layouts", nargs="+", default=None,
+                         help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 (default: the world-2 and world-4 set)")
+    layouts.add_argument("--model", default="flux-tiny")
+    layouts.add_argument("--width", type=int, default=512)
+    layouts.add_argument("--height", type=int, default=512)
+    layouts.add_argument("--steps", type=int, default=6)
+    layouts.add_argument("--batch", type=int, default=2)
+    layouts.add_argument("--cfg", type=float, default=3.5)
+    layouts.add_argument("--json", type=Path, default=None, help="also write every record as JSON")
     return parser
 
 
@@ -113,19 +130,34 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
     print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
 
 
+def requested_layout(args) -> dict | str:
+    """Explicit degrees from the flags, or "auto"."""
+    degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None}
+    degrees = {name: value for name, value in degrees.items() if value is not None}
+    if degrees and args.parallel == "auto":
+        raise SystemExit("xdit-backend: give degrees (--ulysses, --ring, --cfg-parallel, --dp) or --parallel auto, not both")
+    return degrees or "auto"
+
+
 def cmd_sample(args) -> int:
+    import math
+
     import torch
     from safetensors.torch import load_file, save_file
 
+    layout = requested_layout(args)
     fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-              "seed": args.seed, "cfg": args.cfg, "batch": args.batch}
+              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout}
     fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift)) if v is not None})
     tensors = load_file(args.embeds) if args.embeds else {}
     client = Client(args.socket)
     ephemeral = client.hello_or_none() is None
     if ephemeral:
+        options = launch_options(args)
+        if isinstance(layout, dict) and args.nproc is None:  # as many ranks as the layout needs
+            options = launcher.LaunchOptions(**{**vars(options), "nproc": math.prod(layout.values())})
         print(f"no backend at {client.socket_path}: starting one for this request", file=sys.stderr)
-        launcher.start(launch_options(args))
+        launcher.start(options)
     try:
         started = time.perf_counter()
         result, info = client.sample(fields, tensors, on_progress=print_progress)
@@ -136,8 +168,8 @@ def cmd_sample(args) -> int:
     samples = result["samples"].to(torch.float32).contiguous()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_file({"samples": samples}, str(args.out))
-    print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s ({info.get('layout', '')})",
-          file=sys.stderr)
+    print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
+          f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
     return 0
 
 
@@ -147,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         handler = lambda a: run_demo(steps=a.steps, size=a.size, nproc=a.nproc)  # noqa: E731
-    elif args.command == "bench":
+    elif args.command == "bench" and args.bench == "transport":
         from .bench import run_transport_bench
 
         handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
+    elif args.command == "bench":
+        from .bench import DEFAULT_LAYOUTS, run_layout_bench
+
+        fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
+                  "batch": args.batch, "cfg": args.cfg, "seed": 1}
+        handler = lambda a: run_layout_bench(a.layouts or DEFAULT_LAYOUTS, fields, a.json)  # noqa: E731
     else:
         handler = globals()[f"cmd_{args.command}"]
     try:

@@ -138,7 +138,8 @@ class ParallelConfig:
         fix_degree = _largest_fixable(self, world_size)
         raise ConfigError(
             f"the parallel degrees multiply to {self.world_size} ({factors}), "
-            f"but the backend runs {world_size} ranks{on}; dp × cfg × pipefusion × ring × ulysses must equal the ranks",
+            f"but the backend runs {world_size} rank{'s' if world_size != 1 else ''}{on}; "
+            "dp × cfg × pipefusion × ring × ulysses must equal the number of ranks",
             f"{fix_degree}or start the backend with --nproc {self.world_size}; or use --parallel auto")
 
     # ------------------------------------------------------------------ auto

@@ -78,6 +78,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "guidance": _NUM,
         "shift": _NUM,
         "parallel": (dict, str),  # {"ulysses": 2, …} or "auto"
+        "profile": bool,  # report step times, traffic and memory per rank (the bench asks for it)
     },
     "cancel": {"target": str},
     "unload": {"model": str},

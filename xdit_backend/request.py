@@ -39,6 +39,7 @@ class SampleRequest:
     guidance: float | None
     shift: float | None
     parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
+    profile: bool
     tensors: dict[str, torch.Tensor]
 
     @property
@@ -66,6 +67,7 @@ class SampleRequest:
             guidance=float(f["guidance"]) if "guidance" in f else None,
             shift=float(f["shift"]) if "shift" in f else None,
             parallel=_parallel(f.get("parallel", "auto")),
+            profile=f.get("profile", False),
             tensors=dict(message.tensors),
         )
         request._check_geometry()

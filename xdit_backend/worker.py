@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import socket
 import sys
 import time
@@ -32,6 +33,7 @@ from .models import registry
 from .models.registry import ModelError
 from .protocol import Message
 from .request import RequestError, SampleRequest
+from .parallel import traffic
 from .parallel.denoiser import Denoiser
 from .sampling.generate import GenerationStopped, generate
 from .server import Job, SocketServer
@@ -126,6 +128,28 @@ class Executor:
         layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
         return generate(Denoiser(model, layout), request.generation(model, positive, negative), after_step)
 
+    def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
+        """``generate`` plus this rank's record: seconds per step, bytes sent, peak memory."""
+        if not request.profile:
+            return self.generate(request, after_step), {}
+        step_ends = [time.perf_counter()]
+
+        def timed(done: int, total: int) -> bool:
+            step_ends.append(time.perf_counter())
+            return after_step(done, total)
+
+        if self.rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
+        with traffic.counting() as sent:
+            latent = self.generate(request, timed)
+        if self.rt.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.rt.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
+        return latent, {"rank": self.rt.rank, "step_s": steps, "sent_bytes": dict(sent), "peak_memory_bytes": peak,
+                        "memory_kind": "cuda allocated" if self.rt.device.type == "cuda" else "process peak RSS"}
+
 
 class Leader:
     """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
@@ -215,7 +239,7 @@ class Leader:
             return self.gate.passes(stop=job.cancelled)
 
         try:
-            latent = self.executor.generate(request, after_step)
+            latent, record = self.executor.profiled(request, after_step)
         except GenerationStopped:
             job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
             return
@@ -228,16 +252,17 @@ class Leader:
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
         self.gate.close()
-        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started,
-                                     "info": {"world_size": self.rt.world_size, "layout": layout}},
-                          {"samples": latent}))
+        info = {"world_size": self.rt.world_size, "layout": layout}
+        if request.profile:
+            info["profile"] = gather_json(record, self.rt.control)
+        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info}, {"samples": latent}))
 
 
 def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
     fields = {name: getattr(request, name) for name in ("model", "width", "height", "batch", "steps", "seed", "cfg")}
     fields.update({name: getattr(request, name) for name in ("guidance", "shift") if getattr(request, name) is not None})
-    return {**fields, "parallel": request.parallel.to_json()}
+    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile}
 
 
 def follow(rt: Runtime) -> None:
@@ -253,13 +278,16 @@ def follow(rt: Runtime) -> None:
         if command.type == "unload":
             executor.unload(command.fields.get("model"))
         elif command.type == "sample":
+            request = SampleRequest.parse(command)
             gate.begin()
             try:
-                executor.generate(SampleRequest.parse(command), lambda done, total: gate.passes())
+                _, record = executor.profiled(request, lambda done, total: gate.passes())
             except GenerationStopped:
-                pass
+                continue  # every rank stopped at the same gate
             while gate.open and gate.passes():  # rank 0's closing STOP
                 pass
+            if request.profile:
+                gather_json(record, rt.control)
 
 
 def leave_together(rt: Runtime) -> None:

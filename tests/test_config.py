@@ -1,0 +1,99 @@
+"""ParallelConfig rules, each checked by the message a user would read, and the auto policy."""
+
+import pytest
+
+from xdit_backend.config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
+
+FLUX_TINY = ModelFacts("flux-tiny", heads=4, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
+FLUX_DEV = ModelFacts("flux-dev", heads=24, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
+SERIAL_ONLY = ModelFacts("serial-only", heads=4, supports=frozenset())
+TWO_PASSES = RequestFacts(batch=2, image_tokens=4096, cfg_scale=3.5, has_negative=True)
+ONE_PASS = RequestFacts(batch=1, image_tokens=4096, cfg_scale=1.0, has_negative=False)
+
+
+def refused(config: ParallelConfig, world=2, model=FLUX_TINY, request=TWO_PASSES, devices="2 ranks on cpu"):
+    with pytest.raises(ConfigError) as info:
+        config.validate(world, model, request, devices)
+    return info.value
+
+
+def test_world_size_rule_lists_every_factor_the_devices_and_two_fixes():
+    error = refused(ParallelConfig(ulysses=4), world=2)
+    assert "multiply to 4 (dp=1 × cfg=1 × pipefusion=1 × ring=1 × ulysses=4)" in error.message
+    assert "the backend runs 2 ranks (2 ranks on cpu)" in error.message
+    assert "set ulysses=2" in error.hint and "--nproc 4" in error.hint
+
+
+def test_cfg_degree_is_one_or_two():
+    error = refused(ParallelConfig(cfg=4), world=4)
+    assert "cfg=4" in error.message and "1 or 2" in error.message
+
+
+def test_cfg_parallel_without_two_passes_is_refused_with_sequence_parallel_as_the_way_out():
+    error = refused(ParallelConfig(cfg=2), request=ONE_PASS)
+    assert "no negative prompt" in error.message
+    assert "ulysses=2" in error.hint
+    error = refused(ParallelConfig(cfg=2), request=RequestFacts(1, 4096, 1.0, True))
+    assert "cfg scale is 1" in error.message and "Flux-dev" in error.message
+
+
+def test_heads_must_divide_by_ulysses():
+    error = refused(ParallelConfig(ulysses=3), world=3)
+    assert "ulysses=3 does not divide the 4 attention heads" in error.message
+    assert "[1, 2, 4]" in error.hint
+
+
+def test_image_tokens_must_divide_by_the_sequence_degree():
+    error = refused(ParallelConfig(ring=2, ulysses=2), world=4, request=RequestFacts(2, 4098, 3.5, True))
+    assert "ring × ulysses = 4 does not divide the 4098 image tokens" in error.message
+    assert "not padded" in error.message
+
+
+def test_batch_must_divide_by_dp():
+    error = refused(ParallelConfig(dp=2), request=RequestFacts(3, 4096, 3.5, True))
+    assert "dp=2 does not divide the batch of 3" in error.message
+
+
+def test_degrees_are_positive():
+    assert "at least 1" in refused(ParallelConfig(ring=0), world=0).message
+
+
+def test_a_family_without_the_method_is_refused_by_name():
+    error = refused(ParallelConfig(ring=2), model=SERIAL_ONLY)
+    assert "serial-only does not support ring" in error.message
+
+
+def test_pipefusion_is_refused_until_it_is_supported():
+    assert "does not support pipefusion" in refused(ParallelConfig(pipefusion=2)).message
+
+
+def test_unknown_or_non_integer_settings_are_refused():
+    with pytest.raises(ConfigError, match="unknown parallel settings"):
+        ParallelConfig.from_json({"ulysess": 2})
+    with pytest.raises(ConfigError, match="whole number"):
+        ParallelConfig.from_json({"ulysses": "2"})
+
+
+@pytest.mark.parametrize("world,model,request_facts,expected", [
+    (1, FLUX_TINY, TWO_PASSES, ParallelConfig()),
+    (2, FLUX_TINY, TWO_PASSES, ParallelConfig(cfg=2)),
+    (2, FLUX_TINY, ONE_PASS, ParallelConfig(ulysses=2)),
+    (4, FLUX_TINY, TWO_PASSES, ParallelConfig(cfg=2, ulysses=2)),
+    (4, FLUX_TINY, ONE_PASS, ParallelConfig(ulysses=4)),
+    (8, FLUX_TINY, TWO_PASSES, ParallelConfig(cfg=2, ulysses=4)),
+    (8, FLUX_TINY, ONE_PASS, ParallelConfig(ulysses=4, ring=2)),
+    (8, FLUX_DEV, ONE_PASS, ParallelConfig(ulysses=8)),
+    (8, FLUX_DEV, RequestFacts(8, 4092, 1.0, False), ParallelConfig(ulysses=4, dp=2)),
+], ids=["w1", "w2-cfg", "w2-no-cfg", "w4-cfg", "w4-no-cfg", "w8-cfg", "w8-heads-then-ring", "w8-dev",
+        "w8-tokens-limit-then-dp"])
+def test_auto_policy(world, model, request_facts, expected):
+    """CFG first when there are two passes, Ulysses as far as heads and tokens allow, Ring, then dp."""
+    config, why = ParallelConfig.auto(world, model, request_facts)
+    assert config == expected
+    config.validate(world, model, request_facts)  # what auto picks always passes validation
+    assert why
+
+
+def test_auto_says_when_nothing_fits():
+    with pytest.raises(ConfigError, match="no layout of 3 ranks"):
+        ParallelConfig.auto(3, FLUX_TINY, RequestFacts(1, 4096, 1.0, False))

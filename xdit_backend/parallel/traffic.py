@@ -1,0 +1,55 @@
+"""Counting the bytes a rank sends in the collectives of one request (for the bench).
+
+Opt-in, per request: while counting, the torch.distributed entry points that the data plane
+uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well as our own.
+"Sent" is the algorithmic volume each rank must put on the wire:
+all_gather: its piece to every other rank, (W−1)·n; all_to_all_single: all but its own share,
+(W−1)/W·n; isend: n. Broadcasts are the control plane (the step gate) and counted apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@contextmanager
+def counting():
+    """Yields a Counter of bytes sent by this rank, by collective, while the block runs."""
+    sent: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_to_all_single", "batch_isend_irecv",
+                                                        "broadcast")}
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sent["all_gather"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
+        return originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+
+    def all_to_all_single(output, input, *args, group=None, **kwargs):
+        world = dist.get_world_size(group)
+        sent["all_to_all"] += _nbytes(input) * (world - 1) // world
+        return originals["all_to_all_single"](output, input, *args, group=group, **kwargs)
+
+    def batch_isend_irecv(ops):
+        sent["p2p"] += sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend or op.op == dist.isend)
+        return originals["batch_isend_irecv"](ops)
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        if dist.get_rank() == src:
+            sent["control"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
+        return originals["broadcast"](tensor, src=src, group=group, async_op=async_op)
+
+    wrappers = {"all_gather": all_gather, "all_to_all_single": all_to_all_single,
+                "batch_isend_irecv": batch_isend_irecv, "broadcast": broadcast}
+    for name, wrapper in wrappers.items():
+        setattr(dist, name, wrapper)
+    try:
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
