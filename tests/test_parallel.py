@@ -82,3 +82,20 @@ def test_auto_layout_equals_serial(backend4, serial, conditioning):
     result, info = backend4.sample({**FIELDS, "parallel": "auto"}, conditioning)
     assert info["layout"].startswith("cfg=2 × ulysses=2")
     assert (result["samples"] - serial).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("degrees", [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}, {"dp": 2}], ids=str)
+def test_counted_traffic_equals_the_formula(backend2, conditioning, degrees):
+    """Bytes each rank sends, counted from the collectives, equal the method's algebra in bench.py."""
+    from xdit_backend.bench import traffic_formula
+    from xdit_backend.models.registry import BUILTINS
+
+    config = BUILTINS["flux-tiny"].config
+    dims = {"attention_layers": config["num_layers"] + config["num_single_layers"],
+            "hidden": config["num_attention_heads"] * config["attention_head_dim"], "text_tokens": 8}
+    _, info = backend2.sample({**FIELDS, "parallel": degrees, "profile": True}, conditioning)
+    expected, _ = traffic_formula(degrees, dims, FIELDS)
+    for record in info["profile"]:
+        sent = sum(v for k, v in record["sent_bytes"].items() if k != "control")
+        assert sent == pytest.approx(expected * FIELDS["steps"], abs=8), record
+        assert len(record["step_s"]) == FIELDS["steps"] and record["peak_memory_bytes"] > 0
