@@ -35,6 +35,7 @@ def test_cfg_parallel_without_two_passes_is_refused_with_sequence_parallel_as_th
     assert "ulysses=2" in error.hint
     error = refused(ParallelConfig(cfg=2), request=RequestFacts(1, 4096, 1.0, True))
     assert "cfg scale is 1" in error.message and "Flux-dev" in error.message
+    assert "cfg scale is 0.5" in refused(ParallelConfig(cfg=2), request=RequestFacts(1, 4096, 0.5, True)).message
 
 
 def test_heads_must_divide_by_ulysses():

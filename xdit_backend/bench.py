@@ -57,7 +57,7 @@ def run_transport_bench(nproc: int = 2, repeats: int = 200) -> int:
                  protocol.Message("echo", {}, {"latent": latent}))), repeats)),
     ]
     print(f"backend cold start, world {nproc} on cpu: {cold_start:.2f} s (until every rank answers)\n")
-    print(f"| what | median ms | p90 ms | runs |\n|---|---|---|---|\n" + "\n".join(rows))
+    print("| what | median ms | p90 ms | runs |\n|---|---|---|---|\n" + "\n".join(rows))
     print(f"\nframe size for the latent: {len(frame)} bytes")
     return 0
 

@@ -6,21 +6,15 @@ Each violated rule raises ConfigError with the rule, the actual values and a way
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
+
+from .errors import UserError
 
 DEGREES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A parallel layout the backend will not run; says the rule, the values and the fix."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
 
 
 @dataclass(frozen=True)
@@ -42,8 +36,9 @@ class RequestFacts:
     has_negative: bool
 
     @property
-    def uses_cfg(self) -> bool:
-        return self.cfg_scale != 1.0 and self.has_negative
+    def cfg_worth_splitting(self) -> bool:
+        """Two guided passes per step: a negative and a cfg scale above 1 (≤ 1 is not guidance to split)."""
+        return self.cfg_scale > 1.0 and self.has_negative
 
 
 @dataclass(frozen=True)
@@ -105,7 +100,7 @@ class ParallelConfig:
         if self.cfg not in (1, 2):
             raise ConfigError(f"cfg={self.cfg}: CFG parallel splits exactly two passes (cond, uncond), so cfg is 1 or 2",
                               "set cfg=2, and put the other ranks into ulysses or ring")
-        if self.cfg == 2 and not request.uses_cfg:
+        if self.cfg == 2 and not request.cfg_worth_splitting:
             why = "no negative prompt was given" if not request.has_negative else f"cfg scale is {request.cfg_scale:g}"
             raise ConfigError(
                 f"CFG parallel needs two passes per step, but {why}, so there is only one pass to run "
@@ -150,7 +145,7 @@ class ParallelConfig:
         to what the heads and tokens allow, then Ring for what is left, then data parallel over the
         batch. Returns the config and a sentence saying why."""
         remaining, picked, why = world_size, {}, []
-        if remaining % 2 == 0 and request.uses_cfg and "cfg" in model.supports:
+        if remaining % 2 == 0 and request.cfg_worth_splitting and "cfg" in model.supports:
             picked["cfg"], remaining = 2, remaining // 2
             why.append("cfg=2 (the request has cond and uncond passes)")
         if "ulysses" in model.supports:
@@ -173,9 +168,6 @@ class ParallelConfig:
                               f"{model.heads} heads, batch {request.batch})",
                               "change the resolution so the image tokens divide by the ranks, or start fewer ranks")
         return cls(**picked), ", ".join(why) or "world size 1"
-
-    def with_degrees(self, **degrees) -> ParallelConfig:
-        return replace(self, **degrees)
 
 
 def _divisors(n: int) -> list[int]:

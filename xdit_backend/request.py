@@ -8,6 +8,7 @@ import torch
 
 from . import protocol
 from .config import ConfigError, ParallelConfig
+from .errors import UserError
 from .sampling.generate import Generation
 
 MAX_SIDE = 16384
@@ -18,13 +19,8 @@ CONDITIONING_KEYS = ("context", "pooled")
 TENSOR_NAMES = ("latent", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
 
 
-class RequestError(Exception):
+class RequestError(UserError):
     """A request the backend will not run; the message names the field, the value and the rule."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
 
 
 @dataclass(frozen=True)
@@ -145,8 +141,10 @@ def _parallel(value) -> ParallelConfig | None:
         raise RequestError(f"parallel {value!r} is not a layout", 'send "auto" or degrees such as {"ulysses": 2}')
     try:
         return ParallelConfig.from_json(value)
-    except (ConfigError, TypeError) as exc:
-        raise RequestError(str(getattr(exc, "message", exc)), getattr(exc, "hint", "")) from None
+    except ConfigError as exc:
+        raise RequestError(exc.message, exc.hint) from None
+    except TypeError as exc:
+        raise RequestError(f"parallel: {exc}") from None
 
 
 def _int_in(fields: dict, name: str, default: int, low: int, high: int) -> int:

@@ -27,12 +27,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from . import __version__, protocol
 from .attention import kernel_name
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
+from .errors import UserError
 from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json
 from .mesh import MeshCache
 from .models import registry
-from .models.registry import ModelError
 from .protocol import Message
-from .request import RequestError, SampleRequest
+from .request import SampleRequest
 from .parallel import traffic
 from .parallel.denoiser import Denoiser
 from .sampling.generate import GenerationStopped, generate
@@ -222,7 +222,7 @@ class Leader:
     def sample(self, job: Job) -> None:
         try:
             request, layout = self.resolve(job)
-        except (RequestError, ModelError, ConfigError) as exc:
+        except UserError as exc:
             kind = "config" if isinstance(exc, ConfigError) else "bad_request"
             job.fail(kind, exc.message, exc.hint)
             return

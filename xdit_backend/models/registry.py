@@ -6,16 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UserError
 from .flux import FluxModel
 
 
-class ModelError(Exception):
-    """A model argument that cannot be resolved or loaded; the message says what to pass instead."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
+class ModelError(UserError):
+    """A model argument that cannot be resolved or loaded; the hint says what to pass instead."""
 
 
 @dataclass(frozen=True)
