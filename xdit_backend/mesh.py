@@ -11,6 +11,7 @@ Meshes live in a MeshCache owned by the worker; nothing here keeps a group in a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -33,7 +34,7 @@ class Layout:
         """This rank's coordinate along ``axis``."""
         return self.mesh.get_local_rank(axis)
 
-    @property
+    @cached_property
     def sequence_group(self):
         """ring × ulysses flattened: the ranks that hold slices of one sequence (None without SP)."""
         if self.config.sequence == 1:
