@@ -70,3 +70,11 @@ def backend2():
     manager = Backends()
     yield manager.start(2)
     manager.cleanup()
+
+
+@pytest.fixture(scope="module")
+def backend4():
+    """One world-4 backend shared by a module's tests (4 processes on however many cores)."""
+    manager = Backends()
+    yield manager.start(4)
+    manager.cleanup()

@@ -64,10 +64,6 @@ def test_a_family_without_the_method_is_refused_by_name():
     assert "serial-only does not support ring" in error.message
 
 
-def test_pipefusion_is_refused_until_it_is_supported():
-    assert "does not support pipefusion" in refused(ParallelConfig(pipefusion=2)).message
-
-
 def test_unknown_or_non_integer_settings_are_refused():
     with pytest.raises(ConfigError, match="unknown parallel settings"):
         ParallelConfig.from_json({"ulysess": 2})
@@ -98,3 +94,48 @@ def test_auto_policy(world, model, request_facts, expected):
 def test_auto_says_when_nothing_fits():
     with pytest.raises(ConfigError, match="no layout of 3 ranks"):
         ParallelConfig.auto(3, FLUX_TINY, RequestFacts(1, 4096, 1.0, False))
+
+
+# ----------------------------------------------------------------------------- PipeFusion
+
+FLUX_TINY_PF = ModelFacts("flux-tiny", heads=4, supports=frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"}),
+                          blocks=7)
+GRID = RequestFacts(batch=1, image_tokens=8 * 4, cfg_scale=1.0, has_negative=False, token_rows=4)  # 128×64
+
+
+def pf_refused(config: ParallelConfig, world=2, request=GRID):
+    return refused(config, world=world, model=FLUX_TINY_PF, request=request)
+
+
+def test_pipefusion_stages_at_most_blocks():
+    assert "pipefusion=8 stages, but flux-tiny has 7 blocks" in pf_refused(ParallelConfig(pipefusion=8), 8).message
+
+
+def test_pipefusion_block_counts_must_sum_to_the_blocks():
+    error = pf_refused(ParallelConfig(pipefusion=2, pipefusion_blocks=(3, 3)))
+    assert "summing to the 7 blocks" in error.message and "they sum to 6" in error.message
+
+
+def test_pipefusion_patches_are_bands_of_token_rows():
+    error = pf_refused(ParallelConfig(pipefusion=2, num_pipeline_patch=5))
+    assert "num_pipeline_patch=5" in error.message and "4 rows" in error.message and "1..4" in error.hint
+
+
+def test_pipefusion_warmup_is_not_negative():
+    assert "warmup_steps=-1" in pf_refused(ParallelConfig(pipefusion=2, warmup_steps=-1)).message
+
+
+def test_pipefusion_patch_must_split_over_the_sequence_ranks():
+    request = RequestFacts(1, 3 * 4, 1.0, False, token_rows=4)  # 3 tokens per row
+    error = pf_refused(ParallelConfig(pipefusion=2, ulysses=2, num_pipeline_patch=4), world=4, request=request)
+    assert "a patch of 3 tokens does not split into ring × ulysses = 2" in error.message
+
+
+def test_pipefusion_is_refused_by_name_for_a_family_without_it():
+    error = refused(ParallelConfig(pipefusion=2), model=FLUX_TINY)
+    assert "flux-tiny does not support pipefusion" in error.message
+
+
+def test_a_valid_pipefusion_layout_passes():
+    ParallelConfig(pipefusion=2, ulysses=2, num_pipeline_patch=4, warmup_steps=0,
+                   pipefusion_blocks=(2, 5)).validate(4, FLUX_TINY_PF, GRID)

@@ -139,3 +139,12 @@ def test_sample_layout_flags(sock, tmp_path):
     assert refused.returncode == 1
     assert "multiply to 2" in refused.stderr and "the backend runs 1 rank" in refused.stderr
     assert "--nproc 2" in refused.stderr
+
+
+def test_sample_pipefusion_flags(sock, tmp_path):
+    """--pipefusion 2 --patches 4 --warmup-steps 1 starts 2 ranks and runs that layout."""
+    result = cli("sample", "--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 3, "--socket", sock,
+                 "--device", "cpu", "--pipefusion", 2, "--patches", 4, "--warmup-steps", 1, "--out", tmp_path / "p.st")
+    assert result.returncode == 0, result.stderr
+    assert "world 2: pipefusion=2 (as requested)" in result.stderr
+    assert load_file(tmp_path / "p.st")["samples"].shape == (1, 16, 8, 8)

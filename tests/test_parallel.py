@@ -43,18 +43,9 @@ def serial(conditioning):
     """The serial latent, computed in this process by the world-1 code path."""
     request = SampleRequest.parse(Message("sample", FIELDS, conditioning))
     model = registry.build("flux-tiny", torch.device("cpu"))
-    positive, negative = request.conditioning(model)
+    positive, negative = request.conditioning(model.spec)
     with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model, positive, negative))
-
-
-@pytest.fixture(scope="module")
-def backend4():
-    from conftest import Backends
-
-    manager = Backends()
-    yield manager.start(4)
-    manager.cleanup()
+        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
 
 
 def layout_id(case):

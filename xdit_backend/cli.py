@@ -12,11 +12,11 @@ from . import launcher, paths
 from .client import BackendError, Client, NoBackend
 
 
-def _gpu_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, e.g. 0,1; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, e.g. 0,1; got {text!r}") from None
 
 
 def _add_socket(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def _add_launch(parser: argparse.ArgumentParser) -> None:
     _add_socket(parser)
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is visible")
-    parser.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices for the ranks, e.g. 0,1,2,3")
+    parser.add_argument("--gpus", type=_int_list, default=None, help="GPU indices for the ranks, e.g. 0,1,2,3")
     parser.add_argument("--collective-timeout", type=float, default=600.0,
                         help="seconds any collective may wait before the backend fails (default 600)")
     parser.add_argument("--heartbeat", type=float, default=30.0, help="idle seconds between rank checks (default 30)")
@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--ring", type=int, default=None, help="Ring sequence-parallel degree")
     layout.add_argument("--cfg-parallel", action="store_true", help="cond and uncond on two halves of the ranks")
     layout.add_argument("--dp", type=int, default=None, help="data-parallel degree (splits --batch)")
+    layout.add_argument("--pipefusion", type=int, default=None, help="PipeFusion pipeline stages")
+    layout.add_argument("--patches", type=int, default=None,
+                        help="PipeFusion patches per step (default: the stages; more patches overlap better)")
+    layout.add_argument("--warmup-steps", type=int, default=None,
+                        help="PipeFusion's first steps on the whole latent, exact (default 1)")
+    layout.add_argument("--stage-blocks", type=_int_list, default=None,
+                        help="PipeFusion blocks per stage, e.g. 2,5 (default: balanced by parameters)")
     layout.add_argument("--parallel", choices=("auto",), default=None,
                         help="let the backend pick degrees for its world size (the default without degrees)")
 
@@ -132,11 +139,18 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
 
 def requested_layout(args) -> dict | str:
     """Explicit degrees from the flags, or "auto"."""
-    degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None}
+    degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None,
+               "pipefusion": args.pipefusion}
     degrees = {name: value for name, value in degrees.items() if value is not None}
     if degrees and args.parallel == "auto":
-        raise SystemExit("xdit-backend: give degrees (--ulysses, --ring, --cfg-parallel, --dp) or --parallel auto, not both")
-    return degrees or "auto"
+        raise SystemExit("xdit-backend: give degrees (--ulysses, --ring, --cfg-parallel, --dp, --pipefusion) "
+                         "or --parallel auto, not both")
+    pipeline = {"num_pipeline_patch": args.patches, "warmup_steps": args.warmup_steps,
+                "pipefusion_blocks": list(args.stage_blocks) if args.stage_blocks else None}
+    pipeline = {name: value for name, value in pipeline.items() if value is not None}
+    if pipeline and not degrees.get("pipefusion"):
+        raise SystemExit("xdit-backend: --patches, --warmup-steps and --stage-blocks go with --pipefusion")
+    return {**degrees, **pipeline} if degrees else "auto"
 
 
 def cmd_sample(args) -> int:
@@ -155,7 +169,8 @@ def cmd_sample(args) -> int:
     if ephemeral:
         options = launch_options(args)
         if isinstance(layout, dict) and args.nproc is None:  # as many ranks as the layout needs
-            options = launcher.LaunchOptions(**{**vars(options), "nproc": math.prod(layout.values())})
+            ranks = math.prod(layout.get(axis, 1) for axis in ("dp", "cfg", "pipefusion", "ring", "ulysses"))
+            options = launcher.LaunchOptions(**{**vars(options), "nproc": ranks})
         print(f"no backend at {client.socket_path}: starting one for this request", file=sys.stderr)
         launcher.start(options)
     try:

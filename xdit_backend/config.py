@@ -24,6 +24,7 @@ class ModelFacts:
     name: str
     heads: int  # attention heads (Ulysses splits them)
     supports: frozenset[str]  # the degrees this family can run with > 1
+    blocks: int = 0  # transformer blocks PipeFusion can cut into stages
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RequestFacts:
     image_tokens: int  # tokens of the latent the transformer sees (Flux: (H/16)·(W/16))
     cfg_scale: float
     has_negative: bool
+    token_rows: int = 1  # rows of that token grid (Flux: H/16); PipeFusion's patches are bands of rows
 
     @property
     def cfg_worth_splitting(self) -> bool:
@@ -50,7 +52,9 @@ class ParallelConfig:
     pipefusion:  pipeline stages over the transformer blocks (PipeFusion; not in this version).
     ring:        sequence parallel: image tokens split ``ring`` ways, K/V passed around a ring.
     ulysses:     sequence parallel: image tokens split ``ulysses`` ways, heads exchanged all-to-all.
-    num_pipeline_patch, warmup_steps: PipeFusion's patch count and synchronous warm-up steps.
+    num_pipeline_patch: PipeFusion's patches per step (default: the number of stages; more overlaps better).
+    warmup_steps: PipeFusion's first steps, run synchronously on the whole latent (exact).
+    pipefusion_blocks: blocks per stage, in order (default: as even as possible).
     """
 
     dp: int = 1
@@ -60,6 +64,7 @@ class ParallelConfig:
     ulysses: int = 1
     num_pipeline_patch: int | None = None
     warmup_steps: int = 1
+    pipefusion_blocks: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -75,7 +80,7 @@ class ParallelConfig:
         return " × ".join(parts) or "serial"
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
     def from_json(cls, data: dict) -> ParallelConfig:
@@ -83,9 +88,13 @@ class ParallelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown parallel settings {unknown}", f"known: {', '.join(sorted(known))}")
+        data = dict(data)
+        if isinstance(data.get("pipefusion_blocks"), list):
+            data["pipefusion_blocks"] = tuple(data["pipefusion_blocks"])
         for name, value in data.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ConfigError(f"parallel setting {name} must be a whole number, got {value!r}")
+            values = value if isinstance(value, tuple) else (value,)
+            if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise ConfigError(f"parallel setting {name} must be whole numbers, got {value!r}")
         return cls(**data)
 
     # ------------------------------------------------------------------ validation
@@ -124,6 +133,31 @@ class ParallelConfig:
         if request.batch % self.dp:
             raise ConfigError(f"dp={self.dp} does not divide the batch of {request.batch}",
                               f"use a batch that is a multiple of {self.dp}, or dp=1")
+        if self.pipefusion > 1:
+            self._check_pipefusion(model, request)
+
+    def _check_pipefusion(self, model: ModelFacts, request: RequestFacts) -> None:
+        if self.pipefusion > model.blocks:
+            raise ConfigError(f"pipefusion={self.pipefusion} stages, but {model.name} has {model.blocks} blocks",
+                              f"use at most {model.blocks} stages")
+        if self.pipefusion_blocks is not None:
+            counts = self.pipefusion_blocks
+            if len(counts) != self.pipefusion or sum(counts) != model.blocks or min(counts) < 1:
+                raise ConfigError(f"pipefusion_blocks {list(counts)} must give {self.pipefusion} stages of at least "
+                                  f"one block each, summing to the {model.blocks} blocks of {model.name} "
+                                  f"(they sum to {sum(counts)})", "or leave it out for an even split")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} must be 0 or more")
+        patches = self.num_pipeline_patch or self.pipefusion
+        if not 1 <= patches <= request.token_rows:
+            raise ConfigError(f"num_pipeline_patch={patches}: patches are bands of token rows, and the latent has "
+                              f"{request.token_rows} rows (height / 16)", f"use 1..{request.token_rows} patches")
+        row_tokens = request.image_tokens // request.token_rows
+        smallest = request.token_rows // patches * row_tokens
+        if smallest % self.sequence:
+            raise ConfigError(f"a patch of {smallest} tokens does not split into ring × ulysses = {self.sequence} "
+                              "equal parts", f"choose a width whose W/16 is a multiple of {self.sequence}, "
+                              "or fewer patches")
 
     def _check_world(self, world_size: int, devices: str) -> None:
         if self.world_size == world_size:

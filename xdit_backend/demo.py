@@ -35,9 +35,9 @@ def run_serial(fields: dict) -> tuple[torch.Tensor, float]:
     """The reference: the same request run in this process, no backend, no socket."""
     request = SampleRequest.parse(Message("sample", fields))
     model = registry.build(MODEL, torch.device("cpu"))
-    positive, negative = registry.random_conditioning(MODEL, request.batch, request.seed, model)
+    positive, negative = registry.random_conditioning(MODEL, request.batch, request.seed, model.spec)
     show, started = _progress("serial "), time.perf_counter()
-    latent = generate(Denoiser(model), request.generation(model, positive, negative),
+    latent = generate(Denoiser(model), request.generation(model.spec, positive, negative),
                       lambda i, n: show(i, n, time.perf_counter() - started) or True)
     return latent, time.perf_counter() - started
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -121,6 +122,8 @@ def _describe_failure(rank: int, failure) -> dict:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
+    if "To enable traceback" in str(message):  # torchelastic's text when the rank wrote no error file
+        message = "it failed before it could report why (see the log)"
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()} (pid {failure.pid})"
     elif failure.exitcode == EXIT_PEER_LOST:
@@ -222,10 +225,22 @@ def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
         if process.poll() is not None:
             summary = failure_summary(read_state(sock)) or _last_line(log_path) or (
                 f"the launcher exited with code {process.returncode}")
-            raise LaunchError(f"the backend failed to start: {summary} (log: {log_path})")
+            raised = _last_exception(log_path)
+            detail = f"; the log ends with: {raised}" if raised and raised not in summary else ""
+            raise LaunchError(f"the backend failed to start: {summary}{detail} (log: {log_path})")
         time.sleep(0.1)
     _terminate_group(process.pid)
     raise LaunchError(f"the backend did not become ready within {timeout:.0f} s (log: {log_path})")
+
+
+def _last_exception(log_path: Path) -> str:
+    """The last 'SomethingError: …' line a rank printed, if any."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    found = [line.strip() for line in lines if re.match(r"^\w*(Error|Exception): ", line.strip())]
+    return found[-1] if found else ""
 
 
 def _last_line(log_path: Path) -> str:

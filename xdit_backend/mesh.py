@@ -52,16 +52,15 @@ class Layout:
 
 
 class MeshCache:
-    """Builds each layout's mesh once (all ranks together) and keeps it for later requests."""
+    """Builds each shape of mesh once (all ranks together) and keeps it for later requests."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._layouts: dict[ParallelConfig, Layout] = {}
+        self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
     def get(self, config: ParallelConfig) -> Layout:
-        key = ParallelConfig(**{axis: getattr(config, axis) for axis in AXES})  # patches and warm-up do not matter
-        if key not in self._layouts:
-            shape = tuple(getattr(key, axis) for axis in AXES)
-            mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES)
-            self._layouts[key] = Layout(key, mesh)
-        return self._layouts[key]
+        """This request's layout: its own config (patches, warm-up…) over the cached mesh of its degrees."""
+        shape = tuple(getattr(config, axis) for axis in AXES)
+        if shape not in self._meshes:
+            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES)
+        return Layout(config, self._meshes[shape])

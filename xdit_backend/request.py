@@ -101,7 +101,7 @@ class SampleRequest:
         if given and "context" not in given:
             raise RequestError("conditioning was sent without 'context'", "send context and pooled together")
 
-    def conditioning(self, model) -> tuple[dict, dict | None]:
+    def conditioning(self, spec) -> tuple[dict, dict | None]:
         """Positive and (optional) negative conditioning, checked against the model's shapes."""
         sides = []
         for prefix in ("", "negative_"):
@@ -110,7 +110,7 @@ class SampleRequest:
                 continue
             side = {key: self.tensors.get(prefix + key) for key in CONDITIONING_KEYS}
             text_tokens = side["context"].shape[1] if side["context"].dim() == 3 else -1
-            for key, shape in model.conditioning_shapes(self.batch, text_tokens).items():
+            for key, shape in spec.conditioning_shapes(self.batch, text_tokens).items():
                 tensor = side[key]
                 if tensor is None or tuple(tensor.shape) != shape:
                     got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
@@ -121,14 +121,14 @@ class SampleRequest:
             sides.append(side)
         return sides[0], sides[1]
 
-    def generation(self, model, positive: dict, negative: dict | None) -> Generation:
+    def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
         return Generation(
             latent=self.tensors.get("latent", torch.zeros(self.latent_shape)),
             seed=self.seed,
             steps=self.steps,
             cfg=self.cfg,
-            guidance=self.guidance if self.guidance is not None else model.default_guidance,
-            shift=self.shift if self.shift is not None else model.default_shift,
+            guidance=self.guidance if self.guidance is not None else spec.default_guidance,
+            shift=self.shift if self.shift is not None else spec.default_shift,
             positive=positive,
             negative=negative,
         )

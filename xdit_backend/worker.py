@@ -35,6 +35,7 @@ from .protocol import Message
 from .request import SampleRequest
 from .parallel import traffic
 from .parallel.denoiser import Denoiser
+from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from .sampling.generate import GenerationStopped, generate
 from .server import Job, SocketServer
 
@@ -110,7 +111,10 @@ class Executor:
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.models: dict[str, object] = {}
+        self.stages: dict[tuple[str, int, int], tuple[object, list]] = {}  # PipeFusion: (model, start, end)
         self.meshes = MeshCache(rt.device.type)
+        self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
+        self.computing = None  # the model (or stage) the last request ran on
 
     def model(self, name: str):
         if name not in self.models:
@@ -118,15 +122,36 @@ class Executor:
         return self.models[name]
 
     def unload(self, model: str | None) -> list[str]:
-        names = [model] if model else list(self.models)
+        names = [model] if model else sorted({*self.models, *(key[0] for key in self.stages)})
+        for key in [key for key in self.stages if key[0] in names]:
+            del self.stages[key]
         return [name for name in names if self.models.pop(name, None) is not None]
+
+    def stage_model(self, name: str, layout) -> tuple[object, list]:
+        """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
+        config = layout.config
+        bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
+        start, end = bounds[layout.index("pipefusion")]
+        if (name, start, end) not in self.stages:
+            model = registry.build(name, self.rt.device)
+            self.stages[name, start, end] = (model, keep_stage(model.transformer, start, end))
+        return self.stages[name, start, end]
 
     def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
         """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
-        model = self.model(request.model)
-        positive, negative = request.conditioning(model)
         layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
-        return generate(Denoiser(model, layout), request.generation(model, positive, negative), after_step)
+        spec = registry.spec(request.model)
+        gen = request.generation(spec, *request.conditioning(spec))
+        if layout is None or layout.config.pipefusion == 1:
+            self.computing = self.model(request.model)
+            return generate(Denoiser(self.computing, layout), gen, after_step)
+        stage, blocks = self.stage_model(request.model, layout)
+        self.computing = stage
+        denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
+        pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
+        self.last_trace = pipeline.trace
+        latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+        return denoiser.gather_rows(latent).cpu()
 
     def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
         """``generate`` plus this rank's record: seconds per step, bytes sent, peak memory."""
@@ -148,7 +173,9 @@ class Executor:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
         return latent, {"rank": self.rt.rank, "step_s": steps, "sent_bytes": dict(sent), "peak_memory_bytes": peak,
-                        "memory_kind": "cuda allocated" if self.rt.device.type == "cuda" else "process peak RSS"}
+                        "memory_kind": "cuda allocated" if self.rt.device.type == "cuda" else "process peak RSS",
+                        "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
+                        "pipeline_trace": self.last_trace}
 
 
 class Leader:
@@ -199,12 +226,12 @@ class Leader:
     def resolve(self, job: Job) -> tuple[SampleRequest, str]:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
         request = SampleRequest.parse(job.message)
-        model = self.executor.model(request.model)
-        positive, negative = request.conditioning(model)
+        spec = registry.spec(request.model)  # validation needs no weights
+        positive, negative = request.conditioning(spec)
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
-            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, model)
-        facts = RequestFacts(request.batch, request.image_tokens, request.cfg, negative is not None)
-        model_facts = ModelFacts(request.model, model.heads, model.parallel_methods)
+            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
+        facts = RequestFacts(request.batch, request.image_tokens, request.cfg, negative is not None, request.height // 16)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks)
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)
             why = f"auto: {why}"

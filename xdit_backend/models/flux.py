@@ -49,26 +49,43 @@ def image_ids(h: int, w: int) -> torch.Tensor:
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
 
 
-class FluxModel:
-    """A loaded Flux transformer and the calls the sampler needs from it."""
+@dataclass(frozen=True)
+class FluxSpec:
+    """What a Flux model takes and allows, read from its config: enough to validate a request
+    without building (or loading) the model."""
+
+    context_dim: int
+    pooled_dim: int
+    heads: int
+    blocks: int  # double-stream plus single-stream, as PipeFusion counts them
+    has_guidance: bool
 
     family = "flux"
     latent_format = FLUX_LATENT
     default_shift = FLUX_DEFAULT_SHIFT
     default_guidance = FLUX_DEFAULT_GUIDANCE
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
 
-    def __init__(self, transformer, name: str):
+    @classmethod
+    def from_config(cls, config) -> FluxSpec:
+        get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+        return cls(get("joint_attention_dim"), get("pooled_projection_dim"), get("num_attention_heads"),
+                   get("num_layers") + get("num_single_layers"), bool(get("guidance_embeds")))
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The tensors a request must carry for one side (positive or negative) of the guidance."""
+        return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
+
+
+class FluxModel:
+    """A loaded Flux transformer (whole, or one PipeFusion stage of it) and the calls the sampler needs."""
+
+    def __init__(self, transformer, name: str, spec: FluxSpec):
         self.transformer = transformer.eval().requires_grad_(False)
         self.name = name
-        config = transformer.config
-        self.context_dim = config.joint_attention_dim
-        self.pooled_dim = config.pooled_projection_dim
-        self.has_guidance = bool(config.guidance_embeds)
-
-    @property
-    def heads(self) -> int:
-        return self.transformer.config.num_attention_heads
+        self.spec = spec
+        self.latent_format = spec.latent_format
+        self.has_guidance = spec.has_guidance
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,10 +94,6 @@ class FluxModel:
     @property
     def device(self) -> torch.device:
         return self.transformer.device
-
-    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        """The tensors a request must carry for one side (positive or negative) of the guidance."""
-        return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
 
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: float,
                    slices=None) -> torch.Tensor:
