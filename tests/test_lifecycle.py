@@ -146,5 +146,5 @@ def test_sample_pipefusion_flags(sock, tmp_path):
     result = cli("sample", "--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 3, "--socket", sock,
                  "--device", "cpu", "--pipefusion", 2, "--patches", 4, "--warmup-steps", 1, "--out", tmp_path / "p.st")
     assert result.returncode == 0, result.stderr
-    assert "world 2: pipefusion=2 (as requested)" in result.stderr
+    assert "world 2: pipefusion=2 (4 patches, warm-up 1) (as requested)" in result.stderr
     assert load_file(tmp_path / "p.st")["samples"].shape == (1, 16, 8, 8)

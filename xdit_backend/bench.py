@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -64,18 +65,26 @@ def run_transport_bench(nproc: int = 2, repeats: int = 200) -> int:
 
 # --------------------------------------------------------------------------- parallel layouts
 
-DEFAULT_LAYOUTS = ["serial", "ulysses=2", "ring=2", "cfg=2", "dp=2", "ulysses=2,ring=2", "ulysses=4", "ring=4",
-                   "cfg=2,ulysses=2", "cfg=2,ring=2", "dp=2,ulysses=2"]
+DEFAULT_LAYOUTS = ["serial", "ulysses=2", "ring=2", "cfg=2", "dp=2", "pipefusion=2", "pipefusion=2,patches=4",
+                   "ulysses=2,ring=2", "ulysses=4", "ring=4", "cfg=2,ulysses=2", "cfg=2,ring=2", "dp=2,ulysses=2",
+                   "pipefusion=4", "pipefusion=2,ulysses=2"]
+_LAYOUT_KEYS = {"patches": "num_pipeline_patch", "warmup": "warmup_steps"}
+DEGREE_NAMES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 
 
 def parse_layout(text: str) -> dict:
-    """"cfg=2,ulysses=2" → {"cfg": 2, "ulysses": 2}; "serial" → {}."""
+    """"cfg=2,ulysses=2" → {"cfg": 2, "ulysses": 2}; "pipefusion=2,patches=4,warmup=1"; "serial" → {}."""
     if text == "serial":
         return {}
     try:
-        return {name.strip(): int(value) for name, value in (part.split("=") for part in text.split(","))}
+        pairs = (part.split("=") for part in text.split(","))
+        return {_LAYOUT_KEYS.get(name.strip(), name.strip()): int(value) for name, value in pairs}
     except ValueError:
         raise SystemExit(f"xdit-backend: layout {text!r} is not like ulysses=2,ring=2 (or serial)") from None
+
+
+def world_of(degrees: dict) -> int:
+    return math.prod(degrees.get(name, 1) for name in DEGREE_NAMES)
 
 
 def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
@@ -84,7 +93,7 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
     A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
     e bytes per element, U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels.
     """
-    u, r, cfg, dp = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp"))
+    u, r, cfg, dp, pf = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp", "pipefusion"))
     p = u * r
     a, c, e = dims["attention_layers"], dims["hidden"], 4
     n = (fields["width"] // 16) * (fields["height"] // 16)
@@ -92,6 +101,13 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
     two_passes = fields["cfg"] != 1.0
     b = fields["batch"] // dp * (2 if two_passes and cfg == 1 else 1)
     total, terms = 0, []
+    if pf > 1:
+        if p > 1 or cfg > 1:
+            return 0, "not modelled for PipeFusion hybrids"
+        images = fields["batch"] // dp
+        activations, returned = b * (n + text) * c * e, images * n * 64 * e
+        return max(activations, returned), ("PipeFusion max(B·(N+L)·C·e activations to the next stage, "
+                                            "(B/dp)·N·64·e patches back to stage 0); no factor of A")
     if u > 1:
         total += 4 * a * b * (n // p) * c * e * (u - 1) // u + a * b * text * (c // u) * e * (u - 1)
         terms.append("Ulysses 4·A·B·(N/P)·C·e·(U−1)/U + A·B·L·(C/U)·e·(U−1)")
@@ -113,7 +129,6 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
 def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = None) -> int:
     """Each layout on a CPU backend of its world size: step time, bytes sent per rank, peak memory."""
     import json
-    import math
 
     from .models.registry import BUILTINS
 
@@ -125,7 +140,7 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
     rows, records = [], []
     by_world: dict[int, list] = {}
     for text, degrees in wanted:
-        by_world.setdefault(math.prod(degrees.values()) if degrees else 1, []).append((text, degrees))
+        by_world.setdefault(world_of(degrees), []).append((text, degrees))
     for world, group in sorted(by_world.items()):
         with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
             options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device="cpu")
@@ -147,16 +162,59 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
         sent = max(sum(v for k, v in r["sent_bytes"].items() if k != "control") for r in ranks) / fields["steps"]
         formula_bytes, formula = traffic_formula(parse_layout(record["layout"]), dims, fields)
         memory = max(r["peak_memory_bytes"] for r in ranks) / 2**20
+        parameters = max(r["parameters"] for r in ranks) * 4 / 2**20  # float32
         speedup = f"{serial / median:.2f}×" if serial else "—"
         rows.append(f"| {record['layout']} | {record['world']} | {median * 1e3:.1f} | "
                     f"{min(steps) * 1e3:.1f}–{max(steps) * 1e3:.1f} | {speedup} | {sent / 1024:.1f} | "
-                    f"{formula_bytes / 1024:.1f} | {formula} | {memory:.0f} |")
+                    f"{formula_bytes / 1024:.1f} | {formula} | {parameters:.2f} | {memory:.0f} |")
     n = (fields["width"] // 16) * (fields["height"] // 16)
     print(f"{fields['model']}, {fields['width']}×{fields['height']} ({n} image tokens), batch {fields['batch']}, "
           f"cfg {fields['cfg']}, {fields['steps']} steps (first excluded), float32, CPU, gloo\n")
     print("| layout | ranks | step median ms | step min–max ms | speed-up vs serial | sent/rank/step KiB, counted | "
-          "formula KiB | formula | peak RSS/rank MiB |\n|---|---|---|---|---|---|---|---|---|")
+          "formula KiB | formula | largest rank's parameters MiB | peak RSS/rank MiB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if json_path:
         json_path.write_text(json.dumps({"fields": fields, "records": records}, indent=1))
+    return 0
+
+
+def run_pipefusion_error_bench(stages: int, width: int, height: int) -> int:
+    """Relative L2 distance to serial for patches ∈ {N, 2N}, warm-up ∈ {0, 1, 2}, steps ∈ {4, 8, 20}."""
+    import torch
+
+    from .models import registry
+    from .parallel.denoiser import Denoiser
+    from .protocol import Message
+    from .request import SampleRequest
+    from .sampling.generate import generate
+
+    fields = {"model": "flux-tiny", "width": width, "height": height, "seed": 3, "cfg": 3.5, "batch": 1}
+    spec = registry.spec("flux-tiny")
+    positive, negative = registry.random_conditioning("flux-tiny", 1, 3, spec)
+    tensors = {**positive, **{f"negative_{k}": v for k, v in negative.items()}}
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
+        options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=stages, device="cpu")
+        launcher.start(options)
+        try:
+            client = Client(options.socket)
+            for steps in (4, 8, 20):
+                request = SampleRequest.parse(Message("sample", {**fields, "steps": steps}, tensors))
+                with torch.no_grad():
+                    serial = generate(Denoiser(model), request.generation(spec, *request.conditioning(spec)))
+                cells = []
+                for patches in (stages, 2 * stages):
+                    for warmup in (0, 1, 2):
+                        layout = {"pipefusion": stages, "num_pipeline_patch": patches, "warmup_steps": warmup}
+                        result, _ = client.sample({**fields, "steps": steps, "parallel": layout}, tensors)
+                        error = (result["samples"] - serial).norm() / serial.norm()
+                        cells.append(f"{error.item():.2e}")
+                rows.append(f"| {steps} | " + " | ".join(cells) + " |")
+        finally:
+            launcher.stop(options.socket)
+    head = " | ".join(f"M={m}, warm-up {w}" for m in (stages, 2 * stages) for w in (0, 1, 2))
+    print(f"PipeFusion {stages} stages, flux-tiny {width}×{height}, cfg 3.5: relative L2 distance to serial\n")
+    print(f"| steps | {head} |\n|---|" + "---|" * 6 + "\n" + "\n".join(rows))
     return 0

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     layouts.add_argument("--batch", type=int, default=2)
     layouts.add_argument("--cfg", type=float, default=3.5)
     layouts.add_argument("--json", type=Path, default=None, help="also write every record as JSON")
+    error = bench_kinds.add_parser("pipefusion-error", help="PipeFusion's distance to serial by patches, warm-up, steps")
+    error.add_argument("--stages", type=int, default=2)
+    error.add_argument("--width", type=int, default=512)
+    error.add_argument("--height", type=int, default=512)
     return parser
 
 
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_transport_bench
 
         handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
+    elif args.command == "bench" and args.bench == "pipefusion-error":
+        from .bench import run_pipefusion_error_bench
+
+        handler = lambda a: run_pipefusion_error_bench(a.stages, a.width, a.height)  # noqa: E731
     elif args.command == "bench":
         from .bench import DEFAULT_LAYOUTS, run_layout_bench
 

@@ -77,7 +77,10 @@ class ParallelConfig:
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) > 1]
-        return " × ".join(parts) or "serial"
+        text = " × ".join(parts) or "serial"
+        if self.pipefusion > 1:
+            text += f" ({self.num_pipeline_patch or self.pipefusion} patches, warm-up {self.warmup_steps})"
+        return text
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from . import __version__, protocol
 from .attention import kernel_name
@@ -338,6 +338,10 @@ def run(args: argparse.Namespace) -> None:
         except PeerLost as exc:
             log.error("rank %d lost contact with rank 0: %s", rt.rank, exc)
             os._exit(EXIT_PEER_LOST)
+        except Exception as exc:  # e.g. inside the model: record why, then leave at once
+            log.exception("rank %d failed", rt.rank)
+            ErrorHandler().record_exception(exc)  # the launcher reads it: the failure names this rank and error
+            os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
         return
     limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
     leader = Leader(rt, ranks, args.socket, limits, args.heartbeat)

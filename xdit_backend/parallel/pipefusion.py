@@ -26,6 +26,16 @@ from ..sampling.generate import GenerationStopped, comfy_noise
 from ..sampling.schedules import flux_sigmas
 
 
+def _isend(tensor: torch.Tensor, peer: int):
+    """Post a send (through batch_isend_irecv, the one point-to-point entry the traffic count sees)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])[0]
+
+
+def _irecv(tensor: torch.Tensor, peer: int):
+    """Post a receive into ``tensor``."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])[0]
+
+
 def stage_bounds(sizes: list[int], stages: int, counts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """[start, end) block indices per stage: the given counts, or the contiguous split whose heaviest
     stage has the fewest parameters (``sizes`` are the blocks' parameter counts, in order)."""
@@ -223,11 +233,11 @@ class PipeFusion:
         for p, (a, b) in enumerate(spans):
             if first:
                 update = torch.empty(x.shape[0], b - a, x.shape[2], device=self.device, dtype=x.dtype)
-                posted.append((a, b, update, dist.irecv(update, self._peer(self.stages - 1))))
+                posted.append((a, b, update, _irecv(update, self._peer(self.stages - 1))))
             else:
                 rows = (text if p == 0 else 0) + (b - a) // self.sp_parts
                 buffer = torch.empty(batch, rows, width, device=self.device, dtype=dtype)
-                pending[p] = (buffer, dist.irecv(buffer, self._peer(self.stage - 1)))
+                pending[p] = (buffer, _irecv(buffer, self._peer(self.stage - 1)))
             self.trace.append(("post", step, p))
         sends = []
         for p, (a, b) in enumerate(spans):
@@ -252,13 +262,13 @@ class PipeFusion:
                                        image_rotary_emb=rotary)
             if not last:
                 activation = torch.cat([context, image], dim=1).contiguous()
-                sends.append((activation, dist.isend(activation, self._peer(self.stage + 1))))
+                sends.append((activation, _isend(activation, self._peer(self.stage + 1))))
                 continue
             velocity = t.proj_out(t.norm_out(image, temb)).float()  # [batch, n/P, 64]
             x = self._sampler_step(x, velocity, a, b, sigmas, step, gen)
             if not first:
                 patch = x[:, a:b].contiguous()
-                sends.append((patch, dist.isend(patch, self._peer(0))))
+                sends.append((patch, _isend(patch, self._peer(0))))
         self.updates.extend(posted)
         for _, request in sends:
             request.wait()

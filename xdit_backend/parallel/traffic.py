@@ -4,7 +4,8 @@ Opt-in, per request: while counting, the torch.distributed entry points that the
 uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well as our own.
 "Sent" is the algorithmic volume each rank must put on the wire:
 all_gather: its piece to every other rank, (W−1)·n; all_to_all_single: all but its own share,
-(W−1)/W·n; isend: n. Broadcasts are the control plane (the step gate) and counted apart.
+(W−1)/W·n; isend: n (point-to-point goes through batch_isend_irecv, ours as yunchang's).
+Broadcasts are the control plane (the step gate) and counted apart.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def counting():
         return originals["all_to_all_single"](output, input, *args, group=group, **kwargs)
 
     def batch_isend_irecv(ops):
-        sent["p2p"] += sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend or op.op == dist.isend)
+        sent["p2p"] += sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
         return originals["batch_isend_irecv"](ops)
 
     def broadcast(tensor, src, group=None, async_op=False):
