@@ -28,8 +28,12 @@ def serial(fields, tensors):
         return generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
 
 
-@pytest.mark.parametrize("world,degrees", [(2, {"pipefusion": 2}), (4, {"pipefusion": 2, "ulysses": 2})],
-                         ids=["pipefusion2", "pipefusion2xulysses2"])
+HYBRIDS = [(2, {"pipefusion": 2}), (4, {"pipefusion": 2, "ulysses": 2}), (4, {"pipefusion": 2, "ring": 2}),
+           (4, {"pipefusion": 2, "cfg": 2}), (4, {"pipefusion": 2, "dp": 2}), (4, {"pipefusion": 4})]
+
+
+@pytest.mark.parametrize("world,degrees", HYBRIDS, ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items())
+                         if isinstance(v, dict) else f"world{v}")
 def test_full_warmup_equals_serial(world, degrees, request):
     client = request.getfixturevalue(f"backend{world}")
     tensors = conditioning()
