@@ -56,25 +56,25 @@ def backends():
     manager.cleanup()
 
 
+def _shared_backend(nproc: int):
+    manager = Backends()
+    yield manager.start(nproc)
+    manager.cleanup()
+
+
 @pytest.fixture(scope="module")
 def backend1():
     """One world-1 backend shared by a module's tests."""
-    manager = Backends()
-    yield manager.start(1)
-    manager.cleanup()
+    yield from _shared_backend(1)
 
 
 @pytest.fixture(scope="module")
 def backend2():
     """One world-2 backend shared by a module's tests."""
-    manager = Backends()
-    yield manager.start(2)
-    manager.cleanup()
+    yield from _shared_backend(2)
 
 
 @pytest.fixture(scope="module")
 def backend4():
     """One world-4 backend shared by a module's tests (4 processes on however many cores)."""
-    manager = Backends()
-    yield manager.start(4)
-    manager.cleanup()
+    yield from _shared_backend(4)

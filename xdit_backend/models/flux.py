@@ -122,3 +122,33 @@ class FluxModel:
             velocity = slices.gather(velocity)  # [B, N/P, 64] → [B, N, 64]
         velocity = unpack(velocity.float(), h, w)  # [B, 16, h, w]
         return x - velocity * sigma.view(-1, 1, 1, 1)  # flow matching: x0 = x − σ·v
+
+
+def attention_inputs(attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None):
+    """Q, K, V [B, S, H, D] of a diffusers Flux attention module, text first, RoPE applied, as
+    diffusers' own processor builds them; for processors that replace only the attention itself."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    query, key, value = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim))  # [B, N, H, D]
+                         for proj in (attn.to_q, attn.to_k, attn.to_v))
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    if encoder_hidden_states is not None:  # double-stream block: text arrives separately
+        text = [proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))  # [B, L, H, D]
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+        query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value
+
+
+def attention_outputs(attn, out, encoder_hidden_states=None):
+    """The module's output projections on the attention result out [B, S, H, D]: what diffusers'
+    processor returns (image, text) for a double-stream block, or the joint sequence for a single one."""
+    out = out.flatten(2, 3)  # [B, S, H·D]
+    if encoder_hidden_states is None:
+        return out
+    text_tokens = encoder_hidden_states.shape[1]
+    image_out = attn.to_out[1](attn.to_out[0](out[:, text_tokens:].contiguous()))
+    return image_out, attn.to_add_out(out[:, :text_tokens].contiguous())

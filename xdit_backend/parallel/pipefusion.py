@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import attention
-from ..models.flux import image_ids, pack, unpack
+from ..models.flux import attention_inputs, attention_outputs, image_ids, pack, unpack
 from ..sampling.generate import GenerationStopped, comfy_noise
 from ..sampling.schedules import flux_sigmas
 
@@ -110,20 +110,8 @@ class StaleKVProcessor:
         self.buffer = KVBuffer()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-
-        query, key, value = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim))  # [B, n, H, D]
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if encoder_hidden_states is not None:
-            text = [proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))
-                    for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
-            text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-            query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
+        # q, k, v: [B, n, H, D] for this rank's tokens of the chunk (text first when it carries text)
+        query, key, value = attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         chunk = self.chunk
         L = chunk.text_tokens
         if self.sp_group is None:
@@ -139,12 +127,7 @@ class StaleKVProcessor:
             self.buffer.write(chunk.patch_positions, self._k, self._v, chunk.total)
         k_all, v_all = self.buffer.read()  # [B, written, H, D]
         out, _ = self.kernel(query, k_all, v_all)  # [B, n, H, D]
-        out = out.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is None:
-            return out
-        text_out, image_out = out[:, :encoder_hidden_states.shape[1]], out[:, encoder_hidden_states.shape[1]:]
-        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
-        return image_out, attn.to_add_out(text_out.contiguous())
+        return attention_outputs(attn, out.to(query.dtype), encoder_hidden_states)
 
 
 class PipeFusion:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import attention
+from ..models import flux
 
 
 class JointUSPAttention:
@@ -77,29 +78,13 @@ class FluxUSPProcessor:
         self.text_tokens = 0  # single-stream blocks see text and image as one sequence
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        from diffusers.models.embeddings import apply_rotary_emb
-
         if attention_mask is not None:
             raise NotImplementedError("sequence parallel Flux attention does not take an attention mask")
-        query, key, value = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim))  # [B, S, H, D]
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if encoder_hidden_states is not None:  # double-stream block: text arrives separately
-            text = [proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))  # [B, L, H, D]
-                    for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
-            text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-            query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
-        if image_rotary_emb is not None:  # built from this rank's ids: matches its tokens
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
+        # RoPE comes from this rank's token ids, so it matches its tokens. q, k, v: [B, S, H, D]
+        query, key, value = flux.attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         text_tokens = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else self.text_tokens
-        out = self.usp(query, key, value, text_tokens).flatten(2, 3).to(query.dtype)  # [B, S, H·D]
-        if encoder_hidden_states is None:
-            return out
-        text_out, image_out = out[:, :text_tokens], out[:, text_tokens:]
-        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
-        return image_out, attn.to_add_out(text_out.contiguous())
+        out = self.usp(query, key, value, text_tokens).to(query.dtype)
+        return flux.attention_outputs(attn, out, encoder_hidden_states)
 
 
 class TokenSlices:
