@@ -32,7 +32,7 @@ from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_mess
 from .mesh import MeshCache
 from .models import registry
 from .protocol import Message
-from .request import SampleRequest
+from .request import RequestError, SampleRequest
 from .parallel import traffic
 from .parallel.denoiser import Denoiser
 from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
@@ -117,25 +117,33 @@ class Executor:
         self.computing = None  # the model (or stage) the last request ran on
 
     def model(self, name: str):
-        if name not in self.models:
-            self.models[name] = registry.build(name, self.rt.device)
-        return self.models[name]
+        """The loaded model, cached by identity: a changed file (new mtime) is loaded again."""
+        key = registry.identity(name)
+        if key not in self.models:
+            for stale in [k for k in self.models if k.split("@")[0] == key.split("@")[0]]:
+                del self.models[stale]
+            self.models[key] = registry.build(name, self.rt.device)
+        return self.models[key]
 
     def unload(self, model: str | None) -> list[str]:
-        names = [model] if model else sorted({*self.models, *(key[0] for key in self.stages)})
-        for key in [key for key in self.stages if key[0] in names]:
-            del self.stages[key]
-        return [name for name in names if self.models.pop(name, None) is not None]
+        """Drop a model (every version and stage of it), or all of them; returns what was loaded."""
+        unloaded = sorted({key.split("@")[0] for key in self.models} | {key[0] for key in self.stages})
+        if model:
+            unloaded = [name for name in unloaded if name == model or name == registry.resolve(model).ref]
+        self.models = {k: v for k, v in self.models.items() if k.split("@")[0] not in unloaded}
+        self.stages = {k: v for k, v in self.stages.items() if k[0] not in unloaded}
+        return unloaded
 
     def stage_model(self, name: str, layout) -> tuple[object, list]:
         """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
-        if (name, start, end) not in self.stages:
+        key = (registry.identity(name), start, end)
+        if key not in self.stages:
             model = registry.build(name, self.rt.device)
-            self.stages[name, start, end] = (model, keep_stage(model.transformer, start, end))
-        return self.stages[name, start, end]
+            self.stages[key] = (model, keep_stage(model.transformer, start, end))
+        return self.stages[key]
 
     def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
         """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
@@ -197,7 +205,7 @@ class Leader:
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
             "attention_kernel": kernel_name(self.rt.device),
-            "models": sorted(self.executor.models),
+            "models": sorted({key.split("@")[0] for key in self.executor.models}),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "socket": str(self.server.path),
         }
@@ -228,6 +236,10 @@ class Leader:
         request = SampleRequest.parse(job.message)
         spec = registry.spec(request.model)  # validation needs no weights
         positive, negative = request.conditioning(spec)
+        if positive is None and request.model not in registry.BUILTINS:
+            raise RequestError(f"model {request.model} needs text conditioning: send context and pooled "
+                               "(and negative_context, negative_pooled for cfg > 1)",
+                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
             positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
         facts = RequestFacts(request.batch, request.image_tokens, request.cfg, negative is not None, request.height // 16)

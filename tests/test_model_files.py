@@ -1,0 +1,187 @@
+"""Flux files as ComfyUI users have them (BFL layout, bare or in a checkpoint, fp8) and diffusers
+folders load into the same model; damaged or foreign files get an error naming the file."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from xdit_backend.models import registry
+from xdit_backend.models.registry import ModelError
+
+
+def bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """diffusers Flux → the original BFL key layout, written out here independently of the loader."""
+    sd = transformer.state_dict()
+    out = {}
+
+    def linear(bfl, diffusers):
+        out[f"{bfl}.weight"], out[f"{bfl}.bias"] = sd[f"{diffusers}.weight"], sd[f"{diffusers}.bias"]
+
+    for bfl, dif in [("img_in", "x_embedder"), ("txt_in", "context_embedder"),
+                     ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+                     ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+                     ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+                     ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+                     ("final_layer.linear", "proj_out")]:
+        linear(bfl, dif)
+    if "time_text_embed.guidance_embedder.linear_1.weight" in sd:
+        linear("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1")
+        linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")
+    for suffix in ("weight", "bias"):  # diffusers (scale, shift) ↔ BFL (shift, scale)
+        scale, shift = sd[f"norm_out.linear.{suffix}"].chunk(2)
+        out[f"final_layer.adaLN_modulation.1.{suffix}"] = torch.cat([shift, scale])
+    for i in range(len(transformer.transformer_blocks)):
+        d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        linear(f"{b}.img_mod.lin", f"{d}.norm1.linear")
+        linear(f"{b}.txt_mod.lin", f"{d}.norm1_context.linear")
+        for stream, q, k, v, proj, nq, nk in [("img", "to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k"),
+                                              ("txt", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                                               "norm_added_q", "norm_added_k")]:
+            for suffix in ("weight", "bias"):
+                out[f"{b}.{stream}_attn.qkv.{suffix}"] = torch.cat([sd[f"{d}.attn.{n}.{suffix}"] for n in (q, k, v)])
+            linear(f"{b}.{stream}_attn.proj", f"{d}.attn.{proj}")
+            out[f"{b}.{stream}_attn.norm.query_norm.scale"] = sd[f"{d}.attn.{nq}.weight"]
+            out[f"{b}.{stream}_attn.norm.key_norm.scale"] = sd[f"{d}.attn.{nk}.weight"]
+        for stream, ff in (("img", "ff"), ("txt", "ff_context")):
+            linear(f"{b}.{stream}_mlp.0", f"{d}.{ff}.net.0.proj")
+            linear(f"{b}.{stream}_mlp.2", f"{d}.{ff}.net.2")
+    for i in range(len(transformer.single_transformer_blocks)):
+        d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        linear(f"{b}.modulation.lin", f"{d}.norm.linear")
+        for suffix in ("weight", "bias"):
+            out[f"{b}.linear1.{suffix}"] = torch.cat([sd[f"{d}.{n}.{suffix}"]
+                                                      for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
+        linear(f"{b}.linear2", f"{d}.proj_out")
+        out[f"{b}.norm.query_norm.scale"] = sd[f"{d}.attn.norm_q.weight"]
+        out[f"{b}.norm.key_norm.scale"] = sd[f"{d}.attn.norm_k.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return registry.build("flux-tiny", torch.device("cpu"))
+
+
+def forward(transformer, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        return transformer(hidden_states=torch.randn(1, 16, 64, generator=g),
+                           encoder_hidden_states=torch.randn(1, 8, 64, generator=g),
+                           pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.7]),
+                           img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), guidance=torch.tensor([3.5]),
+                           return_dict=False)[0]
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."], ids=["diffusion_models", "checkpoint"])
+def test_bfl_file_loads_as_the_same_model(tiny, tmp_path, prefix):
+    path = tmp_path / "flux.safetensors"
+    save_file({prefix + k: v for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    loaded = registry.build(str(path), torch.device("cpu"))
+    for key, value in tiny.transformer.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[key], value), key
+    assert (forward(loaded.transformer) - forward(tiny.transformer)).abs().max() <= 1e-5
+    assert registry.resolve(str(path)).describes == "Flux-dev architecture, width 64, 2+5 blocks"
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_file_is_cast_to_the_compute_dtype(tiny, tmp_path, fp8):
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file({k: v.to(fp8) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    loaded = registry.build(str(path), torch.device("cpu"))
+    assert loaded.transformer.dtype == torch.float32
+    rounded = registry.build("flux-tiny", torch.device("cpu"))
+    rounded.transformer.load_state_dict({k: v.to(fp8).float() for k, v in tiny.transformer.state_dict().items()})
+    assert (forward(loaded.transformer) - forward(rounded.transformer)).abs().max() <= 1e-5
+
+
+def test_diffusers_folder_loads(tiny, tmp_path):
+    tiny.transformer.save_pretrained(tmp_path / "flux")
+    loaded = registry.build(str(tmp_path / "flux"), torch.device("cpu"))
+    assert (forward(loaded.transformer) - forward(tiny.transformer)).abs().max() <= 1e-5
+
+
+def test_schnell_variant_is_inferred_from_the_missing_guidance(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    config = {**registry.BUILTINS["flux-tiny"].config, "guidance_embeds": False}
+    path = tmp_path / "schnell.safetensors"
+    save_file(bfl_state_dict(FluxTransformer2DModel(**config)), str(path))
+    source = registry.resolve(str(path))
+    assert source.config["guidance_embeds"] is False and "schnell" in source.describes
+    assert source.config["axes_dims_rope"] == (4, 6, 6)
+
+
+def test_unknown_file_names_what_it_found(tmp_path):
+    path = tmp_path / "vae.safetensors"
+    save_file({"encoder.conv_in.weight": torch.zeros(2), "decoder.conv_out.weight": torch.zeros(2)}, str(path))
+    with pytest.raises(ModelError) as info:
+        registry.resolve(str(path))
+    assert str(path) in info.value.message and "decoder, encoder" in info.value.message
+    assert "Flux" in info.value.hint
+
+
+def test_truncated_file_is_named(tiny, tmp_path):
+    path = tmp_path / "cut.safetensors"
+    save_file(bfl_state_dict(tiny.transformer), str(path))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelError) as info:
+        registry.build(str(path), torch.device("cpu"))
+    assert str(path) in info.value.message and "truncated" in info.value.hint
+
+
+def test_shapes_matching_no_variant_are_named(tiny, tmp_path):
+    weights = bfl_state_dict(tiny.transformer)
+    weights["double_blocks.0.img_mlp.0.weight"] = torch.zeros(100, 64)
+    path = tmp_path / "odd.safetensors"
+    save_file(weights, str(path))
+    with pytest.raises(ModelError) as info:
+        registry.resolve(str(path))
+    assert str(path) in info.value.message and "match no Flux variant" in info.value.message
+
+
+def test_missing_path_lists_what_to_give():
+    with pytest.raises(ModelError) as info:
+        registry.resolve("/nowhere/flux.safetensors")
+    assert "no model at /nowhere/flux.safetensors" in info.value.message and "flux-tiny" in info.value.hint
+
+
+def test_a_model_file_samples_like_the_same_weights_built_in(backend2, tiny, tmp_path):
+    """Through the backend (ulysses=2): the file gives the built-in model's latent for the same inputs."""
+    path = tmp_path / "flux.safetensors"
+    save_file(bfl_state_dict(tiny.transformer), str(path))
+    g = torch.Generator().manual_seed(1)
+    tensors = {"context": torch.randn(1, 8, 64, generator=g), "pooled": torch.randn(1, 32, generator=g)}
+    fields = {"width": 64, "height": 64, "steps": 3, "seed": 2, "parallel": {"ulysses": 2}}
+    from_file, _ = backend2.sample({**fields, "model": str(path)}, tensors)
+    built_in, _ = backend2.sample({**fields, "model": "flux-tiny"}, tensors)
+    assert (from_file["samples"] - built_in["samples"]).abs().max() <= 1e-5
+    with pytest.raises(Exception, match="needs text conditioning"):
+        backend2.sample({**fields, "model": str(path)})
+
+
+def test_conversion_matches_diffusers_own_converter_at_full_width(tmp_path):
+    """Ground truth for the layout: diffusers' converter (which only works at width 3072) reads a
+    full-width one-double, one-single-block Flux file into exactly the tensors our loader gives."""
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    config = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                  guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # 545 M parameters: keep the test within a few GB
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = FluxTransformer2DModel(**config)
+    finally:
+        torch.set_default_dtype(default)
+    path = tmp_path / "flux-full-width.safetensors"
+    save_file(bfl_state_dict(model), str(path))
+    del model
+    expected = convert_flux_transformer_checkpoint_to_diffusers(load_file(str(path)))
+    ours = registry.build(str(path), torch.device("cpu"), torch.bfloat16).transformer.state_dict()
+    assert registry.resolve(str(path)).describes.startswith("Flux-dev architecture, width 3072")
+    assert ours.keys() == expected.keys()
+    assert [key for key in expected if not torch.equal(ours[key], expected[key])] == []

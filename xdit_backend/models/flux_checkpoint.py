@@ -1,0 +1,167 @@
+"""Flux single files in the original (BFL / ComfyUI) key layout, read into diffusers' Flux.
+
+The layout conversion is a table: every diffusers parameter names the BFL tensor it comes from,
+and, for fused tensors, which rows. It works at any width (diffusers' own converter assumes
+3072), reads each tensor through a memory-mapped slice, and infers the config from the shapes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+
+# ComfyUI keeps models either bare ("unet" / diffusion_models) or inside a checkpoint.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
+MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one diffusers tensor comes from: a BFL key, and which part of it."""
+
+    key: str
+    part: int = 0  # index of the part along dim 0
+    parts: tuple[str, ...] = ()  # names of the sizes the BFL tensor is cut into ("D" or "MLP"), empty: whole
+    swap_halves: bool = False  # BFL's final modulation is (shift, scale), diffusers' (scale, shift)
+
+
+_GLOBAL = {
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "proj_out": "final_layer.linear",
+}
+_QKV = ("D", "D", "D")
+_DOUBLE = {
+    "norm1.linear": ("img_mod.lin",),
+    "norm1_context.linear": ("txt_mod.lin",),
+    "attn.to_q": ("img_attn.qkv", 0, _QKV), "attn.to_k": ("img_attn.qkv", 1, _QKV), "attn.to_v": ("img_attn.qkv", 2, _QKV),
+    "attn.norm_q": ("img_attn.norm.query_norm",), "attn.norm_k": ("img_attn.norm.key_norm",),
+    "attn.to_out.0": ("img_attn.proj",),
+    "attn.add_q_proj": ("txt_attn.qkv", 0, _QKV), "attn.add_k_proj": ("txt_attn.qkv", 1, _QKV),
+    "attn.add_v_proj": ("txt_attn.qkv", 2, _QKV),
+    "attn.norm_added_q": ("txt_attn.norm.query_norm",), "attn.norm_added_k": ("txt_attn.norm.key_norm",),
+    "attn.to_add_out": ("txt_attn.proj",),
+    "ff.net.0.proj": ("img_mlp.0",), "ff.net.2": ("img_mlp.2",),
+    "ff_context.net.0.proj": ("txt_mlp.0",), "ff_context.net.2": ("txt_mlp.2",),
+}
+_LINEAR1 = ("D", "D", "D", "MLP")
+_SINGLE = {
+    "norm.linear": ("modulation.lin",),
+    "attn.to_q": ("linear1", 0, _LINEAR1), "attn.to_k": ("linear1", 1, _LINEAR1), "attn.to_v": ("linear1", 2, _LINEAR1),
+    "proj_mlp": ("linear1", 3, _LINEAR1),
+    "attn.norm_q": ("norm.query_norm",), "attn.norm_k": ("norm.key_norm",),
+    "proj_out": ("linear2",),
+}
+
+
+def sources(diffusers_keys, prefix: str) -> dict[str, Source]:
+    """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
+    table = {}
+    for key in diffusers_keys:
+        module, param = key.rsplit(".", 1)
+        bfl_param = "scale" if param == "weight" and ("norm_q" in module or "norm_k" in module
+                                                      or "norm_added" in module) else param
+        if module == "norm_out.linear":
+            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            continue
+        if module in _GLOBAL:
+            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            continue
+        match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
+        if not match:
+            raise KeyError(key)
+        kind, index, rest = match.groups()
+        bfl_block = "double_blocks" if kind == "transformer_blocks" else "single_blocks"
+        name, *split = (_DOUBLE if kind == "transformer_blocks" else _SINGLE)[rest]
+        part, parts = split if split else (0, ())
+        table[key] = Source(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", part, parts)
+    return table
+
+
+def detect_prefix(keys) -> str | None:
+    """The key prefix under which the file holds a Flux model in BFL layout, or None if it does not."""
+    keys = set(keys)
+    for prefix in PREFIXES:
+        if all(prefix + marker in keys for marker in MARKERS):
+            return prefix
+    return None
+
+
+def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
+    """diffusers' FluxTransformer2DModel config, read off the tensor shapes; errors name the file."""
+
+    def shape(key):
+        return shapes[prefix + key]
+
+    def blocks(kind):
+        found = {int(m.group(1)) for k in shapes if (m := re.match(re.escape(prefix + kind) + r"\.(\d+)\.", k))}
+        return len(found)
+
+    width, in_channels = shape("img_in.weight")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    config = {
+        "patch_size": 1,
+        "in_channels": in_channels,
+        "num_layers": blocks("double_blocks"),
+        "num_single_layers": blocks("single_blocks"),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": width // head_dim,
+        "joint_attention_dim": shape("txt_in.weight")[1],
+        "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
+        "guidance_embeds": prefix + "guidance_in.in_layer.weight" in shapes,
+        "axes_dims_rope": rope_axes(head_dim),
+    }
+    expected = {
+        "double_blocks.0.img_attn.qkv.weight": [3 * width, width],
+        "double_blocks.0.img_mlp.0.weight": [4 * width, width],
+        "final_layer.linear.weight": [in_channels, width],
+    }
+    if config["num_single_layers"]:
+        expected["single_blocks.0.linear1.weight"] = [7 * width, width]
+    wrong = {key: shape(key) for key, want in expected.items() if list(shape(key)) != want}
+    if width % head_dim or wrong:
+        raise UserError(
+            f"{path}: its Flux tensors match no Flux variant (width {width}, head size {head_dim}; "
+            f"unexpected shapes: {wrong or 'width not a multiple of the head size'})",
+            "the file may be damaged or of another architecture; re-download it")
+    return config
+
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Flux's RoPE split of a head: (16, 56, 56) at 128; the same proportions, even, at other sizes."""
+    side = (7 * head_dim // 16) // 2 * 2
+    return (head_dim - 2 * side, side, side)
+
+
+def variant(config: dict) -> str:
+    """A name for what the shapes say: Flux.1-dev / Flux.1-schnell at full size, else the architecture."""
+    kind = "dev" if config["guidance_embeds"] else "schnell"
+    width = config["attention_head_dim"] * config["num_attention_heads"]
+    if (width, config["num_layers"], config["num_single_layers"]) == (3072, 19, 38):
+        return f"Flux.1-{kind}"
+    return f"Flux-{kind} architecture, width {width}, {config['num_layers']}+{config['num_single_layers']} blocks"
+
+
+def read_tensor(handle, source: Source, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """One diffusers tensor from an open safetensors file: only the rows it needs are read."""
+    view = handle.get_slice(source.key)
+    if source.parts:
+        sizes = [width if name == "D" else 4 * width for name in source.parts]
+        start = sum(sizes[: source.part])
+        tensor = view[start : start + sizes[source.part]]
+    else:
+        tensor = view[:]
+    if source.swap_halves:
+        shift, scale = tensor.chunk(2, dim=0)
+        tensor = torch.cat([scale, shift], dim=0)
+    return tensor.to(dtype)  # float8 files are cast to the compute dtype here
