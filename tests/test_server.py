@@ -145,3 +145,17 @@ def test_a_request_over_its_timeout_is_cancelled_with_a_clear_error(backend1):
         backend1.sample(LONG, timeout=1.0)
     assert info.value.kind == "timeout" and "longer than 1 s" in info.value.message
     assert_still_serving(backend1)
+
+
+def test_weight_dtype_is_chosen_per_request_and_cached_apart(backend1):
+    """bfloat16 weights give a nearby latent; each dtype is a loaded model of its own; unload drops both."""
+    full, _ = backend1.sample({**SMALL, "dtype": "float32"})
+    half, _ = backend1.sample({**SMALL, "dtype": "bfloat16"})
+    assert half["samples"].dtype == torch.float32
+    relative = (half["samples"] - full["samples"]).norm() / full["samples"].norm()
+    assert 0 < relative < 0.05
+    assert {"flux-tiny (float32)", "flux-tiny (bfloat16)"} <= set(backend1.status()["models"])
+    assert backend1.unload("flux-tiny") == ["flux-tiny"]
+    assert backend1.status()["models"] == []
+    with pytest.raises(BackendError, match="dtype 'float8' is not supported"):
+        backend1.sample({**SMALL, "dtype": "float8"})

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
     sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
     sample.add_argument("--batch", type=int, default=1)
+    sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)")
     sample.add_argument("--embeds", type=Path, default=None,
                         help="safetensors with context, pooled [, negative_context, negative_pooled]")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
@@ -165,7 +167,7 @@ def cmd_sample(args) -> int:
 
     layout = requested_layout(args)
     fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout}
+              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype}
     fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift)) if v is not None})
     tensors = load_file(args.embeds) if args.embeds else {}
     client = Client(args.socket)

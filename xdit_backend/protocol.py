@@ -79,6 +79,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "shift": _NUM,
         "parallel": (dict, str),  # {"ulysses": 2, …} or "auto"
         "profile": bool,  # report step times, traffic and memory per rank (the bench asks for it)
+        "dtype": str,  # weights and compute: auto, float32, bfloat16, float16
     },
     "cancel": {"target": str},
     "unload": {"model": str},

@@ -36,6 +36,7 @@ class SampleRequest:
     shift: float | None
     parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
     profile: bool
+    dtype: str  # "auto" (float32 on the CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16"
     tensors: dict[str, torch.Tensor]
 
     @property
@@ -64,6 +65,7 @@ class SampleRequest:
             shift=float(f["shift"]) if "shift" in f else None,
             parallel=_parallel(f.get("parallel", "auto")),
             profile=f.get("profile", False),
+            dtype=_dtype_name(f.get("dtype", "auto")),
             tensors=dict(message.tensors),
         )
         request._check_geometry()
@@ -132,6 +134,22 @@ class SampleRequest:
             positive=positive,
             negative=negative,
         )
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(value: str) -> str:
+    if value != "auto" and value not in DTYPES:
+        raise RequestError(f"dtype {value!r} is not supported", f"use auto, {', '.join(DTYPES)}")
+    return value
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype weights are held and computed in: "auto" is float32 on the CPU, bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def _parallel(value) -> ParallelConfig | None:

@@ -32,7 +32,7 @@ from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_mess
 from .mesh import MeshCache
 from .models import registry
 from .protocol import Message
-from .request import RequestError, SampleRequest
+from .request import RequestError, SampleRequest, compute_dtype
 from .parallel import traffic
 from .parallel.denoiser import Denoiser
 from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
@@ -110,38 +110,44 @@ class Executor:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.models: dict[str, object] = {}
-        self.stages: dict[tuple[str, int, int], tuple[object, list]] = {}  # PipeFusion: (model, start, end)
+        self.models: dict[tuple[str, int, str], object] = {}  # (name or path, file version, dtype) → model
+        self.stages: dict[tuple[str, int, str, int, int], tuple[object, list]] = {}  # + PipeFusion block range
         self.meshes = MeshCache(rt.device.type)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
-    def model(self, name: str):
-        """The loaded model, cached by identity: a changed file (new mtime) is loaded again."""
-        key = registry.identity(name)
+    def model(self, name: str, dtype: str = "auto"):
+        """The loaded model, cached by identity and dtype: a changed file (new mtime) is loaded again."""
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        path, version = registry.identity(name)
+        key = (path, version, str(torch_dtype).removeprefix("torch."))
         if key not in self.models:
-            for stale in [k for k in self.models if k.split("@")[0] == key.split("@")[0]]:
-                del self.models[stale]
-            self.models[key] = registry.build(name, self.rt.device)
+            self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
+            self.models[key] = registry.build(name, self.rt.device, torch_dtype)
         return self.models[key]
 
-    def unload(self, model: str | None) -> list[str]:
-        """Drop a model (every version and stage of it), or all of them; returns what was loaded."""
-        unloaded = sorted({key.split("@")[0] for key in self.models} | {key[0] for key in self.stages})
-        if model:
-            unloaded = [name for name in unloaded if name == model or name == registry.resolve(model).ref]
-        self.models = {k: v for k, v in self.models.items() if k.split("@")[0] not in unloaded}
-        self.stages = {k: v for k, v in self.stages.items() if k[0] not in unloaded}
-        return unloaded
+    def loaded(self) -> list[str]:
+        return sorted({f"{key[0]} ({key[2]})" for key in [*self.models, *self.stages]})
 
-    def stage_model(self, name: str, layout) -> tuple[object, list]:
+    def unload(self, model: str | None) -> list[str]:
+        """Drop a model (every version, dtype and stage of it), or all of them; returns what was loaded."""
+        names = {key[0] for key in [*self.models, *self.stages]}
+        if model:
+            wanted = {model, str(Path(model).expanduser().resolve())}
+            names &= wanted
+        self.models = {k: v for k, v in self.models.items() if k[0] not in names}
+        self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
+        return sorted(names)
+
+    def stage_model(self, name: str, layout, dtype: str = "auto") -> tuple[object, list]:
         """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
-        key = (registry.identity(name), start, end)
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), start, end)
         if key not in self.stages:
-            model = registry.build(name, self.rt.device)
+            model = registry.build(name, self.rt.device, torch_dtype)
             self.stages[key] = (model, keep_stage(model.transformer, start, end))
         return self.stages[key]
 
@@ -151,9 +157,9 @@ class Executor:
         spec = registry.spec(request.model)
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
-            self.computing = self.model(request.model)
+            self.computing = self.model(request.model, request.dtype)
             return generate(Denoiser(self.computing, layout), gen, after_step)
-        stage, blocks = self.stage_model(request.model, layout)
+        stage, blocks = self.stage_model(request.model, layout, request.dtype)
         self.computing = stage
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
@@ -205,7 +211,7 @@ class Leader:
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
             "attention_kernel": kernel_name(self.rt.device),
-            "models": sorted({key.split("@")[0] for key in self.executor.models}),
+            "models": self.executor.loaded(),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "socket": str(self.server.path),
         }
@@ -301,7 +307,7 @@ def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
     fields = {name: getattr(request, name) for name in ("model", "width", "height", "batch", "steps", "seed", "cfg")}
     fields.update({name: getattr(request, name) for name in ("guidance", "shift") if getattr(request, name) is not None})
-    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile}
+    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile, "dtype": request.dtype}
 
 
 def follow(rt: Runtime) -> None:

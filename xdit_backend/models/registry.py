@@ -124,12 +124,13 @@ def _resolve_folder(path: str) -> Source:
     return Source("folder", str(config_file.parent), init, describes="Flux (diffusers folder)")
 
 
-def identity(ref: str) -> str:
-    """What a loaded model is cached under: the name, or the file with its modification time."""
+def identity(ref: str) -> tuple[str, int]:
+    """What a loaded model is cached under: its name or resolved path, and the file's version
+    (modification time; 0 for a built-in), so a changed file is loaded again."""
     source = resolve(ref)
     if source.kind == "builtin":
-        return ref
-    return f"{source.ref}@{Path(source.ref).stat().st_mtime_ns}"
+        return ref, 0
+    return source.ref, Path(source.ref).stat().st_mtime_ns
 
 
 def block_sizes(ref: str) -> list[int]:
