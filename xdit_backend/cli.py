@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
     sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
     sample.add_argument("--batch", type=int, default=1)
+    sample.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                        help="a LoRA file merged into the weights (repeat for several; strength 1 by default)")
     sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)")
     sample.add_argument("--embeds", type=Path, default=None,
@@ -143,6 +145,15 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
     print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
 
 
+def _lora_entry(text: str) -> dict:
+    """PATH or PATH:STRENGTH → {"path", "strength"}."""
+    path, _, strength = text.rpartition(":") if ":" in text else (text, "", "1")
+    try:
+        return {"path": path, "strength": float(strength)}
+    except ValueError:
+        return {"path": text, "strength": 1.0}
+
+
 def requested_layout(args) -> dict | str:
     """Explicit degrees from the flags, or "auto"."""
     degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None,
@@ -167,7 +178,8 @@ def cmd_sample(args) -> int:
 
     layout = requested_layout(args)
     fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype}
+              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype,
+              "loras": [_lora_entry(text) for text in args.lora]}
     fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift)) if v is not None})
     tensors = load_file(args.embeds) if args.embeds else {}
     client = Client(args.socket)
@@ -191,6 +203,11 @@ def cmd_sample(args) -> int:
     save_file({"samples": samples}, str(args.out))
     print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
           f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
+    for report in info.get("loras", []):
+        unmatched = (f"; {report['unmatched_keys']} keys matched nothing, e.g. {report['unmatched_examples']}"
+                     if report["unmatched_keys"] else "")
+        print(f"LoRA {report['file']} × {report['strength']:g}: {report['merged_modules']} modules merged{unmatched}",
+              file=sys.stderr)
     return 0
 
 

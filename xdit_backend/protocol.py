@@ -80,6 +80,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "parallel": (dict, str),  # {"ulysses": 2, …} or "auto"
         "profile": bool,  # report step times, traffic and memory per rank (the bench asks for it)
         "dtype": str,  # weights and compute: auto, float32, bfloat16, float16
+        "loras": list,  # [{"path": "…", "strength": 1.0}, …], merged into the weights at load
     },
     "cancel": {"target": str},
     "unload": {"model": str},

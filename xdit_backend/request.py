@@ -9,6 +9,7 @@ import torch
 from . import protocol
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
+from .models import lora
 from .sampling.generate import Generation
 
 MAX_SIDE = 16384
@@ -37,6 +38,7 @@ class SampleRequest:
     parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
     profile: bool
     dtype: str  # "auto" (float32 on the CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16"
+    loras: tuple  # lora.LoraSpec, in order
     tensors: dict[str, torch.Tensor]
 
     @property
@@ -66,6 +68,7 @@ class SampleRequest:
             parallel=_parallel(f.get("parallel", "auto")),
             profile=f.get("profile", False),
             dtype=_dtype_name(f.get("dtype", "auto")),
+            loras=_loras(f.get("loras", [])),
             tensors=dict(message.tensors),
         )
         request._check_geometry()
@@ -150,6 +153,13 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def _loras(entries) -> tuple:
+    try:
+        return tuple(lora.parse(entries))
+    except UserError as exc:
+        raise RequestError(exc.message, exc.hint) from None
 
 
 def _parallel(value) -> ParallelConfig | None:

@@ -30,7 +30,7 @@ from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .errors import UserError
 from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json
 from .mesh import MeshCache
-from .models import registry
+from .models import lora, registry
 from .protocol import Message
 from .request import RequestError, SampleRequest, compute_dtype
 from .parallel import traffic
@@ -116,18 +116,22 @@ class Executor:
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
-    def model(self, name: str, dtype: str = "auto"):
-        """The loaded model, cached by identity and dtype: a changed file (new mtime) is loaded again."""
+    def model(self, name: str, dtype: str = "auto", loras=()):
+        """The loaded model, cached by identity, dtype and LoRAs: a changed file (new mtime) is loaded again."""
         torch_dtype = compute_dtype(dtype, self.rt.device)
         path, version = registry.identity(name)
-        key = (path, version, str(torch_dtype).removeprefix("torch."))
+        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)))
         if key not in self.models:
             self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
-            self.models[key] = registry.build(name, self.rt.device, torch_dtype)
+            self.models[key] = registry.build(name, self.rt.device, torch_dtype, loras)
         return self.models[key]
 
     def loaded(self) -> list[str]:
-        return sorted({f"{key[0]} ({key[2]})" for key in [*self.models, *self.stages]})
+        def describe(key):
+            loras = f", {len(key[3])} LoRA" if key[3] else ""
+            return f"{key[0]} ({key[2]}{loras})"
+
+        return sorted({describe(key) for key in [*self.models, *self.stages]})
 
     def unload(self, model: str | None) -> list[str]:
         """Drop a model (every version, dtype and stage of it), or all of them; returns what was loaded."""
@@ -139,15 +143,15 @@ class Executor:
         self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
         return sorted(names)
 
-    def stage_model(self, name: str, layout, dtype: str = "auto") -> tuple[object, list]:
+    def stage_model(self, name: str, layout, dtype: str = "auto", loras=()) -> tuple[object, list]:
         """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
         torch_dtype = compute_dtype(dtype, self.rt.device)
-        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), start, end)
+        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), start, end)
         if key not in self.stages:
-            model = registry.build(name, self.rt.device, torch_dtype)
+            model = registry.build(name, self.rt.device, torch_dtype, loras)
             self.stages[key] = (model, keep_stage(model.transformer, start, end))
         return self.stages[key]
 
@@ -157,9 +161,9 @@ class Executor:
         spec = registry.spec(request.model)
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
-            self.computing = self.model(request.model, request.dtype)
+            self.computing = self.model(request.model, request.dtype, request.loras)
             return generate(Denoiser(self.computing, layout), gen, after_step)
-        stage, blocks = self.stage_model(request.model, layout, request.dtype)
+        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras)
         self.computing = stage
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
@@ -297,7 +301,7 @@ class Leader:
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
         self.gate.close()
-        info = {"world_size": self.rt.world_size, "layout": layout}
+        info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports}
         if request.profile:
             info["profile"] = gather_json(record, self.rt.control)
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info}, {"samples": latent}))
@@ -307,7 +311,8 @@ def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
     fields = {name: getattr(request, name) for name in ("model", "width", "height", "batch", "steps", "seed", "cfg")}
     fields.update({name: getattr(request, name) for name in ("guidance", "shift") if getattr(request, name) is not None})
-    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile, "dtype": request.dtype}
+    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile, "dtype": request.dtype,
+            "loras": [{"path": spec.path, "strength": spec.strength} for spec in request.loras]}
 
 
 def follow(rt: Runtime) -> None:

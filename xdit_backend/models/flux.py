@@ -80,10 +80,11 @@ class FluxSpec:
 class FluxModel:
     """A loaded Flux transformer (whole, or one PipeFusion stage of it) and the calls the sampler needs."""
 
-    def __init__(self, transformer, name: str, spec: FluxSpec):
+    def __init__(self, transformer, name: str, spec: FluxSpec, lora_reports: list | None = None):
         self.transformer = transformer.eval().requires_grad_(False)
         self.name = name
         self.spec = spec
+        self.lora_reports = lora_reports or []  # per LoRA file: merged modules, unmatched keys
         self.latent_format = spec.latent_format
         self.has_guidance = spec.has_guidance
 

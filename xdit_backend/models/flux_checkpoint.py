@@ -152,16 +152,24 @@ def variant(config: dict) -> str:
     return f"Flux-{kind} architecture, width {width}, {config['num_layers']}+{config['num_single_layers']} blocks"
 
 
-def read_tensor(handle, source: Source, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """One diffusers tensor from an open safetensors file: only the rows it needs are read."""
-    view = handle.get_slice(source.key)
-    if source.parts:
-        sizes = [width if name == "D" else 4 * width for name in source.parts]
-        start = sum(sizes[: source.part])
-        tensor = view[start : start + sizes[source.part]]
-    else:
-        tensor = view[:]
+def rows(source: Source, width: int) -> slice:
+    """The rows of the BFL tensor that make up this diffusers tensor."""
+    if not source.parts:
+        return slice(None)
+    sizes = [width if name == "D" else 4 * width for name in source.parts]
+    start = sum(sizes[: source.part])
+    return slice(start, start + sizes[source.part])
+
+
+def to_diffusers(source: Source, tensor: torch.Tensor) -> torch.Tensor:
+    """A BFL tensor's rows (already selected) in diffusers' order."""
     if source.swap_halves:
         shift, scale = tensor.chunk(2, dim=0)
         tensor = torch.cat([scale, shift], dim=0)
+    return tensor
+
+
+def read_tensor(handle, source: Source, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """One diffusers tensor from an open safetensors file: only the rows it needs are read."""
+    tensor = to_diffusers(source, handle.get_slice(source.key)[rows(source, width)])
     return tensor.to(dtype)  # float8 files are cast to the compute dtype here

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint
+from . import flux_checkpoint, lora
 from .flux import FluxModel, FluxSpec
 
 
@@ -148,8 +148,9 @@ def spec(ref: str) -> FluxSpec:
     return FluxSpec.from_config(resolve(ref).config)
 
 
-def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32) -> FluxModel:
-    """Build or load a model onto ``device`` in ``dtype``: seeded weights for a built-in, else its file."""
+def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=()) -> FluxModel:
+    """Build or load a model onto ``device`` in ``dtype`` (seeded weights for a built-in, else its
+    file), with ``loras`` (lora.LoraSpec) merged into its weights."""
     from diffusers import FluxTransformer2DModel
 
     source = resolve(ref)
@@ -164,7 +165,11 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32) ->
         transformer = transformer.to(device)
     else:
         transformer = _load_bfl_file(source, dtype).to(device)
-    return FluxModel(transformer, ref, FluxSpec.from_config(source.config))
+    try:
+        reports = lora.merge(transformer, list(loras)) if loras else []
+    except UserError as exc:
+        raise ModelError(exc.message, exc.hint) from None
+    return FluxModel(transformer, ref, FluxSpec.from_config(source.config), reports)
 
 
 def _load_bfl_file(source: Source, dtype: torch.dtype):

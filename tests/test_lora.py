@@ -1,0 +1,95 @@
+"""LoRA merging: strength 0 is the base model, strength s is W + s·(B·A)·(alpha/rank), in every key
+layout ComfyUI users have; keys that match nothing are reported."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from xdit_backend.models import registry
+from xdit_backend.models.lora import LoraSpec
+
+RANK, ALPHA = 2, 1.0
+WIDTH = 64
+
+
+def low_rank(out_features, in_features, seed):
+    """(up [out, rank], down [rank, in])."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, RANK, generator=g), torch.randn(RANK, in_features, generator=g)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return registry.build("flux-tiny", torch.device("cpu")).transformer.state_dict()
+
+
+def merged(tmp_path, tensors, strength):
+    path = tmp_path / "lora.safetensors"
+    save_file(tensors, str(path))
+    model = registry.build("flux-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), strength)])
+    return model.transformer.state_dict(), model.lora_reports[0]
+
+
+def test_peft_layout_strength_zero_and_s(tmp_path, base):
+    up, down = low_rank(WIDTH, WIDTH, 1)
+    tensors = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": down,
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": up,
+               "transformer.transformer_blocks.0.attn.to_q.alpha": torch.tensor(ALPHA)}
+    zero, _ = merged(tmp_path, tensors, 0.0)
+    assert all(torch.equal(zero[k], base[k]) for k in base)
+    weights, report = merged(tmp_path, tensors, 0.7)
+    key = "transformer_blocks.0.attn.to_q.weight"
+    assert torch.allclose(weights[key], base[key] + 0.7 * (up @ down) * (ALPHA / RANK), atol=1e-6)
+    assert report["merged_modules"] == 1 and report["unmatched_keys"] == 0
+    assert all(torch.equal(weights[k], base[k]) for k in base if k != key)
+
+
+def test_kohya_layout_on_a_fused_qkv_lands_on_q_k_and_v(tmp_path, base):
+    up, down = low_rank(3 * WIDTH, WIDTH, 2)
+    tensors = {"lora_unet_double_blocks_1_img_attn_qkv.lora_down.weight": down,
+               "lora_unet_double_blocks_1_img_attn_qkv.lora_up.weight": up,
+               "lora_unet_double_blocks_1_img_attn_qkv.alpha": torch.tensor(ALPHA)}
+    weights, report = merged(tmp_path, tensors, 1.5)
+    delta = 1.5 * (up @ down) * (ALPHA / RANK)  # [3·D, D]: q, k, v rows
+    for i, name in enumerate(("to_q", "to_k", "to_v")):
+        key = f"transformer_blocks.1.attn.{name}.weight"
+        assert torch.allclose(weights[key], base[key] + delta[i * WIDTH:(i + 1) * WIDTH], atol=1e-6), name
+    assert report["merged_modules"] == 1
+
+
+def test_comfyui_layout_on_single_block_linear1_without_alpha(tmp_path, base):
+    up, down = low_rank(7 * WIDTH, WIDTH, 3)
+    tensors = {"diffusion_model.single_blocks.0.linear1.lora_A.weight": down,
+               "diffusion_model.single_blocks.0.linear1.lora_B.weight": up}
+    weights, report = merged(tmp_path, tensors, 1.0)
+    delta = up @ down  # no alpha: scale 1
+    key = "single_transformer_blocks.0.proj_mlp.weight"
+    assert torch.allclose(weights[key], base[key] + delta[3 * WIDTH:], atol=1e-6)
+    assert report["merged_modules"] == 1
+
+
+def test_foreign_keys_are_reported_with_count_and_example(tmp_path):
+    up, down = low_rank(WIDTH, WIDTH, 4)
+    tensors = {"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": down,
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": up,
+               "transformer.transformer_blocks.0.attn.to_k.lora_A.weight": down.clone(),
+               "transformer.transformer_blocks.0.attn.to_k.lora_B.weight": up.clone()}
+    _, report = merged(tmp_path, tensors, 1.0)
+    assert report["merged_modules"] == 1 and report["unmatched_keys"] == 1
+    assert report["unmatched_examples"] == ["lora_te1_text_model_encoder_layers_0_mlp_fc1"]
+
+
+def test_lora_through_the_backend_is_reported_and_cached_apart(backend1, tmp_path):
+    up, down = low_rank(WIDTH, WIDTH, 5)
+    path = tmp_path / "style.safetensors"
+    save_file({"transformer_blocks.0.attn.to_v.lora_A.weight": down,
+               "transformer_blocks.0.attn.to_v.lora_B.weight": up * 3}, str(path))
+    fields = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
+    plain, _ = backend1.sample(fields)
+    zero, _ = backend1.sample({**fields, "loras": [{"path": str(path), "strength": 0.0}]})
+    styled, info = backend1.sample({**fields, "loras": [{"path": str(path), "strength": 1.0}]})
+    assert torch.equal(zero["samples"], plain["samples"])
+    assert (styled["samples"] - plain["samples"]).abs().max() > 1e-3
+    assert info["loras"][0]["merged_modules"] == 1 and info["loras"][0]["file"] == str(path.resolve())
+    with pytest.raises(Exception, match="no LoRA file"):
+        backend1.sample({**fields, "loras": [{"path": "/nowhere/lora.safetensors"}]})

@@ -1,0 +1,118 @@
+"""LoRA files merged into a Flux model's weights at load: W += strength · (B·A) · (alpha / rank).
+
+Key layouts accepted, as ComfyUI users have them:
+- diffusers / PEFT: ``[transformer.]transformer_blocks.0.attn.to_q.lora_A.weight`` / ``lora_B``;
+- ComfyUI: the original BFL names, ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``;
+- kohya (sd-scripts): ``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` / ``lora_up`` / ``alpha``.
+A LoRA on a fused BFL tensor (qkv, linear1) lands on the diffusers rows it covers, through the
+same table the checkpoint loader uses. Keys that match nothing are reported, never dropped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..errors import UserError
+from . import flux_checkpoint
+
+_DOWN = ("lora_A.weight", "lora_down.weight")
+_UP = ("lora_B.weight", "lora_up.weight")
+_PREFIXES = ("base_model.model.", "transformer.", "model.diffusion_model.", "diffusion_model.", "lora_unet_")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    path: str
+    strength: float
+
+
+def merge(transformer, loras: list[LoraSpec]) -> list[dict]:
+    """Merge every LoRA into ``transformer`` in place; returns one report per file."""
+    params = dict(transformer.named_parameters())
+    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    by_bfl: dict[str, list[tuple[str, flux_checkpoint.Source]]] = {}
+    for key, source in flux_checkpoint.sources(params, "").items():
+        by_bfl.setdefault(source.key.removesuffix(".weight"), []).append((key, source))
+    kohya = {name.replace(".", "_"): name for name in by_bfl}
+    return [_merge_one(params, by_bfl, kohya, width, lora) for lora in loras]
+
+
+def _merge_one(params, by_bfl, kohya, width: int, lora: LoraSpec) -> dict:
+    try:
+        tensors = load_file(lora.path)
+    except Exception as exc:
+        raise UserError(f"LoRA {lora.path} is not a readable safetensors file ({exc})",
+                        "check the path and the file (an interrupted download?)") from None
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        for suffix in (*_DOWN, *_UP, "alpha"):
+            if key.endswith("." + suffix):
+                modules.setdefault(key[: -len(suffix) - 1], {})[suffix] = tensor
+                break
+        else:
+            modules.setdefault(key, {})["unknown"] = tensor
+    merged, unmatched = 0, []
+    for module, parts in modules.items():
+        down = next((parts[k] for k in _DOWN if k in parts), None)
+        up = next((parts[k] for k in _UP if k in parts), None)
+        targets = _targets(_strip(module), params, by_bfl, kohya)
+        if down is None or up is None or not targets:
+            unmatched.append(module)
+            continue
+        rank = down.shape[0]
+        scale = float(parts["alpha"]) / rank if "alpha" in parts else 1.0
+        delta = (up.float() @ down.float()) * scale * lora.strength  # [out, in] in the target's layout
+        for key, source in targets:
+            weight = params[key]
+            part = flux_checkpoint.to_diffusers(source, delta[flux_checkpoint.rows(source, width)]) if source else delta
+            if part.shape != weight.shape:
+                unmatched.append(module)
+                break
+            with torch.no_grad():  # a new tensor: weights loaded from a file may be memory-mapped
+                weight.data = (weight.float() + part).to(weight.dtype)
+        else:
+            merged += 1
+    return {"file": lora.path, "strength": lora.strength, "merged_modules": merged,
+            "unmatched_keys": len(unmatched), "unmatched_examples": unmatched[:5]}
+
+
+def _strip(module: str) -> str:
+    for prefix in _PREFIXES:
+        module = module.removeprefix(prefix)
+    return module
+
+
+def _targets(module: str, params, by_bfl, kohya):
+    """(diffusers key, BFL source or None) pairs the LoRA module writes to."""
+    if f"{module}.weight" in params:  # diffusers / PEFT names
+        return [(f"{module}.weight", None)]
+    bfl = module if module in by_bfl else kohya.get(module)
+    return by_bfl.get(bfl, []) if bfl else []
+
+
+def parse(entries: list) -> list[LoraSpec]:
+    """LoRA entries of a request, checked: [{"path": str, "strength": number}, …] (at most 16)."""
+    if not isinstance(entries, list) or len(entries) > 16:
+        raise UserError("loras must be a list of at most 16 {path, strength} entries")
+    specs = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"path", "strength"} or not isinstance(entry.get("path"), str):
+            raise UserError(f"LoRA entry {entry!r} must hold a path and, optionally, a strength",
+                            'e.g. {"path": "models/loras/style.safetensors", "strength": 0.8}')
+        strength = entry.get("strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
+            raise UserError(f"LoRA strength {strength!r} must be a number in -10..10")
+        path = Path(entry["path"]).expanduser()
+        if not path.is_file():
+            raise UserError(f"no LoRA file at {entry['path']}", "ComfyUI keeps them in models/loras")
+        specs.append(LoraSpec(str(path.resolve()), float(strength)))
+    return specs
+
+
+def identity(loras: list[LoraSpec]) -> tuple:
+    """The LoRA part of a model's cache key: each file's version and strength."""
+    return tuple((lora.path, Path(lora.path).stat().st_mtime_ns, lora.strength) for lora in loras)
