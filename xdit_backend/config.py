@@ -184,22 +184,22 @@ class ParallelConfig:
         remaining, picked, why = world_size, {}, []
         if remaining % 2 == 0 and request.cfg_worth_splitting and "cfg" in model.supports:
             picked["cfg"], remaining = 2, remaining // 2
-            why.append("cfg=2 (the request has cond and uncond passes)")
+            why.append("CFG parallel for the cond and uncond passes")
         if "ulysses" in model.supports:
             u = max(d for d in _divisors(remaining)
                     if model.heads % d == 0 and request.image_tokens % d == 0)
             if u > 1:
                 picked["ulysses"], remaining = u, remaining // u
-                why.append(f"ulysses={u} (divides the {model.heads} heads)")
+                why.append(f"Ulysses as far as the {model.heads} heads allow")
         if remaining > 1 and "ring" in model.supports:
             ulysses = picked.get("ulysses", 1)
             r = max(d for d in _divisors(remaining) if request.image_tokens % (d * ulysses) == 0)
             if r > 1:
                 picked["ring"], remaining = r, remaining // r
-                why.append(f"ring={r} (for the factor the heads cannot take)")
+                why.append("Ring for the factor Ulysses cannot take")
         if remaining > 1 and "dp" in model.supports and request.batch % remaining == 0:
             picked["dp"], remaining = remaining, 1
-            why.append(f"dp={picked['dp']} (over the batch of {request.batch})")
+            why.append(f"data parallel over the batch of {request.batch}")
         if remaining > 1:
             raise ConfigError(f"no layout of {world_size} ranks fits this request ({request.image_tokens} image tokens, "
                               f"{model.heads} heads, batch {request.batch})",
