@@ -151,8 +151,12 @@ class Executor:
         torch_dtype = compute_dtype(dtype, self.rt.device)
         key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), start, end)
         if key not in self.stages:
-            model = registry.build(name, self.rt.device, torch_dtype, loras)
-            self.stages[key] = (model, keep_stage(model.transformer, start, end))
+            # Built on the CPU (a file stays memory-mapped), pruned, then moved: the other stages'
+            # weights are never read from disk nor copied to the device.
+            model = registry.build(name, torch.device("cpu"), torch_dtype, loras)
+            blocks = keep_stage(model.transformer, start, end)
+            model.transformer.to(self.rt.device)
+            self.stages[key] = (model, blocks)
         return self.stages[key]
 
     def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
