@@ -298,11 +298,11 @@ class Leader:
             return
         except PeerLost:
             raise
-        except Exception as exc:  # a failure inside the model: report it, keep serving
+        except Exception as exc:  # a failure inside the model: tell the client first, then release the ranks
             log.exception("request %s failed", job.id)
-            self.gate.close()
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
+            self.gate.close()  # may wait for ranks still inside a collective (up to --collective-timeout)
             return
         self.gate.close()
         info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports}
