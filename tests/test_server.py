@@ -159,3 +159,29 @@ def test_weight_dtype_is_chosen_per_request_and_cached_apart(backend1):
     assert backend1.status()["models"] == []
     with pytest.raises(BackendError, match="dtype 'float8' is not supported"):
         backend1.sample({**SMALL, "dtype": "float8"})
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: the test connects as another user (uid 65534)")
+def test_another_uid_is_refused_even_past_the_directory():
+    """Behind the 0700 directory, the server itself refuses peers of another uid (SO_PEERCRED)."""
+    import subprocess
+    import sys
+
+    from conftest import short_socket_dir
+
+    from xdit_backend.server import SocketServer
+
+    path = short_socket_dir() / "s.sock"
+    server = SocketServer(path, lambda: {"world_size": 1, "pid": os.getpid()})
+    server.start()
+    try:
+        os.chmod(path.parent, 0o711)  # open both doors on purpose, to reach the check behind them
+        os.chmod(path, 0o666)
+        probe = ("import os, socket, sys; os.setuid(65534); s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+                 "s.sendall(bytes.fromhex(sys.argv[2])); s.settimeout(10); print(s.recv(4096))")
+        hello = frame({"type": "hello", "id": "x"}).hex()
+        out = subprocess.run([sys.executable, "-c", probe, str(path), hello], capture_output=True, text=True, timeout=30)
+        assert '"kind":"forbidden"' in out.stdout, out.stderr  # the reply's bytes, as the child printed them
+        assert "uid 65534 may not use this backend" in out.stdout
+    finally:
+        server.close()
