@@ -26,3 +26,14 @@ def failure(rank, exitcode, timestamp=100):
 ])
 def test_root_cause_prefers_causes_over_effects(failures, cause):
     assert _root_cause(failures)["rank"] == cause
+
+
+def test_a_collective_that_lost_its_peer_is_told_from_a_model_error():
+    """gloo's transport errors (as yunchang's all-to-all raises them) mean a peer is gone; others do not."""
+    from xdit_backend.control import PeerLost, is_peer_failure
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:34182: Connection reset by peer.")
+    assert is_peer_failure(gloo) and is_peer_failure(PeerLost("gone"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(MemoryError("out of memory"))

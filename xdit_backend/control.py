@@ -23,6 +23,20 @@ class PeerLost(Exception):
     """A collective failed because another rank stopped answering."""
 
 
+_TRANSPORT_FAILURES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Did a collective fail because another rank went away (rather than this rank's own work)?
+
+    Data-plane collectives (yunchang's all-to-all, the ring, gathers) raise plain RuntimeErrors
+    from gloo's transport; those mean a peer is gone, exactly as PeerLost does on the control plane.
+    """
+    if isinstance(exc, PeerLost) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _TRANSPORT_FAILURES)
+
+
 def _collective(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)

@@ -28,7 +28,8 @@ from . import __version__, protocol
 from .attention import kernel_name
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .errors import UserError
-from .control import EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json
+from .control import (EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json,
+                      is_peer_failure)
 from .mesh import MeshCache
 from .models import lora, registry
 from .protocol import Message
@@ -298,7 +299,10 @@ class Leader:
             return
         except PeerLost:
             raise
-        except Exception as exc:  # a failure inside the model: tell the client first, then release the ranks
+        except Exception as exc:
+            if is_peer_failure(exc):  # a data collective found a rank gone: the launcher will say which
+                raise PeerLost(str(exc).splitlines()[0]) from exc
+            # a failure inside the model: tell the client first, then release the ranks
             log.exception("request %s failed", job.id)
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
@@ -366,6 +370,9 @@ def run(args: argparse.Namespace) -> None:
             log.error("rank %d lost contact with rank 0: %s", rt.rank, exc)
             os._exit(EXIT_PEER_LOST)
         except Exception as exc:  # e.g. inside the model: record why, then leave at once
+            if is_peer_failure(exc):  # an effect of another rank's end, not a cause
+                log.error("rank %d lost contact with another rank: %s", rt.rank, exc)
+                os._exit(EXIT_PEER_LOST)
             log.exception("rank %d failed", rt.rank)
             ErrorHandler().record_exception(exc)  # the launcher reads it: the failure names this rank and error
             os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
