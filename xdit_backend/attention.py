@@ -55,6 +55,8 @@ def local_attention(device: torch.device) -> Kernel:
     impl = _KERNELS[kernel_name(device)]
 
     def attend(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_unused):
+        if causal or dropout_p:
+            raise NotImplementedError("the local kernels are for non-causal inference attention without dropout")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         return impl(q, k, v, scale)
 

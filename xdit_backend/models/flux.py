@@ -85,8 +85,14 @@ class FluxModel:
         self.name = name
         self.spec = spec
         self.lora_reports = lora_reports or []  # per LoRA file: merged modules, unmatched keys
-        self.latent_format = spec.latent_format
-        self.has_guidance = spec.has_guidance
+
+    @property
+    def latent_format(self) -> LatentFormat:
+        return self.spec.latent_format
+
+    @property
+    def has_guidance(self) -> bool:
+        return self.spec.has_guidance
 
     @property
     def dtype(self) -> torch.dtype:

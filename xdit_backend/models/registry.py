@@ -24,7 +24,6 @@ class BuiltinModel:
     """A tiny random-weight model for demos and tests: built from a config and a fixed seed, so
     every rank and every process builds bit-identical weights without any file."""
 
-    family: str
     config: dict
     text_tokens: int  # length of the random conditioning a request without embeddings gets
     seed: int = 0
@@ -33,7 +32,6 @@ class BuiltinModel:
 
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
-        family="flux",
         config=dict(
             patch_size=1,
             in_channels=64,  # 16 latent channels × a 2×2 patch

@@ -207,7 +207,7 @@ class PipeFusion:
         pooled = sides["pooled"].to(self.device, dtype)
         temb = (t.time_text_embed(timestep, guidance, pooled) if self.model.has_guidance
                 else t.time_text_embed(timestep, pooled))
-        width = t.inner_dim if hasattr(t, "inner_dim") else t.config.num_attention_heads * t.config.attention_head_dim
+        width = t.inner_dim
         first, last = self.stage == 0, self.stage == self.stages - 1
 
         # Receives for every patch of this step, posted before any is waited on: activations from the
