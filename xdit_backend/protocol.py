@@ -81,6 +81,11 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "profile": bool,  # report step times, traffic and memory per rank (the bench asks for it)
         "dtype": str,  # weights and compute: auto, float32, bfloat16, float16
         "loras": list,  # [{"path": "…", "strength": 1.0}, …], merged into the weights at load
+        "frames": int,  # video models: frames of the video (1 + a multiple of 4 for Wan)
+        "start_step": int,  # KSamplerAdvanced's step range of the `steps`-step schedule
+        "end_step": int,
+        "add_noise": bool,  # False: the latent already holds its noise (a second expert's run)
+        "return_with_leftover_noise": bool,  # True: stop at end_step's σ instead of denoising fully
     },
     "cancel": {"target": str},
     "unload": {"model": str},

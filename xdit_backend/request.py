@@ -10,13 +10,14 @@ from . import protocol
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
-from .sampling.generate import Generation
+from .sampling.generate import Generation, schedule
 
 MAX_SIDE = 16384
 MAX_STEPS = 10000
 MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
-CONDITIONING_KEYS = ("context", "pooled")
+MAX_FRAMES = 1025
+CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
 TENSOR_NAMES = ("latent", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
 
 
@@ -39,16 +40,15 @@ class SampleRequest:
     profile: bool
     dtype: str  # "auto" (float32 on the CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16"
     loras: tuple  # lora.LoraSpec, in order
+    frames: int
+    start_step: int
+    end_step: int | None  # None: to the end of the schedule
+    add_noise: bool
+    leftover_noise: bool
     tensors: dict[str, torch.Tensor]
 
-    @property
-    def image_tokens(self) -> int:
-        """Tokens the transformer sees: the latent (1/8 of the image) in 2×2 patches."""
-        return (self.width // 16) * (self.height // 16)
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, 16, self.height // 8, self.width // 8)
+    def latent_shape(self, spec) -> tuple[int, ...]:
+        return spec.latent_shape(self.batch, self.width, self.height, self.frames)
 
     @classmethod
     def parse(cls, message: protocol.Message) -> SampleRequest:
@@ -69,19 +69,21 @@ class SampleRequest:
             profile=f.get("profile", False),
             dtype=_dtype_name(f.get("dtype", "auto")),
             loras=_loras(f.get("loras", [])),
+            frames=_int_in(f, "frames", 1, 1, MAX_FRAMES),
+            start_step=_int_in(f, "start_step", 0, 0, MAX_STEPS),
+            end_step=_int_in(f, "end_step", 0, 0, MAX_STEPS) if "end_step" in f else None,
+            add_noise=f.get("add_noise", True),
+            leftover_noise=f.get("return_with_leftover_noise", False),
             tensors=dict(message.tensors),
         )
-        request._check_geometry()
+        request._check_ranges()
         request._check_tensors()
         return request
 
-    def _check_geometry(self) -> None:
-        for name, side in (("width", self.width), ("height", self.height)):
-            if side % 16:
-                raise RequestError(
-                    f"{name} {side} is not a multiple of 16 (8 for the VAE × 2 for the 2×2 patches)",
-                    f"use {name} {side // 16 * 16 or 16} or {(side // 16 + 1) * 16}",
-                )
+    def _check_ranges(self) -> None:
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise RequestError(f"end_step {self.end_step} must be after start_step {self.start_step}",
+                               "leave end_step out to run to the end of the schedule")
         for name, value, low, high in (("cfg", self.cfg, 0.0, 100.0), ("guidance", self.guidance, 0.0, 100.0),
                                        ("shift", self.shift, 1e-3, 100.0)):
             if value is not None and not low <= value <= high:
@@ -96,46 +98,86 @@ class SampleRequest:
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
-        latent = self.tensors.get("latent")
-        if latent is not None and tuple(latent.shape) != self.latent_shape:
-            raise RequestError(
-                f"latent has shape {list(latent.shape)}, but batch {self.batch} at {self.width}×{self.height} "
-                f"needs {list(self.latent_shape)}"
-            )
         given = {name for name in self.tensors if name != "latent"}
         if given and "context" not in given:
-            raise RequestError("conditioning was sent without 'context'", "send context and pooled together")
+            raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
+
+    def check_model(self, spec) -> None:
+        """The checks that depend on the model: its sizes, its latent's shape, its step range."""
+        try:
+            spec.check_size(self.width, self.height, self.frames)
+        except UserError as exc:
+            raise RequestError(exc.message, exc.hint) from None
+        latent = self.tensors.get("latent")
+        if latent is not None and tuple(latent.shape) != self.latent_shape(spec):
+            frames = f" × {self.frames} frames" if spec.video else ""
+            raise RequestError(
+                f"latent has shape {list(latent.shape)}, but a {spec.family} latent for batch {self.batch} at "
+                f"{self.width}×{self.height}{frames} has shape {list(self.latent_shape(spec))}")
+        if self.guidance is not None and spec.default_guidance is None:
+            raise RequestError(f"guidance {self.guidance}: model {self.model} has no guidance embedding "
+                               "(only Flux.1-dev-style models take one)", "leave guidance out; use cfg")
+        if self.shift is not None and not hasattr(spec.model_sampling(None), "shift"):
+            raise RequestError(f"shift {self.shift}: model {self.model} samples with discrete noise levels, "
+                               "which have no flow shift", "leave shift out")
+        if self.end_step is not None and self.end_step > self.steps:
+            raise RequestError(f"end_step {self.end_step} is past the last of {self.steps} steps",
+                               f"use end_step ≤ {self.steps}, or leave it out")
 
     def conditioning(self, spec) -> tuple[dict, dict | None]:
-        """Positive and (optional) negative conditioning, checked against the model's shapes."""
+        """Positive and (optional) negative conditioning, checked against the model's shapes.
+
+        An optional tensor (PixArt's context_mask) given on one side only is all ones on the other,
+        so both sides carry the same keys."""
         sides = []
         for prefix in ("", "negative_"):
             if prefix + "context" not in self.tensors:
                 sides.append(None)
                 continue
-            side = {key: self.tensors.get(prefix + key) for key in CONDITIONING_KEYS}
-            text_tokens = side["context"].shape[1] if side["context"].dim() == 3 else -1
-            for key, shape in spec.conditioning_shapes(self.batch, text_tokens).items():
-                tensor = side[key]
+            context = self.tensors[prefix + "context"]
+            text_tokens = context.shape[1] if context.dim() == 3 else -1
+            shapes = spec.conditioning_shapes(self.batch, text_tokens)
+            side = {}
+            for key, shape in shapes.items():
+                tensor = self.tensors.get(prefix + key)
                 if tensor is None or tuple(tensor.shape) != shape:
                     got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
                     raise RequestError(
                         f"{prefix}{key}: model {self.model} needs shape {list(shape)}, got {got}",
                         "encode the prompt with the text encoders that belong to this model",
                     )
+                side[key] = tensor
+            for key in CONDITIONING_KEYS:
+                if prefix + key in self.tensors and key not in shapes and key not in spec.optional_conditioning:
+                    raise RequestError(f"{prefix}{key}: a {spec.family} model takes no {key!r}",
+                                       f"send {', '.join(shapes)}")
+            for key in spec.optional_conditioning:  # a mask: one per text token
+                if prefix + key in self.tensors:
+                    side[key] = self.tensors[prefix + key]
+                    if tuple(side[key].shape) != (self.batch, text_tokens):
+                        raise RequestError(f"{prefix}{key} has shape {list(side[key].shape)}; it needs "
+                                           f"{[self.batch, text_tokens]}, one value per text token")
             sides.append(side)
-        return sides[0], sides[1]
+        positive, negative = sides
+        if positive is not None and negative is not None:
+            for key in spec.optional_conditioning:
+                for side, other in ((positive, negative), (negative, positive)):
+                    if key in side and key not in other:
+                        other[key] = torch.ones(other["context"].shape[:2])
+        return positive, negative
 
     def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
+        sampling = spec.model_sampling(self.shift)
         return Generation(
-            latent=self.tensors.get("latent", torch.zeros(self.latent_shape)),
+            latent=self.tensors.get("latent", torch.zeros(self.latent_shape(spec))),
             seed=self.seed,
-            steps=self.steps,
+            sigmas=schedule(sampling, self.steps, self.start_step, self.end_step, self.leftover_noise),
+            sampling=sampling,
             cfg=self.cfg,
             guidance=self.guidance if self.guidance is not None else spec.default_guidance,
-            shift=self.shift if self.shift is not None else spec.default_shift,
             positive=positive,
             negative=negative,
+            add_noise=self.add_noise,
         )
 
 

@@ -152,9 +152,9 @@ class Executor:
         torch_dtype = compute_dtype(dtype, self.rt.device)
         key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), start, end)
         if key not in self.stages:
-            # Built on the CPU (a file stays memory-mapped), pruned, then moved: the other stages'
-            # weights are never read from disk nor copied to the device.
-            model = registry.build(name, torch.device("cpu"), torch_dtype, loras)
+            # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
+            # moved: the other stages' weights are never read from disk nor copied to the device.
+            model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
             blocks = keep_stage(model.transformer, start, end)
             model.transformer.to(self.rt.device)
             self.stages[key] = (model, blocks)
@@ -250,14 +250,17 @@ class Leader:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
         request = SampleRequest.parse(job.message)
         spec = registry.spec(request.model)  # validation needs no weights
+        request.check_model(spec)
         positive, negative = request.conditioning(spec)
         if positive is None and request.model not in registry.BUILTINS:
-            raise RequestError(f"model {request.model} needs text conditioning: send context and pooled "
-                               "(and negative_context, negative_pooled for cfg > 1)",
+            keys = ", ".join(spec.conditioning_shapes(1, 1))
+            raise RequestError(f"model {request.model} needs text conditioning: send {keys} "
+                               "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
             positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
-        facts = RequestFacts(request.batch, request.image_tokens, request.cfg, negative is not None, request.height // 16)
+        tokens, rows = spec.token_grid(request.width, request.height, request.frames)
+        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows)
         model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks)
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)
@@ -317,9 +320,12 @@ class Leader:
 
 def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
-    fields = {name: getattr(request, name) for name in ("model", "width", "height", "batch", "steps", "seed", "cfg")}
-    fields.update({name: getattr(request, name) for name in ("guidance", "shift") if getattr(request, name) is not None})
+    names = ("model", "width", "height", "batch", "steps", "seed", "cfg", "frames", "start_step", "add_noise")
+    fields = {name: getattr(request, name) for name in names}
+    fields.update({name: getattr(request, name) for name in ("guidance", "shift", "end_step")
+                   if getattr(request, name) is not None})
     return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile, "dtype": request.dtype,
+            "return_with_leftover_noise": request.leftover_noise,
             "loras": [{"path": spec.path, "strength": spec.strength} for spec in request.loras]}
 
 

@@ -1,4 +1,9 @@
-"""Flux: diffusers ``FluxTransformer2DModel`` fed the way ComfyUI feeds its own Flux model."""
+"""Flux: diffusers ``FluxTransformer2DModel`` fed the way ComfyUI feeds its own Flux model.
+
+Joint text+image attention (MM-DiT, double- then single-stream blocks), 2-D RoPE over
+(0, row, column) token positions. Sequence parallelism slices the image tokens and their
+positions before the transformer (``output`` with ``slices``), so RoPE matches each slice.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class LatentFormat:
-    """ComfyUI's latent scaling: raw VAE space outside the sampler, model space inside."""
-
-    channels: int
-    scale: float
-    shift: float
-
-    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
-        return (latent - self.shift) * self.scale
-
-    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
-        return latent / self.scale + self.shift
+from ..sampling.model_sampling import FlowSampling
+from . import latent_formats
+from .base import DiffusionModel, FamilySpec
 
 
-FLUX_LATENT = LatentFormat(channels=16, scale=0.3611, shift=0.1159)
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
 
@@ -50,7 +43,7 @@ def image_ids(h: int, w: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class FluxSpec:
+class FluxSpec(FamilySpec):
     """What a Flux model takes and allows, read from its config: enough to validate a request
     without building (or loading) the model."""
 
@@ -61,10 +54,17 @@ class FluxSpec:
     has_guidance: bool
 
     family = "flux"
-    latent_format = FLUX_LATENT
-    default_shift = FLUX_DEFAULT_SHIFT
-    default_guidance = FLUX_DEFAULT_GUIDANCE
+    latent_format = latent_formats.FLUX
+    attention = "joint"  # text and image tokens in one attention (MM-DiT)
+    positions = "rope-2d"
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
+
+    @property
+    def default_guidance(self) -> float | None:
+        return FLUX_DEFAULT_GUIDANCE if self.has_guidance else None
+
+    def model_sampling(self, shift: float | None) -> FlowSampling:
+        return FlowSampling(FLUX_DEFAULT_SHIFT if shift is None else shift, flux=True)
 
     @classmethod
     def from_config(cls, config) -> FluxSpec:
@@ -77,40 +77,20 @@ class FluxSpec:
         return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
 
 
-class FluxModel:
-    """A loaded Flux transformer (whole, or one PipeFusion stage of it) and the calls the sampler needs."""
-
-    def __init__(self, transformer, name: str, spec: FluxSpec, lora_reports: list | None = None):
-        self.transformer = transformer.eval().requires_grad_(False)
-        self.name = name
-        self.spec = spec
-        self.lora_reports = lora_reports or []  # per LoRA file: merged modules, unmatched keys
-
-    @property
-    def latent_format(self) -> LatentFormat:
-        return self.spec.latent_format
+class FluxModel(DiffusionModel):
+    """A loaded Flux transformer (whole, or one PipeFusion stage of it)."""
 
     @property
     def has_guidance(self) -> bool:
         return self.spec.has_guidance
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, guidance: float,
-                   slices=None) -> torch.Tensor:
-        """The denoised estimate for ``x`` [B, 16, h, w] (model space) at noise level ``sigma`` [B].
-
-        With ``slices`` (sequence parallel), the transformer runs on this rank's slice of the image
-        tokens and their positions, and the velocity is gathered back from every slice.
+    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+        """The velocity for ``x`` [B, 16, h, w] at ``timestep`` [B] (σ: diffusers multiplies by 1000,
+        as ComfyUI does). With ``slices`` (sequence parallel), the transformer runs on this rank's
+        slice of the image tokens and their positions, and the velocity is gathered from every slice.
         """
         b, _, h, w = x.shape
-        tokens = pack(x).to(self.dtype)  # [B, N = h/2·w/2, 64]
+        tokens = pack(x)  # [B, N = h/2·w/2, 64]
         ids = image_ids(h, w).to(self.device)  # [N, 3]
         if slices is not None:
             tokens, ids = slices.split(tokens, dim=1), slices.split(ids, dim=0)  # [B, N/P, 64], [N/P, 3]
@@ -119,7 +99,7 @@ class FluxModel:
             hidden_states=tokens,
             encoder_hidden_states=context,
             pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
-            timestep=sigma.to(self.device, self.dtype),  # diffusers multiplies by 1000, as ComfyUI does
+            timestep=timestep.to(self.device, self.dtype),
             img_ids=ids,
             txt_ids=torch.zeros(context.shape[1], 3, device=self.device),
             guidance=torch.full((b,), guidance, device=self.device) if self.has_guidance else None,
@@ -127,8 +107,7 @@ class FluxModel:
         )[0]
         if slices is not None:
             velocity = slices.gather(velocity)  # [B, N/P, 64] → [B, N, 64]
-        velocity = unpack(velocity.float(), h, w)  # [B, 16, h, w]
-        return x - velocity * sigma.view(-1, 1, 1, 1)  # flow matching: x0 = x − σ·v
+        return unpack(velocity, h, w)  # [B, 16, h, w]
 
 
 def attention_inputs(attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None):

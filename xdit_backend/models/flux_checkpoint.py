@@ -1,32 +1,20 @@
 """Flux single files in the original (BFL / ComfyUI) key layout, read into diffusers' Flux.
 
 The layout conversion is a table: every diffusers parameter names the BFL tensor it comes from,
-and, for fused tensors, which rows. It works at any width (diffusers' own converter assumes
-3072), reads each tensor through a memory-mapped slice, and infers the config from the shapes.
+and, for fused tensors, which rows (checkpoint.Source). It works at any width (diffusers' own
+converter assumes 3072), and infers the config from the shapes.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
-import torch
 
 from ..errors import UserError
+from .checkpoint import Source, bands
 
 # ComfyUI keeps models either bare ("unet" / diffusion_models) or inside a checkpoint.
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one diffusers tensor comes from: a BFL key, and which part of it."""
-
-    key: str
-    part: int = 0  # index of the part along dim 0
-    parts: tuple[str, ...] = ()  # names of the sizes the BFL tensor is cut into ("D" or "MLP"), empty: whole
-    swap_halves: bool = False  # BFL's final modulation is (shift, scale), diffusers' (scale, shift)
 
 
 _GLOBAL = {
@@ -64,8 +52,9 @@ _SINGLE = {
 }
 
 
-def sources(diffusers_keys, prefix: str) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
     for key in diffusers_keys:
         module, param = key.rsplit(".", 1)
@@ -83,8 +72,11 @@ def sources(diffusers_keys, prefix: str) -> dict[str, Source]:
         kind, index, rest = match.groups()
         bfl_block = "double_blocks" if kind == "transformer_blocks" else "single_blocks"
         name, *split = (_DOUBLE if kind == "transformer_blocks" else _SINGLE)[rest]
-        part, parts = split if split else (0, ())
-        table[key] = Source(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", part, parts)
+        rows = None
+        if split:  # a band of a fused tensor: parts of width D or 4·D (the MLP)
+            part, parts = split
+            rows = bands([width if size == "D" else 4 * width for size in parts])[part]
+        table[key] = Source(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
     return table
 
 
@@ -150,26 +142,3 @@ def variant(config: dict) -> str:
     if (width, config["num_layers"], config["num_single_layers"]) == (3072, 19, 38):
         return f"Flux.1-{kind}"
     return f"Flux-{kind} architecture, width {width}, {config['num_layers']}+{config['num_single_layers']} blocks"
-
-
-def rows(source: Source, width: int) -> slice:
-    """The rows of the BFL tensor that make up this diffusers tensor."""
-    if not source.parts:
-        return slice(None)
-    sizes = [width if name == "D" else 4 * width for name in source.parts]
-    start = sum(sizes[: source.part])
-    return slice(start, start + sizes[source.part])
-
-
-def to_diffusers(source: Source, tensor: torch.Tensor) -> torch.Tensor:
-    """A BFL tensor's rows (already selected) in diffusers' order."""
-    if source.swap_halves:
-        shift, scale = tensor.chunk(2, dim=0)
-        tensor = torch.cat([scale, shift], dim=0)
-    return tensor
-
-
-def read_tensor(handle, source: Source, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """One diffusers tensor from an open safetensors file: only the rows it needs are read."""
-    tensor = to_diffusers(source, handle.get_slice(source.key)[rows(source, width)])
-    return tensor.to(dtype)  # float8 files are cast to the compute dtype here

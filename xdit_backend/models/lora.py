@@ -1,11 +1,13 @@
-"""LoRA files merged into a Flux model's weights at load: W += strength · (B·A) · (alpha / rank).
+"""LoRA files merged into a model's weights at load: W += strength · (B·A) · (alpha / rank).
 
-Key layouts accepted, as ComfyUI users have them:
+Key layouts accepted, as ComfyUI users have them (Flux shown; every family the same way):
 - diffusers / PEFT: ``[transformer.]transformer_blocks.0.attn.to_q.lora_A.weight`` / ``lora_B``;
-- ComfyUI: the original BFL names, ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``;
+- ComfyUI: the original names, ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``;
 - kohya (sd-scripts): ``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` / ``lora_up`` / ``alpha``.
-A LoRA on a fused BFL tensor (qkv, linear1) lands on the diffusers rows it covers, through the
-same table the checkpoint loader uses. Keys that match nothing are reported, never dropped silently.
+A LoRA on a fused original tensor (qkv, linear1) lands on the diffusers rows it covers, through
+the family's table the checkpoint loader uses (``<family>_checkpoint.sources``). Keys that match
+nothing are reported, never dropped silently. Weights still on the meta device belong to another
+PipeFusion stage: they count as matched and are left to the stage that holds them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from . import flux_checkpoint
+from .checkpoint import Source
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
 _UP = ("lora_B.weight", "lora_up.weight")
@@ -30,18 +32,19 @@ class LoraSpec:
     strength: float
 
 
-def merge(transformer, loras: list[LoraSpec]) -> list[dict]:
-    """Merge every LoRA into ``transformer`` in place; returns one report per file."""
+def merge(transformer, loras: list[LoraSpec], table: dict[str, Source]) -> list[dict]:
+    """Merge every LoRA into ``transformer`` in place; ``table``: the original source of each of its
+    state_dict keys (without a file prefix). Returns one report per file."""
     params = dict(transformer.named_parameters())
-    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-    by_bfl: dict[str, list[tuple[str, flux_checkpoint.Source]]] = {}
-    for key, source in flux_checkpoint.sources(params, "").items():
-        by_bfl.setdefault(source.key.removesuffix(".weight"), []).append((key, source))
-    kohya = {name.replace(".", "_"): name for name in by_bfl}
-    return [_merge_one(params, by_bfl, kohya, width, lora) for lora in loras]
+    by_original: dict[str, list[tuple[str, Source]]] = {}
+    for key, source in table.items():
+        if key in params:
+            by_original.setdefault(source.key.removesuffix(".weight"), []).append((key, source))
+    kohya = {name.replace(".", "_"): name for name in by_original}
+    return [_merge_one(params, by_original, kohya, lora) for lora in loras]
 
 
-def _merge_one(params, by_bfl, kohya, width: int, lora: LoraSpec) -> dict:
+def _merge_one(params, by_original, kohya, lora: LoraSpec) -> dict:
     try:
         tensors = load_file(lora.path)
     except Exception as exc:
@@ -59,7 +62,7 @@ def _merge_one(params, by_bfl, kohya, width: int, lora: LoraSpec) -> dict:
     for module, parts in modules.items():
         down = next((parts[k] for k in _DOWN if k in parts), None)
         up = next((parts[k] for k in _UP if k in parts), None)
-        targets = _targets(_strip(module), params, by_bfl, kohya)
+        targets = _targets(_strip(module), params, by_original, kohya)
         if down is None or up is None or not targets:
             unmatched.append(module)
             continue
@@ -68,7 +71,9 @@ def _merge_one(params, by_bfl, kohya, width: int, lora: LoraSpec) -> dict:
         delta = (up.float() @ down.float()) * scale * lora.strength  # [out, in] in the target's layout
         for key, source in targets:
             weight = params[key]
-            part = flux_checkpoint.to_diffusers(source, delta[flux_checkpoint.rows(source, width)]) if source else delta
+            if weight.is_meta:  # another PipeFusion stage's block
+                continue
+            part = source.select(delta) if source else delta
             if part.shape != weight.shape:
                 unmatched.append(module)
                 break
@@ -86,12 +91,12 @@ def _strip(module: str) -> str:
     return module
 
 
-def _targets(module: str, params, by_bfl, kohya):
-    """(diffusers key, BFL source or None) pairs the LoRA module writes to."""
+def _targets(module: str, params, by_original, kohya):
+    """(diffusers key, original source or None) pairs the LoRA module writes to."""
     if f"{module}.weight" in params:  # diffusers / PEFT names
         return [(f"{module}.weight", None)]
-    bfl = module if module in by_bfl else kohya.get(module)
-    return by_bfl.get(bfl, []) if bfl else []
+    original = module if module in by_original else kohya.get(module)
+    return by_original.get(original, []) if original else []
 
 
 def parse(entries: list) -> list[LoraSpec]:

@@ -4,15 +4,48 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, lora
+from . import flux_checkpoint, lora, pixart_checkpoint, sd3_checkpoint, wan_checkpoint
+from .checkpoint import empty_weights, read_tensor
 from .flux import FluxModel, FluxSpec
+from .pixart import PixArtModel, PixArtSpec
+from .sd3 import SD3Model, SD3Spec
+from .wan import WanModel, WanSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as data: its diffusers class, spec, model wrapper and key-layout converter."""
+
+    name: str
+    diffusers_class: str
+    spec: Callable[[dict], object]  # config → spec
+    model: type  # base.DiffusionModel subclass
+    checkpoint: ModuleType  # detect_prefix, config_from_shapes, variant, sources
+    block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order
+    describes: str  # the variants, for messages
+
+
+FAMILIES = {
+    "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
+                   ("transformer_blocks", "single_transformer_blocks"), "Flux.1 (dev, schnell)"),
+    "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
+                  ("transformer_blocks",), "SD3 (medium), SD3.5 (medium, large)"),
+    "pixart": Family("pixart", "PixArtTransformer2DModel", PixArtSpec.from_config, PixArtModel, pixart_checkpoint,
+                     ("transformer_blocks",), "PixArt-α, PixArt-Σ"),
+    "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
+                  ("blocks",), "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+}
+SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
 
 class ModelError(UserError):
@@ -24,6 +57,7 @@ class BuiltinModel:
     """A tiny random-weight model for demos and tests: built from a config and a fixed seed, so
     every rank and every process builds bit-identical weights without any file."""
 
+    family: str
     config: dict
     text_tokens: int  # length of the random conditioning a request without embeddings gets
     seed: int = 0
@@ -32,6 +66,7 @@ class BuiltinModel:
 
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
+        family="flux",
         config=dict(
             patch_size=1,
             in_channels=64,  # 16 latent channels × a 2×2 patch
@@ -47,6 +82,67 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
     ),
+    "sd3-tiny": BuiltinModel(
+        family="sd3",
+        config=dict(
+            sample_size=32,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=3,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=128,
+            pooled_projection_dim=32,
+            pos_embed_max_size=32,  # images up to 32 × 2 × 8 = 512 px
+            qk_norm="rms_norm",
+            dual_attention_layers=(0,),  # SD3.5-medium's extra image-only attention, in block 0
+        ),
+        text_tokens=8,
+        description="SD3.5-medium architecture, 3 blocks, width 128, random weights (a test model)",
+    ),
+    "pixart-tiny": BuiltinModel(
+        family="pixart",
+        config=dict(
+            num_attention_heads=2,
+            attention_head_dim=72,  # PixArt's head size
+            in_channels=4,
+            out_channels=8,  # ε and the learned variance
+            num_layers=2,
+            cross_attention_dim=144,
+            caption_channels=64,
+            sample_size=16,
+            patch_size=2,
+            interpolation_scale=0.25,  # Σ's rule, sample_size / 64: this marks it PixArt-Σ
+            use_additional_conditions=False,
+            norm_type="ada_norm_single",
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+        ),
+        text_tokens=8,
+        description="PixArt-Σ architecture, 2 blocks, width 144, random weights (a test model)",
+    ),
+    "wan-tiny": BuiltinModel(
+        family="wan",
+        config=dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=32,
+            in_channels=16,
+            out_channels=16,
+            text_dim=64,
+            freq_dim=32,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        text_tokens=8,
+        description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
 }
 
 
@@ -58,19 +154,21 @@ def resolve_builtin(name: str) -> BuiltinModel:
 
 @dataclass(frozen=True)
 class Source:
-    """A resolved model argument: what kind it is, where, and its diffusers config."""
+    """A resolved model argument: what kind it is, where, its family and its diffusers config."""
 
-    kind: str  # "builtin", "file" (BFL/ComfyUI layout) or "folder" (diffusers layout)
+    kind: str  # "builtin", "file" (original key layout) or "folder" (diffusers layout)
     ref: str
+    family: str
     config: dict
     prefix: str = ""  # the file's key prefix ("model.diffusion_model." in a ComfyUI checkpoint)
     describes: str = ""
 
 
 def resolve(ref: str) -> Source:
-    """A built-in name, a safetensors file in the original Flux layout, or a diffusers folder."""
+    """A built-in name, a safetensors file in a family's original layout, or a diffusers folder."""
     if ref in BUILTINS:
-        return Source("builtin", ref, BUILTINS[ref].config, describes=BUILTINS[ref].description)
+        builtin = BUILTINS[ref]
+        return Source("builtin", ref, builtin.family, builtin.config, describes=builtin.description)
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelError(f"no model at {ref}: not a built-in name, and no such file or folder",
@@ -91,19 +189,22 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ModelError(f"{path} is not a readable safetensors file ({exc})",
                          "the file may be truncated (an interrupted download?): check its size, or re-download it") from None
-    prefix = flux_checkpoint.detect_prefix(shapes)
-    if prefix is None:
+    for family in FAMILIES.values():
+        prefix = family.checkpoint.detect_prefix(shapes)
+        if prefix is not None:
+            break
+    else:
         found = sorted({key.split(".")[0] for key in shapes})[:12]
         raise ModelError(f"{path}: no supported model layout found (top-level keys: {', '.join(found) or 'none'})",
-                         "supported: Flux (dev, schnell) single files in the BFL / ComfyUI layout, "
-                         "and diffusers model folders")
+                         f"supported single files: {SUPPORTED}, in their original key layout (as ComfyUI "
+                         "loads them), bare or inside a checkpoint; or a diffusers model folder")
     try:
-        config = flux_checkpoint.config_from_shapes(shapes, prefix, path)
+        config = family.checkpoint.config_from_shapes(shapes, prefix, path)
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
     except KeyError as exc:
-        raise ModelError(f"{path}: Flux tensor {exc} is missing", "the file is incomplete: re-download it") from None
-    return Source("file", path, config, prefix, flux_checkpoint.variant(config))
+        raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
+    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config))
 
 
 def _resolve_folder(path: str) -> Source:
@@ -115,11 +216,12 @@ def _resolve_folder(path: str) -> Source:
     except (OSError, ValueError) as exc:
         raise ModelError(f"{path}: no readable diffusers config.json ({exc})",
                          "a diffusers model folder holds config.json and its safetensors") from None
-    if config.get("_class_name") != "FluxTransformer2DModel":
+    family = next((f for f in FAMILIES.values() if f.diffusers_class == config.get("_class_name")), None)
+    if family is None:
         raise ModelError(f"{path} holds a {config.get('_class_name')!r}, not a supported model",
-                         "supported: FluxTransformer2DModel folders")
+                         f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders")
     init = {k: v for k, v in config.items() if not k.startswith("_")}
-    return Source("folder", str(config_file.parent), init, describes="Flux (diffusers folder)")
+    return Source("folder", str(config_file.parent), family.name, init, describes=f"{family.name} (diffusers folder)")
 
 
 def identity(ref: str) -> tuple[str, int]:
@@ -131,64 +233,93 @@ def identity(ref: str) -> tuple[str, int]:
     return source.ref, Path(source.ref).stat().st_mtime_ns
 
 
-def block_sizes(ref: str) -> list[int]:
-    """Parameter count of each block, double-stream then single-stream, counted on the meta device."""
-    from diffusers import FluxTransformer2DModel
+def _construct(source: Source):
+    """The family's diffusers transformer for ``source``'s config, parameters on the meta device."""
+    import diffusers
 
-    with torch.device("meta"):
-        transformer = FluxTransformer2DModel(**resolve(ref).config)
-    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    with empty_weights():
+        return getattr(diffusers, FAMILIES[source.family].diffusers_class)(**source.config)
+
+
+def block_sizes(ref: str) -> list[int]:
+    """Parameter count of each transformer block, in execution order (nothing allocated)."""
+    source = resolve(ref)
+    transformer = _construct(source)
+    blocks = [b for name in FAMILIES[source.family].block_lists for b in getattr(transformer, name)]
     return [sum(p.numel() for p in block.parameters()) for block in blocks]
 
 
-def spec(ref: str) -> FluxSpec:
+def spec(ref: str):
     """What the model takes and allows, from its config: nothing is built or loaded."""
-    return FluxSpec.from_config(resolve(ref).config)
+    source = resolve(ref)
+    return FAMILIES[source.family].spec(source.config)
 
 
-def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=()) -> FluxModel:
+def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
+          blocks: tuple[int, int] | None = None):
     """Build or load a model onto ``device`` in ``dtype`` (seeded weights for a built-in, else its
-    file), with ``loras`` (lora.LoraSpec) merged into its weights."""
-    from diffusers import FluxTransformer2DModel
+    file), with ``loras`` (lora.LoraSpec) merged into its weights.
+
+    ``blocks`` = (start, end): a PipeFusion stage. From a single file, only those blocks' tensors
+    (and the embeddings around them) are read; the other blocks stay on the meta device, for the
+    caller to drop (parallel/pipefusion.keep_stage).
+    """
+    import diffusers
 
     source = resolve(ref)
+    family = FAMILIES[source.family]
+    cls = getattr(diffusers, family.diffusers_class)
     if source.kind == "builtin":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(BUILTINS[ref].seed)
-            transformer = FluxTransformer2DModel(**source.config).to(device)
+            transformer = cls(**source.config).to(device)
         if dtype != transformer.dtype:
             transformer = transformer.to(dtype)
     elif source.kind == "folder":
-        transformer = FluxTransformer2DModel.from_pretrained(source.ref, torch_dtype=dtype, local_files_only=True)
-        transformer = transformer.to(device)
+        transformer = cls.from_pretrained(source.ref, torch_dtype=dtype, local_files_only=True).to(device)
     else:
-        transformer = _load_bfl_file(source, dtype).to(device)
+        transformer = _load_file(source, dtype, blocks)
+        if blocks is None:  # a stage still holds other stages' blocks on meta: the caller prunes, then moves
+            transformer = transformer.to(device)
+    table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
     try:
-        reports = lora.merge(transformer, list(loras)) if loras else []
+        reports = lora.merge(transformer, list(loras), table) if loras else []
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
-    return FluxModel(transformer, ref, FluxSpec.from_config(source.config), reports)
+    return family.model(transformer, ref, family.spec(source.config), reports)
 
 
-def _load_bfl_file(source: Source, dtype: torch.dtype):
-    """Construct on the meta device, then take each tensor from the file (memory-mapped, converted)."""
-    from diffusers import FluxTransformer2DModel
+def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> int | None:
+    """Position of the block a parameter belongs to, counting across the block lists; None: no block."""
+    match = re.match(r"(\w+)\.(\d+)\.", key)
+    if not match or match.group(1) not in block_lists:
+        return None
+    before = sum(counts[: block_lists.index(match.group(1))])
+    return before + int(match.group(2))
 
-    with torch.device("meta"):
-        transformer = FluxTransformer2DModel(**source.config)
-    width = source.config["num_attention_heads"] * source.config["attention_head_dim"]
-    table = flux_checkpoint.sources(transformer.state_dict().keys(), source.prefix)
+
+def _load_file(source: Source, dtype: torch.dtype, blocks: tuple[int, int] | None):
+    """Construct with meta parameters, then take each tensor from the file (memory-mapped, converted);
+    with ``blocks``, only the tensors of those blocks and of the modules outside every block."""
+    family = FAMILIES[source.family]
+    transformer = _construct(source)
+    counts = [len(getattr(transformer, name)) for name in family.block_lists]
+    keys = list(transformer.state_dict().keys())
+    if blocks is not None:
+        keys = [k for k in keys if (i := _block_index(k, family.block_lists, counts)) is None
+                or blocks[0] <= i < blocks[1]]
+    table = family.checkpoint.sources(keys, source.prefix, source.config)
     try:
         with safe_open(source.ref, "pt", device="cpu") as handle:
-            weights = {key: flux_checkpoint.read_tensor(handle, src, width, dtype) for key, src in table.items()}
+            weights = {key: read_tensor(handle, src, dtype) for key, src in table.items()}
     except Exception as exc:
         raise ModelError(f"{source.ref}: could not read its weights ({exc})",
                          "the file may be truncated or damaged: re-download it") from None
-    transformer.load_state_dict(weights, strict=True, assign=True)
+    transformer.load_state_dict(weights, strict=blocks is None, assign=True)
     return transformer
 
 
-def random_conditioning(name: str, batch: int, seed: int, spec: FluxSpec) -> tuple[dict, dict]:
+def random_conditioning(name: str, batch: int, seed: int, spec) -> tuple[dict, dict]:
     """Deterministic stand-in text embeddings for a built-in model, derived from the seed.
 
     Positive and negative sides come from one generator (seeded apart from the noise), so the same

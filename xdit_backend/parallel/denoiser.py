@@ -48,39 +48,42 @@ class Denoiser:
             return
         transformer = self.model.transformer
         saved = transformer.attn_processors
-        self._processors = sequence.attach(transformer, self.layout, attention.local_attention(self.device))
+        kernel = attention.local_attention(self.device)
+        self._processors, hooks = sequence.attach(transformer, self.model.spec, self.layout, self.slices, kernel)
         try:
             yield self
         finally:
+            for hook in hooks:
+                hook.remove()
             transformer.set_attn_processor(saved)
             self._processors = []
 
-    def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None,
-           cfg: float, guidance: float) -> torch.Tensor:
-        """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, h, w] at sigma [B]."""
+    def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None, gen) -> torch.Tensor:
+        """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B]."""
+        cfg = gen.cfg
         if self.cfg_group is not None:
             side = positive if self.layout.index("cfg") == 0 else negative
-            mine = self._predict(x, sigma, side, guidance)  # [B, C, h, w]
+            mine = self._predict(x, sigma, side, gen)  # [B, C, (T,) h, w]
             both = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(both, mine.contiguous(), group=self.cfg_group)  # [cond, uncond], by cfg index
             cond, uncond = both
             return uncond + (cond - uncond) * cfg
         if negative is None or cfg == 1.0:
-            return self._predict(x, sigma, positive, guidance)
+            return self._predict(x, sigma, positive, gen)
         both = {key: torch.cat([positive[key], negative[key]]) for key in positive}
-        x0 = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both, guidance)  # [2B, C, h, w]
+        x0 = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen)  # [2B, C, (T,) h, w]
         cond, uncond = x0.chunk(2)
         return uncond + (cond - uncond) * cfg
 
-    def _predict(self, x, sigma, cond, guidance):
+    def _predict(self, x, sigma, cond, gen):
         for processor in self._processors:
             processor.text_tokens = cond["context"].shape[1]  # single-stream blocks need the split point
-        return self.model.predict_x0(x, sigma, cond, guidance, slices=self.slices)
+        return self.model.predict_x0(x, sigma, cond, gen, slices=self.slices)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
-        """[B/dp, C, h, w] from each dp group → [B, C, h, w] on every rank."""
+        """[B/dp, C, ...] from each dp group → [B, C, ...] on every rank."""
         if self.dp_group is None:
             return latent
         parts = [torch.empty_like(latent) for _ in range(self.layout.config.dp)]
-        dist.all_gather(parts, latent.contiguous(), group=self.dp_group)  # dp × [B/dp, C, h, w]
+        dist.all_gather(parts, latent.contiguous(), group=self.dp_group)  # dp × [B/dp, C, ...]
         return torch.cat(parts)

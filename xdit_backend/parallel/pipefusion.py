@@ -23,7 +23,6 @@ from torch import nn
 from .. import attention
 from ..models.flux import attention_inputs, attention_outputs, image_ids, pack, unpack
 from ..sampling.generate import GenerationStopped, comfy_noise
-from ..sampling.schedules import flux_sigmas
 
 
 def _isend(tensor: torch.Tensor, peer: int):
@@ -154,14 +153,16 @@ class PipeFusion:
         return dist.get_global_rank(self.pp_group, stage)
 
     def run(self, gen, rows: slice, after_step) -> torch.Tensor:
+        if gen.steps == 0:  # start_step past the end: the input, as KSamplerAdvanced returns it
+            return gen.latent.float()[rows]
         t = self.model.transformer
         full = gen.latent.float()
         b, _, h, w = full.shape
         fmt = self.model.latent_format
-        noise = comfy_noise(tuple(full.shape), gen.seed)[rows]
+        noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
         start = (fmt.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows]
-        sigmas = flux_sigmas(gen.steps, gen.shift).to(self.device)
-        x = pack(sigmas[0] * noise.to(self.device) + (1 - sigmas[0]) * start.to(self.device))  # [B, N, 64]
+        sigmas = gen.sigmas.to(self.device)
+        x = pack(gen.sampling.noise_scaling(sigmas[0], noise[rows].to(self.device), start.to(self.device)))  # [B, N, 64]
         n_tokens = x.shape[1]
         ids = image_ids(h, w).to(self.device)  # [N, 3]
         sides = self._sides(gen, rows)
@@ -185,8 +186,8 @@ class PipeFusion:
         finally:
             t.set_attn_processor(saved)
             self.updates = []
-        latent = fmt.process_out(unpack(x.float(), h, w))  # [B, 16, h, w]
-        return latent
+        x = gen.sampling.inverse_noise_scaling(sigmas[-1], unpack(x.float(), h, w))  # [B, 16, h, w]
+        return fmt.process_out(x)
 
     def _sides(self, gen, rows) -> dict:
         """The conditioning this pipeline carries: one side with cfg=2, else both batched (as serial)."""

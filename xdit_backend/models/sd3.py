@@ -1,0 +1,58 @@
+"""SD3 / SD3.5: diffusers ``SD3Transformer2DModel`` fed the way ComfyUI feeds its MM-DiT.
+
+Joint text+image attention (and, in SD3.5-medium, an extra image-only attention in the first
+blocks), absolute 2-D position embeddings added by the patch embedding. Sequence parallelism
+cuts the tokens right after ``pos_embed`` (positions already added) and gathers them after
+``proj_out``; text tokens stay replicated (sequence.py). Model sampling: discrete flow, shift 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling.model_sampling import FlowSampling
+from . import latent_formats
+from .base import DiffusionModel, FamilySpec, SequencePlan
+
+SD3_DEFAULT_SHIFT = 3.0  # ComfyUI's SD3 sampling_settings
+
+
+@dataclass(frozen=True)
+class SD3Spec(FamilySpec):
+    context_dim: int  # T5 (4096) joint context, CLIP-L and CLIP-G features padded into it
+    pooled_dim: int  # CLIP-L + CLIP-G pooled (2048)
+    heads: int
+    blocks: int
+
+    family = "sd3"
+    latent_format = latent_formats.SD3
+    attention = "joint"
+    positions = "absolute"
+    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    sequence_plan = SequencePlan(split_outputs=(("pos_embed", 1),),
+                                 attention=(("attn", "joint"), ("attn2", "joint")))
+
+    @classmethod
+    def from_config(cls, config: dict) -> SD3Spec:
+        return cls(config["joint_attention_dim"], config["pooled_projection_dim"], config["num_attention_heads"],
+                   config["num_layers"])
+
+    def model_sampling(self, shift: float | None) -> FlowSampling:
+        return FlowSampling(SD3_DEFAULT_SHIFT if shift is None else shift)
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
+
+
+class SD3Model(DiffusionModel):
+    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+        """The velocity for x [B, 16, h, w] at timestep 1000·σ [B]."""
+        return self.transformer(
+            hidden_states=x,
+            encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
+            pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, 2048]
+            timestep=timestep.to(self.device, self.dtype),
+            return_dict=False,
+        )[0]

@@ -1,0 +1,90 @@
+"""ComfyUI's model sampling: the noise-level table, the timestep the model sees, and how the
+model's output becomes a denoised estimate (comfy/model_sampling.py; float32 as ComfyUI computes).
+
+- ``FlowSampling``: rectified flow (CONST). Flux uses ModelSamplingFlux (an exponential shift over
+  10000 steps, timestep = σ); SD3 and Wan use ModelSamplingDiscreteFlow (timestep = 1000·σ).
+- ``EpsSampling``: ModelSamplingDiscrete with EPS prediction over discrete betas (PixArt).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .schedules import flux_sigma_table, simple_schedule
+
+
+def _view(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """σ [B] (or a scalar) broadcast over a latent's other dims."""
+    return sigma.view(-1, *(1,) * (like.dim() - 1)) if sigma.dim() else sigma
+
+
+@dataclass(frozen=True)
+class FlowSampling:
+    shift: float
+    flux: bool = False  # ModelSamplingFlux rather than ModelSamplingDiscreteFlow
+    multiplier: float = 1000.0
+
+    def table(self) -> torch.Tensor:
+        if self.flux:
+            return flux_sigma_table(self.shift)
+        t = (torch.arange(1, 1001, 1) / 1000) * self.multiplier / self.multiplier
+        return t if self.shift == 1.0 else self.shift * t / (1 + (self.shift - 1) * t)  # time_snr_shift
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        return simple_schedule(self.table(), steps)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return sigma if self.flux else sigma * self.multiplier
+
+    def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_denoised(self, sigma, output, x) -> torch.Tensor:
+        return x - output * _view(sigma, output)  # x0 = x − σ·v
+
+    def noise_scaling(self, sigma, noise, latent) -> torch.Tensor:
+        return sigma * noise + (1.0 - sigma) * latent
+
+    def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
+        return latent / (1.0 - sigma)
+
+
+@dataclass(frozen=True)
+class EpsSampling:
+    linear_start: float = 0.0001
+    linear_end: float = 0.02
+    timesteps: int = 1000  # "sqrt_linear" betas: linspace(start, end), as ComfyUI's PixArt
+
+    def _sigmas64(self) -> torch.Tensor:
+        betas = torch.linspace(self.linear_start, self.linear_end, self.timesteps, dtype=torch.float64)
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        return ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5
+
+    def table(self) -> torch.Tensor:
+        return self._sigmas64().float()
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        return simple_schedule(self.table(), steps)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The nearest discrete timestep in log σ (ComfyUI's ``timestep``), as a float."""
+        log_sigmas = self._sigmas64().log().float().to(sigma.device)
+        return (sigma.log() - log_sigmas[:, None]).abs().argmin(dim=0).view(sigma.shape).float()
+
+    def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x / (_view(sigma, x) ** 2 + 1.0) ** 0.5
+
+    def calculate_denoised(self, sigma, output, x) -> torch.Tensor:
+        return x - output * _view(sigma, output)  # x0 = x − σ·ε
+
+    def noise_scaling(self, sigma, noise, latent) -> torch.Tensor:
+        """From σ_max (a full generation) ComfyUI scales by √(1 + σ²), else by σ."""
+        sigma_max = float(self.table()[-1])
+        at_max = math.isclose(sigma_max, float(sigma), rel_tol=1e-05) or float(sigma) > sigma_max
+        return noise * ((1.0 + sigma ** 2.0) ** 0.5 if at_max else sigma) + latent
+
+    def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
+        return latent
