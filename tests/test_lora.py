@@ -93,3 +93,44 @@ def test_lora_through_the_backend_is_reported_and_cached_apart(backend1, tmp_pat
     assert info["loras"][0]["merged_modules"] == 1 and info["loras"][0]["file"] == str(path.resolve())
     with pytest.raises(Exception, match="no LoRA file"):
         backend1.sample({**fields, "loras": [{"path": "/nowhere/lora.safetensors"}]})
+
+
+# A second family: SD3 LoRAs in ComfyUI's original names and kohya's, on the fused x-block qkv.
+SD3_WIDTH = 128  # sd3-tiny: 4 heads × 32
+
+
+@pytest.fixture(scope="module")
+def sd3_base():
+    return registry.build("sd3-tiny", torch.device("cpu")).transformer.state_dict()
+
+
+@pytest.mark.parametrize("layout", ["comfyui", "kohya"])
+def test_sd3_lora_on_the_fused_qkv_equals_a_manual_merge(tmp_path, sd3_base, layout):
+    up, down = low_rank(3 * SD3_WIDTH, SD3_WIDTH, 6)
+    name = {"comfyui": "diffusion_model.joint_blocks.1.x_block.attn.qkv",
+            "kohya": "lora_unet_joint_blocks_1_x_block_attn_qkv"}[layout]
+    suffixes = {"comfyui": ("lora_A.weight", "lora_B.weight"), "kohya": ("lora_down.weight", "lora_up.weight")}[layout]
+    path = tmp_path / "sd3.safetensors"
+    save_file({f"{name}.{suffixes[0]}": down, f"{name}.{suffixes[1]}": up, f"{name}.alpha": torch.tensor(ALPHA)},
+              str(path))
+    zero = registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.0)]).transformer.state_dict()
+    assert all(torch.equal(zero[k], sd3_base[k]) for k in sd3_base)
+    model = registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.6)])
+    weights = model.transformer.state_dict()
+    delta = 0.6 * (up @ down) * (ALPHA / RANK)  # [3·D, D]: q, k, v rows
+    for i, proj in enumerate(("to_q", "to_k", "to_v")):
+        key = f"transformer_blocks.1.attn.{proj}.weight"
+        assert torch.allclose(weights[key], sd3_base[key] + delta[i * SD3_WIDTH:(i + 1) * SD3_WIDTH], atol=1e-6)
+    assert model.lora_reports[0]["merged_modules"] == 1 and model.lora_reports[0]["unmatched_keys"] == 0
+
+
+def test_a_flux_lora_on_an_sd3_model_is_reported_not_merged(tmp_path, sd3_base):
+    up, down = low_rank(3 * SD3_WIDTH, SD3_WIDTH, 7)
+    path = tmp_path / "flux-style.safetensors"
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": down,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": up}, str(path))
+    model = registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 1.0)])
+    report = model.lora_reports[0]
+    assert report["merged_modules"] == 0 and report["unmatched_keys"] == 1
+    assert report["unmatched_examples"] == ["lora_unet_double_blocks_0_img_attn_qkv"]
+    assert all(torch.equal(model.transformer.state_dict()[k], sd3_base[k]) for k in sd3_base)

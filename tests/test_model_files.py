@@ -185,3 +185,38 @@ def test_conversion_matches_diffusers_own_converter_at_full_width(tmp_path):
     assert registry.resolve(str(path)).describes.startswith("Flux-dev architecture, width 3072")
     assert ours.keys() == expected.keys()
     assert [key for key in expected if not torch.equal(ours[key], expected[key])] == []
+
+
+def test_a_pipefusion_stage_reads_only_its_blocks_from_the_file(tiny, tmp_path):
+    """blocks=(1, 4): the second double block and the first two single blocks are read (with the
+    embeddings and the output layers); every other block is never read and stays on meta."""
+    from xdit_backend.parallel.pipefusion import keep_stage
+
+    path = tmp_path / "flux.safetensors"
+    save_file(bfl_state_dict(tiny.transformer), str(path))
+    stage = registry.build(str(path), torch.device("cpu"), blocks=(1, 4)).transformer
+    params = dict(stage.named_parameters())
+    read = {k for k, p in params.items() if not p.is_meta}
+    assert {k.split(".")[0] + "." + k.split(".")[1] for k in params.keys() - read} == {
+        "transformer_blocks.0", "single_transformer_blocks.2", "single_transformer_blocks.3",
+        "single_transformer_blocks.4"}
+    assert "x_embedder.weight" in read and "proj_out.weight" in read
+    kept = keep_stage(stage, 1, 4)
+    assert not any(p.is_meta for p in stage.parameters())
+    full = dict(tiny.transformer.named_modules())
+    for block, name in zip(kept, ("transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1")):
+        expected = full[name].state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in block.state_dict().items()), name
+
+
+def test_pipefusion_from_a_file_equals_serial(backend2, tiny, tmp_path):
+    """Each rank loads its stage from the file; with every step warm-up the result is the exact one
+    (Ulysses here, itself equal to serial in test_parallel)."""
+    path = tmp_path / "flux.safetensors"
+    save_file(bfl_state_dict(tiny.transformer), str(path))
+    g = torch.Generator().manual_seed(3)
+    tensors = {"context": torch.randn(1, 8, 64, generator=g), "pooled": torch.randn(1, 32, generator=g)}
+    fields = {"model": str(path), "width": 64, "height": 64, "steps": 3, "seed": 2}
+    staged, _ = backend2.sample({**fields, "parallel": {"pipefusion": 2, "warmup_steps": 3}}, tensors)
+    exact, _ = backend2.sample({**fields, "parallel": {"ulysses": 2}}, tensors)
+    assert (staged["samples"] - exact["samples"]).abs().max() <= 1e-4

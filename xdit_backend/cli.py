@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser("sample", help="generate one latent through the backend")
     _add_launch(sample)
-    sample.add_argument("--model", required=True, help="a built-in model (flux-tiny) or a model file")
+    sample.add_argument("--model", required=True,
+                        help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder")
     sample.add_argument("--width", type=int, default=1024)
     sample.add_argument("--height", type=int, default=1024)
     sample.add_argument("--steps", type=int, default=20)
@@ -63,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
     sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
     sample.add_argument("--batch", type=int, default=1)
+    sample.add_argument("--frames", type=int, default=1, help="video models (Wan): frames, 1 + a multiple of 4")
+    steps = sample.add_argument_group("step range (KSamplerAdvanced; Wan 2.2's two experts are two runs)")
+    steps.add_argument("--start-step", type=int, default=0, help="first step of the --steps schedule to run")
+    steps.add_argument("--end-step", type=int, default=None, help="step to stop at (default: the last)")
+    steps.add_argument("--no-add-noise", action="store_true", help="the input latent already holds its noise")
+    steps.add_argument("--leftover-noise", action="store_true",
+                       help="stop at --end-step's noise level instead of denoising fully (for a second run)")
+    steps.add_argument("--latent", type=Path, default=None,
+                       help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
     sample.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="a LoRA file merged into the weights (repeat for several; strength 1 by default)")
     sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -179,9 +189,17 @@ def cmd_sample(args) -> int:
     layout = requested_layout(args)
     fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
               "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype,
-              "loras": [_lora_entry(text) for text in args.lora]}
-    fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift)) if v is not None})
+              "loras": [_lora_entry(text) for text in args.lora], "frames": args.frames,
+              "start_step": args.start_step, "add_noise": not args.no_add_noise,
+              "return_with_leftover_noise": args.leftover_noise}
+    fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift), ("end_step", args.end_step))
+                   if v is not None})
     tensors = load_file(args.embeds) if args.embeds else {}
+    if args.latent:
+        stored = load_file(args.latent)
+        tensors["latent"] = stored.get("samples", stored.get("latent"))
+        if tensors["latent"] is None:
+            raise SystemExit(f"{args.latent} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})")
     client = Client(args.socket)
     ephemeral = client.hello_or_none() is None
     if ephemeral:

@@ -1,0 +1,125 @@
+"""SD3, PixArt and Wan through the parallel layouts: each equals its serial result (float32, ≤ 1e-4
+of the latent's scale); Wan's 5-D latents, and step ranges that split one generation into two
+(Wan 2.2's two experts).
+
+The bound is relative to the largest value of the serial latent (and absolute below 1): a
+random-weight PixArt predicts ε of order 1, which EPS sampling multiplies by σ_max ≈ 157 and
+the SD 1.5 latent scale by 1/0.18215, so its latents reach ~4·10³; there, float32 rounding of
+a different summation order (Ring's log-sum-exp merge) alone is ~2·10⁻³ absolute (6·10⁻⁷ relative).
+"""
+
+import pytest
+import torch
+
+from xdit_backend.models import registry
+from xdit_backend.parallel.denoiser import Denoiser
+from xdit_backend.protocol import Message
+from xdit_backend.request import RequestError, SampleRequest
+from xdit_backend.sampling.generate import generate
+
+TOLERANCE = 1e-4
+
+
+def bound(serial: torch.Tensor) -> float:
+    return TOLERANCE * max(1.0, serial.abs().max().item())
+
+# Each family at a size whose token count (32) every degree below divides; cfg 3.5 with the
+# built-in's seeded negative, so cfg=2 has two passes to split.
+FAMILIES = {
+    "sd3-tiny": {"width": 128, "height": 64},
+    "pixart-tiny": {"width": 128, "height": 64},
+    "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+}
+LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
+
+
+def fields(model: str, **extra) -> dict:
+    return {"model": model, **FAMILIES[model], "steps": 3, "seed": 7, "cfg": 3.5, **extra}
+
+
+def serial_latent(message_fields: dict) -> torch.Tensor:
+    """The world-1 code path in this process, with the conditioning rank 0 would make up."""
+    request = SampleRequest.parse(Message("sample", message_fields, {}))
+    spec = registry.spec(request.model)
+    request.check_model(spec)
+    positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
+    model = registry.build(request.model, torch.device("cpu"))
+    with torch.no_grad():
+        return generate(Denoiser(model), request.generation(spec, positive, negative))
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return {model: serial_latent(fields(model)) for model in FAMILIES}
+
+
+def case_id(case):
+    model, (world, degrees) = case
+    return f"{model}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
+
+
+@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in LAYOUTS], ids=case_id)
+def test_family_layout_equals_serial(case, serial, request):
+    model, (world, degrees) = case
+    client = request.getfixturevalue(f"backend{world}")
+    result, info = client.sample({**fields(model), "parallel": degrees})
+    assert info["world_size"] == world
+    assert result["samples"].shape == serial[model].shape
+    difference = (result["samples"] - serial[model]).abs().max().item()
+    assert difference <= bound(serial[model]), f"{case_id(case)}: max |parallel − serial| = {difference:.3g}"
+
+
+def test_another_seed_differs_beyond_the_tolerance(serial):
+    """The tolerance means something for every family: another seed moves the latent far more."""
+    for model in FAMILIES:
+        other = serial_latent(fields(model, seed=8))
+        assert (other - serial[model]).abs().max() > 100 * bound(serial[model]), model
+
+
+def test_wan_latent_is_video_shaped(serial):
+    assert serial["wan-tiny"].shape == (1, 16, 2, 8, 8)  # 5 frames → 1 + 4/4 latent frames; 64 px / 8
+
+
+def test_two_step_ranges_equal_one_run():
+    """High-noise expert to step 2 with its leftover noise, then the low-noise expert from step 2
+    without new noise (KSamplerAdvanced, as ComfyUI's Wan 2.2 workflow does) = one 4-step run."""
+    whole = serial_latent(fields("wan-tiny", steps=4))
+    first = serial_latent(fields("wan-tiny", steps=4, end_step=2, return_with_leftover_noise=True))
+    request = SampleRequest.parse(Message("sample", fields("wan-tiny", steps=4, start_step=2, add_noise=False),
+                                          {"latent": first}))
+    spec = registry.spec("wan-tiny")
+    positive, negative = registry.random_conditioning("wan-tiny", 1, 7, spec)
+    with torch.no_grad():
+        second = generate(Denoiser(registry.build("wan-tiny", torch.device("cpu"))),
+                          request.generation(spec, positive, negative))
+    assert (second - whole).abs().max() <= 1e-5
+    assert (first - whole).abs().max() > 100 * TOLERANCE  # the first half alone is not the result
+
+
+def test_step_ranges_through_the_backend(backend2):
+    """The same split over the socket, under a parallel layout."""
+    base = {**fields("wan-tiny", steps=4), "parallel": {"ulysses": 2}}
+    whole, _ = backend2.sample(base)
+    first, _ = backend2.sample({**base, "end_step": 2, "return_with_leftover_noise": True})
+    second, _ = backend2.sample({**base, "start_step": 2, "add_noise": False}, {"latent": first["samples"]})
+    assert (second["samples"] - whole["samples"]).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"frames": 6}, "frames 6 is not 1 \\+ a multiple of 4"),
+    ({"width": 72}, "width 72 is not a multiple of 16"),
+    ({"guidance": 3.5}, "has no guidance embedding"),
+    ({"end_step": 9}, "end_step 9 is past the last of 3 steps"),
+])
+def test_requests_a_family_cannot_run_are_refused(extra, message):
+    request = SampleRequest.parse(Message("sample", fields("wan-tiny", **extra), {}))
+    with pytest.raises(RequestError, match=message):
+        request.check_model(registry.spec("wan-tiny"))
+
+
+def test_an_image_model_refuses_frames_and_pixart_refuses_a_shift():
+    for model, extra, message in (("sd3-tiny", {"frames": 5}, "makes images, not videos"),
+                                  ("pixart-tiny", {"shift": 3.0}, "no flow shift")):
+        request = SampleRequest.parse(Message("sample", fields(model, **extra), {}))
+        with pytest.raises(RequestError, match=message):
+            request.check_model(registry.spec(model))
