@@ -1,0 +1,102 @@
+"""Model sampling and latent formats per family, against ComfyUI's own classes when a ComfyUI
+checkout is given (COMFYUI_DIR); the schedules' shape everywhere."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from xdit_backend.models import latent_formats
+from xdit_backend.sampling.generate import schedule
+from xdit_backend.sampling.model_sampling import EpsSampling, FlowSampling
+
+needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with ComfyUI's own math")
+
+
+def comfy():
+    sys.path.insert(0, os.environ["COMFYUI_DIR"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.latent_formats
+    import comfy.model_sampling
+    import comfy.samplers
+
+    return comfy
+
+
+@pytest.mark.parametrize("sampling", [FlowSampling(3.0), FlowSampling(8.0), FlowSampling(1.0), EpsSampling(),
+                                      FlowSampling(1.15, flux=True)], ids=repr)
+@pytest.mark.parametrize("steps", [1, 4, 30])
+def test_schedules_fall_to_zero(sampling, steps):
+    sigmas = sampling.sigmas(steps)
+    assert sigmas.shape == (steps + 1,) and sigmas[-1] == 0.0 and (sigmas[1:] < sigmas[:-1]).all()
+
+
+def test_a_step_range_is_cut_as_ksampler_advanced_cuts_it():
+    """end: the first sigmas up to end_step, then 0 (or its own σ with leftover noise); start: from there."""
+    full = FlowSampling(8.0).sigmas(10)
+    assert torch.equal(schedule(FlowSampling(8.0), 10, 0, 4, leftover_noise=True), full[:5])
+    assert torch.equal(schedule(FlowSampling(8.0), 10, 0, 4), torch.cat([full[:4], torch.zeros(1)]))
+    assert torch.equal(schedule(FlowSampling(8.0), 10, 4), full[4:])
+    assert schedule(FlowSampling(8.0), 10, 10).numel() == 1  # past the end: no step to run
+
+
+@needs_comfyui
+@pytest.mark.parametrize("shift", [1.0, 3.0, 5.0, 8.0])
+@pytest.mark.parametrize("steps", [1, 20, 28])
+def test_discrete_flow_matches_comfyui(shift, steps):
+    """SD3 and Wan: ModelSamplingDiscreteFlow's sigmas, simple schedule and timesteps, exactly."""
+    c = comfy()
+    theirs = c.model_sampling.ModelSamplingDiscreteFlow()
+    theirs.set_parameters(shift=shift, multiplier=1000)
+    ours = FlowSampling(shift)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    assert torch.equal(ours.sigmas(steps), c.samplers.simple_scheduler(theirs, steps))
+    sigma = ours.sigmas(steps)[:-1]
+    assert torch.equal(ours.timestep(sigma), theirs.timestep(sigma))
+
+
+@needs_comfyui
+@pytest.mark.parametrize("steps", [1, 20, 50])
+def test_pixart_eps_sampling_matches_comfyui(steps):
+    """PixArt: ModelSamplingDiscrete over its sqrt_linear betas with EPS, step by step."""
+    c = comfy()
+
+    class Config:
+        sampling_settings = {"beta_schedule": "sqrt_linear", "linear_start": 0.0001, "linear_end": 0.02,
+                             "timesteps": 1000}
+
+    class Theirs(c.model_sampling.ModelSamplingDiscrete, c.model_sampling.EPS):
+        pass
+
+    theirs, ours = Theirs(Config()), EpsSampling()
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    x, noise, latent = (torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for sigma in sigmas[:-1]:
+        assert torch.equal(ours.timestep(sigma.view(1)), theirs.timestep(sigma.view(1)).float())
+        assert torch.equal(ours.calculate_input(sigma.view(1), x), theirs.calculate_input(sigma.view(1), x))
+        assert torch.equal(ours.calculate_denoised(sigma.view(1), noise, x),
+                           theirs.calculate_denoised(sigma.view(1), noise, x))
+    at_max = sigmas[0]  # a full generation starts at σ_max: ComfyUI's max_denoise scaling
+    assert torch.equal(ours.noise_scaling(at_max, noise, latent),
+                       theirs.noise_scaling(at_max, noise.clone(), latent, max_denoise=True))
+    assert torch.equal(ours.noise_scaling(sigmas[1], noise, latent),
+                       theirs.noise_scaling(sigmas[1], noise.clone(), latent, max_denoise=False))
+
+
+@needs_comfyui
+@pytest.mark.parametrize(("ours", "name", "shape"), [
+    (latent_formats.FLUX, "Flux", (1, 16, 4, 4)), (latent_formats.SD3, "SD3", (1, 16, 4, 4)),
+    (latent_formats.SD15, "SD15", (1, 4, 4, 4)), (latent_formats.SDXL, "SDXL", (1, 4, 4, 4)),
+    (latent_formats.WAN21, "Wan21", (1, 16, 2, 4, 4)), (latent_formats.WAN22, "Wan22", (1, 48, 2, 4, 4))],
+    ids=lambda v: v if isinstance(v, str) else None)
+def test_latent_formats_match_comfyui(ours, name, shape):
+    theirs = getattr(comfy().latent_formats, name)()
+    latent = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(ours.process_in(latent), theirs.process_in(latent), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(ours.process_out(latent), theirs.process_out(latent), rtol=1e-6, atol=1e-6)
