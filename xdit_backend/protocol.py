@@ -86,6 +86,9 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "end_step": int,
         "add_noise": bool,  # False: the latent already holds its noise (a second expert's run)
         "return_with_leftover_noise": bool,  # True: stop at end_step's σ instead of denoising fully
+        "sampler": str,  # ComfyUI's sampler names (sampling/samplers.py)
+        "scheduler": str,  # ComfyUI's scheduler names (sampling/schedulers.py); a "sigmas" tensor overrides it
+        "denoise": _NUM,  # < 1: img2img, the tail of a longer schedule, as KSampler does it
     },
     "cancel": {"target": str},
     "unload": {"model": str},

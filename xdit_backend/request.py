@@ -10,7 +10,8 @@ from . import protocol
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
-from .sampling.generate import Generation, schedule
+from .sampling import samplers, schedulers
+from .sampling.generate import Generation, cut
 
 MAX_SIDE = 16384
 MAX_STEPS = 10000
@@ -18,7 +19,7 @@ MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
 MAX_FRAMES = 1025
 CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
-TENSOR_NAMES = ("latent", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
+TENSOR_NAMES = ("latent", "sigmas", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
 
 
 class RequestError(UserError):
@@ -45,6 +46,9 @@ class SampleRequest:
     end_step: int | None  # None: to the end of the schedule
     add_noise: bool
     leftover_noise: bool
+    sampler: str
+    scheduler: str
+    denoise: float
     tensors: dict[str, torch.Tensor]
 
     def latent_shape(self, spec) -> tuple[int, ...]:
@@ -74,6 +78,9 @@ class SampleRequest:
             end_step=_int_in(f, "end_step", 0, 0, MAX_STEPS) if "end_step" in f else None,
             add_noise=f.get("add_noise", True),
             leftover_noise=f.get("return_with_leftover_noise", False),
+            sampler=_name_in(f, "sampler", "euler", samplers.SAMPLERS),
+            scheduler=_name_in(f, "scheduler", "simple", schedulers.SCHEDULERS),
+            denoise=float(f.get("denoise", 1.0)),
             tensors=dict(message.tensors),
         )
         request._check_ranges()
@@ -84,7 +91,7 @@ class SampleRequest:
         if self.end_step is not None and self.end_step <= self.start_step:
             raise RequestError(f"end_step {self.end_step} must be after start_step {self.start_step}",
                                "leave end_step out to run to the end of the schedule")
-        for name, value, low, high in (("cfg", self.cfg, 0.0, 100.0), ("guidance", self.guidance, 0.0, 100.0),
+        for name, value, low, high in (("denoise", self.denoise, 0.0, 1.0), ("cfg", self.cfg, 0.0, 100.0), ("guidance", self.guidance, 0.0, 100.0),
                                        ("shift", self.shift, 1e-3, 100.0)):
             if value is not None and not low <= value <= high:
                 raise RequestError(f"{name} {value} is out of range: it must lie in {low:g}..{high:g}")
@@ -108,6 +115,14 @@ class SampleRequest:
             spec.check_size(self.width, self.height, self.frames)
         except UserError as exc:
             raise RequestError(exc.message, exc.hint) from None
+        custom = self.tensors.get("sigmas")
+        if custom is not None and (custom.dim() != 1 or len(custom) < 2 or bool((custom[1:] > custom[:-1]).any())
+                                   or float(custom.min()) < 0):
+            raise RequestError(f"sigmas {custom.tolist()[:8]}… must be a non-increasing 1-D list of at least two "
+                               "noise levels ≥ 0", "connect a scheduler node's SIGMAS output")
+        if custom is not None and len(custom) - 1 != self.steps:
+            raise RequestError(f"steps {self.steps} does not match the {len(custom)} sigmas given "
+                               f"({len(custom) - 1} steps)", f"send steps {len(custom) - 1} with them")
         latent = self.tensors.get("latent")
         if latent is not None and tuple(latent.shape) != self.latent_shape(spec):
             frames = f" × {self.frames} frames" if spec.video else ""
@@ -168,11 +183,15 @@ class SampleRequest:
 
     def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
         sampling = spec.model_sampling(self.shift)
+        sigmas = self.tensors.get("sigmas")
+        if sigmas is None:
+            sigmas = schedulers.sigmas(self.scheduler, sampling, self.steps, self.denoise, sampler=self.sampler)
         return Generation(
             latent=self.tensors.get("latent", torch.zeros(self.latent_shape(spec))),
             seed=self.seed,
-            sigmas=schedule(sampling, self.steps, self.start_step, self.end_step, self.leftover_noise),
+            sigmas=cut(sigmas.float(), self.start_step, self.end_step, self.leftover_noise),
             sampling=sampling,
+            sampler=self.sampler,
             cfg=self.cfg,
             guidance=self.guidance if self.guidance is not None else spec.default_guidance,
             positive=positive,
@@ -215,6 +234,13 @@ def _parallel(value) -> ParallelConfig | None:
         raise RequestError(exc.message, exc.hint) from None
     except TypeError as exc:
         raise RequestError(f"parallel: {exc}") from None
+
+
+def _name_in(fields: dict, name: str, default: str, names: tuple[str, ...]) -> str:
+    value = fields.get(name, default)
+    if value not in names:
+        raise RequestError(f"{name} {value!r} is not supported", f"use one of: {', '.join(names)}")
+    return value
 
 
 def _int_in(fields: dict, name: str, default: int, low: int, high: int) -> int:

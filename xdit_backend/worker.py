@@ -268,6 +268,9 @@ class Leader:
         else:
             config, why = request.parallel, "as requested"
             config.validate(self.rt.world_size, model_facts, facts, self.devices())
+        if config.pipefusion > 1 and request.sampler != "euler":
+            raise RequestError(f"PipeFusion steps patches with Euler; sampler {request.sampler!r} needs whole steps",
+                               "use sampler euler with PipeFusion, or a layout without pipefusion")
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
@@ -320,7 +323,8 @@ class Leader:
 
 def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
-    names = ("model", "width", "height", "batch", "steps", "seed", "cfg", "frames", "start_step", "add_noise")
+    names = ("model", "width", "height", "batch", "steps", "seed", "cfg", "frames", "start_step", "add_noise",
+             "sampler", "scheduler", "denoise")
     fields = {name: getattr(request, name) for name in names}
     fields.update({name: getattr(request, name) for name in ("guidance", "shift", "end_step")
                    if getattr(request, name) is not None})

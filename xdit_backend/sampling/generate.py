@@ -1,8 +1,9 @@
-"""One generation: noise, latent scaling, classifier-free guidance and the Euler loop.
+"""One generation: noise, latent scaling, classifier-free guidance and the sampler loop.
 
-The math is ComfyUI's (comfy/samplers.py KSAMPLER, comfy/model_sampling.py, k_diffusion
-sample_euler), so the same seed and inputs give KSampler's latent. A generation may cover a
-range of the schedule's steps, as KSamplerAdvanced does (Wan 2.2's two experts run as two).
+The math is ComfyUI's (comfy/samplers.py KSAMPLER, comfy/model_sampling.py, its k-diffusion
+samplers: sampling/samplers.py), so the same seed and inputs give KSampler's latent. A
+generation may cover a range of the schedule's steps, as KSamplerAdvanced does (Wan 2.2's two
+experts run as two).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from . import samplers
 
 
 class GenerationStopped(Exception):
@@ -23,13 +26,14 @@ class Generation:
 
     latent: torch.Tensor  # [B, C, h, w] or [B, C, T, h, w], raw VAE space (zeros: an empty latent)
     seed: int
-    sigmas: torch.Tensor  # [steps + 1] the noise levels this generation walks, from ``schedule``
+    sigmas: torch.Tensor  # [steps + 1] the noise levels this generation walks (schedulers.py, then ``cut``)
     sampling: object  # model_sampling.FlowSampling or EpsSampling
     cfg: float
     guidance: float | None
     positive: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None
     add_noise: bool = True
+    sampler: str = "euler"  # samplers.SAMPLERS
 
     @property
     def steps(self) -> int:
@@ -40,10 +44,10 @@ class Generation:
         return self.cfg != 1.0 and self.negative is not None
 
 
-def schedule(sampling, steps: int, start: int = 0, end: int | None = None, leftover_noise: bool = False):
-    """The sigmas of steps ``start``..``end`` of a ``steps``-step schedule, cut as KSamplerAdvanced
-    cuts them: ending early reaches σ = 0 unless the leftover noise is to be returned."""
-    sigmas = sampling.sigmas(steps)
+def cut(sigmas: torch.Tensor, start: int = 0, end: int | None = None, leftover_noise: bool = False):
+    """Steps ``start``..``end`` of a schedule, cut as KSamplerAdvanced cuts them: ending early
+    reaches σ = 0 unless the leftover noise is to be returned."""
+    sigmas = sigmas.clone()
     if end is not None and end < len(sigmas) - 1:
         sigmas = sigmas[: end + 1]
         if not leftover_noise:
@@ -63,7 +67,7 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
     ``denoiser`` (parallel/denoiser.py) gives the guided x0 and says which batch rows this rank
     generates. Returns the final latent of the whole batch in raw VAE space, float32, on the CPU.
     """
-    if gen.steps == 0:  # KSamplerAdvanced with start_at_step past the end returns its input
+    if gen.steps <= 0:  # start_at_step past the end, or denoise 0: ComfyUI returns the input
         return gen.latent.float()
     fmt, device, ms = denoiser.latent_format, denoiser.device, gen.sampling
     full = gen.latent.float()
@@ -75,12 +79,14 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
     negative = {key: t[rows] for key, t in gen.negative.items()} if gen.uses_cfg else None
     sigmas = gen.sigmas.to(device)
     x = ms.noise_scaling(sigmas[0], noise, latent)
-    batch = torch.ones(x.shape[0], device=device)
+    # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it) on
+    # the latent's device, this rank's rows kept
+    step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device)
+
+    def x0(x, sigma):  # sigma [B]
+        return denoiser.x0(x, sigma, positive, negative, gen)
+
     with denoiser.attached():
-        for i in range(gen.steps):
-            x0 = denoiser.x0(x, sigmas[i] * batch, positive, negative, gen)
-            x = x + (x - x0) / sigmas[i] * (sigmas[i + 1] - sigmas[i])  # Euler: d = (x − x0)/σ
-            if not after_step(i + 1, gen.steps):
-                raise GenerationStopped()
-    x = ms.inverse_noise_scaling(sigmas[-1], x)
+        x = samplers.sample(gen.sampler, x0, x, sigmas, ms, step_noise, after_step)
+    x = ms.inverse_noise_scaling(samplers.final_sigma(gen.sampler, sigmas), x)
     return denoiser.gather_rows(fmt.process_out(x)).cpu()

@@ -21,6 +21,16 @@ def _view(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return sigma.view(-1, *(1,) * (like.dim() - 1)) if sigma.dim() else sigma
 
 
+def _time_snr_shift(shift: float, t):
+    """ModelSamplingDiscreteFlow's shift of a time t in [0, 1] (tensor or float)."""
+    return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
+
+
+def _flux_time_shift(mu: float, t):
+    """ModelSamplingFlux's shift: exp(μ) / (exp(μ) + (1/t − 1)) (tensor or float)."""
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
+
+
 @dataclass(frozen=True)
 class FlowSampling:
     shift: float
@@ -50,6 +60,30 @@ class FlowSampling:
 
     def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
         return latent / (1.0 - sigma)
+
+    # -- what the schedulers need (ComfyUI's sigma_min/sigma_max/sigma/percent_to_sigma) --
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.table()[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.table()[-1]
+
+    def sigma(self, timestep):
+        """σ at a model timestep (tensor or float): the inverse of ``timestep``."""
+        if self.flux:
+            return _flux_time_shift(self.shift, timestep)
+        return _time_snr_shift(self.shift, timestep / self.multiplier)
+
+    def percent_to_sigma(self, percent: float) -> float:
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        t = 1.0 - percent
+        return _flux_time_shift(self.shift, t) if self.flux else _time_snr_shift(self.shift, t)
 
 
 @dataclass(frozen=True)
@@ -88,3 +122,28 @@ class EpsSampling:
 
     def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
         return latent
+
+    # -- what the schedulers need (ComfyUI's sigma_min/sigma_max/sigma/percent_to_sigma) --
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.table()[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.table()[-1]
+
+    def sigma(self, timestep: torch.Tensor) -> torch.Tensor:
+        """σ at a (fractional) timestep: linear interpolation of log σ between the two nearest entries."""
+        log_sigmas = self._sigmas64().log().float()
+        t = timestep.float().to(log_sigmas.device).clamp(min=0, max=len(log_sigmas) - 1)
+        w = t.frac()
+        log_sigma = (1 - w) * log_sigmas[t.floor().long()] + w * log_sigmas[t.ceil().long()]
+        return log_sigma.exp().to(timestep.device)
+
+    def percent_to_sigma(self, percent: float) -> float:
+        if percent <= 0.0:
+            return 999999999.9
+        if percent >= 1.0:
+            return 0.0
+        return self.sigma(torch.tensor((1.0 - percent) * 999.0)).item()  # 999 whatever the table size, as ComfyUI
