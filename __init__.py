@@ -1,10 +1,10 @@
 """comfyui-xdit: ComfyUI entry point.
 
-ComfyUI imports this file as a package at start-up. It only defines the node mappings: no
-process, socket, CUDA call or environment change happens here, and the backend package is
-imported by the nodes when they first run.
+ComfyUI imports this file as a package at start-up and then calls ``comfy_entrypoint`` (its V3
+node API). Importing it starts no process, opens no socket, touches no GPU and imports no torch;
+the node definitions are imported when ComfyUI asks for them, the backend when a node first runs.
 """
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from .nodes import comfy_entrypoint
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+__all__ = ["comfy_entrypoint"]

@@ -1,9 +1,12 @@
 """The pack's ComfyUI nodes. They translate between ComfyUI types and xdit_backend.client, nothing else.
 
 This package is imported relatively by the pack's root ``__init__.py``, never as a top-level
-``nodes`` (that name is ComfyUI's own module). The sampler, loader, parallel-config and backend
-nodes are registered here as they land; until then the pack loads and registers none.
+``nodes`` (that name is ComfyUI's own module). ComfyUI calls ``comfy_entrypoint`` at start-up;
+only then are the node definitions (and ComfyUI's V3 node API) imported.
 """
 
-NODE_CLASS_MAPPINGS: dict[str, type] = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}
+
+async def comfy_entrypoint():
+    from .extension import XDiTExtension
+
+    return XDiTExtension()

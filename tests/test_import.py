@@ -19,7 +19,7 @@ sys.modules["comfyui_xdit"] = pack
 spec.loader.exec_module(pack)
 fds = os.listdir("/proc/self/fd")
 print(json.dumps({
-    "mappings": isinstance(pack.NODE_CLASS_MAPPINGS, dict),
+    "entrypoint": callable(pack.comfy_entrypoint) and not hasattr(pack, "NODE_CLASS_MAPPINGS"),
     "env_changed": dict(os.environ) != before_env,
     "threads": threading.active_count() - before_threads,
     "heavy": sorted(m for m in ("torch", "diffusers", "yunchang", "xdit_backend.worker") if m in sys.modules),
@@ -32,7 +32,7 @@ print(json.dumps({
 def test_pack_root_loads_as_comfyui_loads_it_without_side_effects():
     out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
-    assert report == {"mappings": True, "env_changed": False, "threads": 0, "heavy": [], "sockets": []}
+    assert report == {"entrypoint": True, "env_changed": False, "threads": 0, "heavy": [], "sockets": []}
 
 
 def test_nodes_is_not_installed_as_a_top_level_package(tmp_path):

@@ -1,0 +1,53 @@
+"""What flows between the pack's nodes: the model and the parallel layout chosen, as plain values.
+
+The loader loads nothing: the backend loads (and caches) the model when a sampler first asks
+for it. These values say which model and which layout; ``fingerprint`` is what makes ComfyUI
+run the sampler again when a file behind them changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEST_PREFIX = "[test] "  # built-in test models in the loader's list (random weights, no file)
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    ref: str  # a built-in name, or a file's absolute path
+    dtype: str = "auto"  # the backend's names: auto, bfloat16, float16, float32
+    loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), in order
+    shift: float | None = None  # flow shift (ComfyUI's ModelSamplingFlux/SD3 nodes); None: the model's
+
+    def with_lora(self, path: str, strength: float) -> ModelChoice:
+        return ModelChoice(self.ref, self.dtype, (*self.loras, (path, strength)), self.shift)
+
+    def request_fields(self) -> dict:
+        fields = {"model": self.ref, "dtype": self.dtype,
+                  "loras": [{"path": path, "strength": strength} for path, strength in self.loras]}
+        if self.shift is not None:
+            fields["shift"] = self.shift
+        return fields
+
+    def fingerprint(self) -> str:
+        """The choice and each file's modification time: a replaced model or LoRA file re-runs what
+        uses it. A string: ComfyUI stores it in the prompt, which SaveLatent writes out as JSON."""
+        files = [self.ref, *(path for path, _ in self.loras)]
+        return repr((self.ref, self.dtype, self.loras, self.shift, [_mtime(path) for path in files]))
+
+
+def _mtime(path: str) -> int:
+    try:
+        return Path(path).stat().st_mtime_ns
+    except OSError:
+        return 0  # a built-in name, or a file that has gone (the backend will say so)
+
+
+@dataclass(frozen=True)
+class ParallelChoice:
+    degrees: dict | None = field(default=None, hash=False)  # None: the backend picks (auto)
+    gpus: tuple[int, ...] | None = None  # None: every GPU (the backend's default)
+
+    def request_value(self):
+        return "auto" if self.degrees is None else dict(self.degrees)

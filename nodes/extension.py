@@ -1,0 +1,16 @@
+"""The pack's node list for ComfyUI's V3 node API (imported when ComfyUI calls comfy_entrypoint)."""
+
+from comfy_api.latest import ComfyExtension, io
+
+from .backend_node import XDiTBackend
+from .loader import XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTStandInConditioning
+from .parallel_config import XDiTParallelConfig
+from .sampler import XDiTSampler, XDiTSamplerAdvanced
+
+NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTParallelConfig, XDiTSampler, XDiTSamplerAdvanced,
+         XDiTBackend, XDiTStandInConditioning]
+
+
+class XDiTExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES

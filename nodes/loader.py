@@ -1,0 +1,138 @@
+"""xDiT Load Diffusion Model, xDiT LoRA, and a stand-in conditioning for the built-in test models."""
+
+from __future__ import annotations
+
+import torch
+from comfy_api.latest import io
+
+from .choices import TEST_PREFIX, ModelChoice
+from .comfy_types import CATEGORY, XDiTModel
+
+DTYPES = {"default": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+CHECKPOINTS = "checkpoints/"  # files from models/checkpoints are listed with this prefix
+
+
+def model_names() -> list[str]:
+    """Files from diffusion_models (and unet), then checkpoints/…, then the built-in test models."""
+    import folder_paths
+
+    from xdit_backend.models.registry import BUILTINS
+
+    return [*folder_paths.get_filename_list("diffusion_models"),
+            *(CHECKPOINTS + name for name in folder_paths.get_filename_list("checkpoints")),
+            *(TEST_PREFIX + name for name in BUILTINS)]
+
+
+def model_path(name: str) -> str:
+    import folder_paths
+
+    if name.startswith(TEST_PREFIX):
+        return name.removeprefix(TEST_PREFIX)
+    if name.startswith(CHECKPOINTS):
+        return folder_paths.get_full_path_or_raise("checkpoints", name.removeprefix(CHECKPOINTS))
+    return folder_paths.get_full_path_or_raise("diffusion_models", name)
+
+
+class XDiTLoadDiffusionModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        import folder_paths
+
+        return io.Schema(
+            node_id="XDiTLoadDiffusionModel",
+            display_name="xDiT Load Diffusion Model",
+            category=CATEGORY,
+            description="Chooses the diffusion model the xDiT backend runs (Flux, SD3/3.5, PixArt, Wan), from "
+                        "diffusion_models or checkpoints. Nothing is loaded here: the backend loads it on "
+                        "every GPU when a sampler first runs, and keeps it loaded.",
+            inputs=[
+                io.Combo.Input("model_name", options=model_names(),
+                               tooltip="[test] models have random weights and need no file"),
+                io.Combo.Input("weight_dtype", options=list(DTYPES), default="default",
+                               tooltip="default: bf16 on GPUs (fp8 files are cast), fp32 on the CPU"),
+                io.Combo.Input("lora_name", options=["None", *folder_paths.get_filename_list("loras")],
+                               default="None", optional=True),
+                io.Float.Input("lora_strength", default=1.0, min=-10.0, max=10.0, step=0.01, optional=True),
+                io.Float.Input("shift", default=0.0, min=0.0, max=100.0, step=0.01, optional=True,
+                               tooltip="flow shift, as ModelSamplingFlux / ModelSamplingSD3 set it; 0: the model's "
+                                       "default (Flux 1.15, SD3 3, Wan 8). PixArt has none."),
+            ],
+            outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+        )
+
+    @classmethod
+    def choice(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0) -> ModelChoice:
+        choice = ModelChoice(model_path(model_name), DTYPES[weight_dtype], shift=shift or None)
+        if lora_name and lora_name != "None":
+            import folder_paths
+
+            choice = choice.with_lora(folder_paths.get_full_path_or_raise("loras", lora_name), lora_strength)
+        return choice
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return cls.choice(**inputs).fingerprint()
+
+    @classmethod
+    def execute(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0) -> io.NodeOutput:
+        return io.NodeOutput(cls.choice(model_name, weight_dtype, lora_name, lora_strength, shift))
+
+
+class XDiTLoraLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        import folder_paths
+
+        return io.Schema(
+            node_id="XDiTLoraLoader",
+            display_name="xDiT LoRA",
+            category=CATEGORY,
+            description="Adds a LoRA (kohya, ComfyUI or diffusers layout) to an xDiT model; merged into the "
+                        "weights when the backend loads it. Chain several for several LoRAs.",
+            inputs=[
+                XDiTModel.Input("model"),
+                io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras")),
+                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01),
+            ],
+            outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, model, lora_name, strength):
+        import folder_paths
+
+        return model.with_lora(folder_paths.get_full_path_or_raise("loras", lora_name), strength).fingerprint()
+
+    @classmethod
+    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+        import folder_paths
+
+        return io.NodeOutput(model.with_lora(folder_paths.get_full_path_or_raise("loras", lora_name), strength))
+
+
+class XDiTStandInConditioning(io.ComfyNode):
+    """Seeded random conditioning of a given shape, for test models and checks without text encoders."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="XDiTStandInConditioning",
+            display_name="xDiT Stand-in Conditioning (test)",
+            category=CATEGORY + "/test",
+            description="Random text conditioning from a seed, shaped like a text encoder's output: for the "
+                        "[test] models and for comparing samplers without text-encoder files. Not a prompt.",
+            inputs=[
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF),
+                io.Int.Input("tokens", default=8, min=1, max=512),
+                io.Int.Input("context_dim", default=64, min=1, max=8192),
+                io.Int.Input("pooled_dim", default=32, min=0, max=8192, tooltip="0: no pooled output"),
+            ],
+            outputs=[io.Conditioning.Output()],
+        )
+
+    @classmethod
+    def execute(cls, seed, tokens, context_dim, pooled_dim) -> io.NodeOutput:
+        generator = torch.Generator().manual_seed(seed)
+        context = torch.randn(1, tokens, context_dim, generator=generator)
+        options = {"pooled_output": torch.randn(1, pooled_dim, generator=generator)} if pooled_dim else {}
+        return io.NodeOutput([[context, options]])

@@ -1,0 +1,184 @@
+"""xDiT Sampler and xDiT Sampler (Advanced): KSampler's inputs, run by the multi-GPU backend.
+
+They translate (nodes/translate.py), send one request through xdit_backend.client, move
+ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend cancel.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import translate
+from .choices import ParallelChoice
+from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
+
+
+def sampler_names() -> list[str]:
+    from xdit_backend.sampling.samplers import SAMPLERS
+
+    return list(SAMPLERS)
+
+
+def scheduler_names() -> list[str]:
+    from xdit_backend.sampling.schedulers import SCHEDULERS
+
+    return list(SCHEDULERS)
+
+
+def common_inputs() -> list:
+    return [
+        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+        io.Int.Input("steps", default=20, min=1, max=10000),
+        io.Float.Input("cfg", default=8.0, min=0.0, max=100.0, step=0.1, round=0.01),
+        io.Combo.Input("sampler_name", options=sampler_names()),
+        io.Combo.Input("scheduler", options=scheduler_names()),
+    ]
+
+
+class XDiTSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        seed, steps, cfg, sampler_name, scheduler = common_inputs()
+        return io.Schema(
+            node_id="XDiTSampler",
+            display_name="xDiT Sampler",
+            category=CATEGORY,
+            description="KSampler on several GPUs: the xDiT backend denoises in parallel and returns the latent "
+                        "for VAE Decode. Same inputs, same math, same picture as KSampler.",
+            inputs=[
+                XDiTModel.Input("model"), seed, steps, cfg, sampler_name, scheduler,
+                io.Conditioning.Input("positive", optional=True, tooltip="optional only for [test] models"),
+                io.Conditioning.Input("negative", optional=True),
+                io.Latent.Input("latent_image"),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01),
+                XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
+            ],
+            outputs=[io.Latent.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, latent_image, denoise=1.0,
+                positive=None, negative=None, parallel=None) -> io.NodeOutput:
+        fields = {"seed": seed, "steps": steps, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
+                  "denoise": denoise}
+        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields))
+
+
+class XDiTSamplerAdvanced(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        seed, steps, cfg, sampler_name, scheduler = common_inputs()
+        seed = io.Int.Input("noise_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True)
+        return io.Schema(
+            node_id="XDiTSamplerAdvanced",
+            display_name="xDiT Sampler (Advanced)",
+            category=CATEGORY,
+            description="KSamplerAdvanced on several GPUs: a step range (Wan 2.2's two experts), noise on or off, "
+                        "leftover noise, and an optional SIGMAS input that replaces the scheduler.",
+            inputs=[
+                XDiTModel.Input("model"),
+                io.Combo.Input("add_noise", options=["enable", "disable"]),
+                seed, steps, cfg, sampler_name, scheduler,
+                io.Conditioning.Input("positive", optional=True, tooltip="optional only for [test] models"),
+                io.Conditioning.Input("negative", optional=True),
+                io.Latent.Input("latent_image"),
+                io.Int.Input("start_at_step", default=0, min=0, max=10000),
+                io.Int.Input("end_at_step", default=10000, min=0, max=10000),
+                io.Combo.Input("return_with_leftover_noise", options=["disable", "enable"]),
+                io.Sigmas.Input("sigmas", optional=True, tooltip="replaces steps and scheduler (any scheduler node)"),
+                XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
+            ],
+            outputs=[io.Latent.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, add_noise, noise_seed, steps, cfg, sampler_name, scheduler, latent_image,
+                start_at_step, end_at_step, return_with_leftover_noise, positive=None, negative=None,
+                sigmas=None, parallel=None) -> io.NodeOutput:
+        fields = {"seed": noise_seed, "steps": steps, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
+                  "add_noise": add_noise == "enable", "start_step": start_at_step,
+                  "return_with_leftover_noise": return_with_leftover_noise == "enable"}
+        if end_at_step < steps:  # KSamplerAdvanced's default 10000: to the end
+            fields["end_step"] = end_at_step
+        extra = {}
+        if sigmas is not None:
+            extra["sigmas"] = sigmas.detach().to("cpu").float().contiguous()
+            fields["steps"] = len(sigmas) - 1
+        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields, extra))
+
+
+def run(model, parallel: ParallelChoice | None, positive, negative, latent_image: dict, fields: dict,
+        extra: dict | None = None) -> dict:
+    """One backend request for a sampler node; returns ComfyUI's LATENT."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    from xdit_backend.client import BackendError, Cancelled
+    from xdit_backend.errors import UserError
+    from xdit_backend.models import registry
+
+    try:
+        spec = registry.spec(model.ref)
+        geometry, samples = translate.latent(latent_image, spec)
+        tensors = dict(extra or {})
+        if samples is not None:
+            tensors["latent"] = samples
+        guidance = None
+        for which, entries in (("positive", positive), ("negative", negative)):
+            if entries is None:
+                continue
+            side = translate.conditioning(entries, spec, geometry.batch, which)
+            prefix = "" if which == "positive" else "negative_"
+            tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+            if which == "positive":
+                guidance = side.guidance
+    except (UserError, translate.TranslationError) as exc:
+        raise ValueError(_readable(exc)) from None
+    if negative is not None and positive is None:
+        raise ValueError("xDiT: a negative conditioning without a positive one; connect the positive prompt")
+    request = {**model.request_fields(), **fields, "width": geometry.width, "height": geometry.height,
+               "frames": geometry.frames, "batch": geometry.batch,
+               "parallel": (parallel or ParallelChoice()).request_value()}
+    if guidance is not None:
+        request["guidance"] = guidance
+    if mm.get_torch_device().type == "cuda":  # ComfyUI's text encoders and VAE share GPU 0 with rank 0
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+    client = backend_client(parallel)
+    progress = comfy.utils.ProgressBar(fields.get("steps", 1))
+    try:
+        result, _ = client.sample(request, tensors, on_progress=lambda step, total, _: progress.update_absolute(step, total),
+                                  should_cancel=mm.processing_interrupted)
+    except Cancelled:
+        if mm.processing_interrupted():
+            raise mm.InterruptProcessingException() from None
+        raise
+    except BackendError as exc:
+        raise RuntimeError(_readable(exc)) from None
+    return {"samples": result["samples"]}
+
+
+def backend_client(parallel: ParallelChoice | None):
+    """The client of the backend at the default socket, started on the chosen GPUs when none runs;
+    a running backend on other GPUs is an error that says how to restart it."""
+    from xdit_backend import launcher
+    from xdit_backend.client import Client
+    from xdit_backend.paths import default_socket
+
+    gpus = parallel.gpus if parallel else None
+    socket = default_socket()
+    client = Client(socket, auto_start=True, launch=launcher.LaunchOptions(socket=socket, gpus=gpus))
+    running = client.hello_or_none()
+    if running and gpus:
+        devices = [rank["device"] for rank in client.status()["ranks"]]
+        wanted = [f"cuda:{gpu}" for gpu in gpus]
+        if sorted(devices) != sorted(wanted):
+            raise RuntimeError(f"xDiT: the backend runs on {', '.join(devices)}, this workflow asks for GPUs "
+                               f"{','.join(map(str, gpus))}.\nStop it with the xDiT Backend node (action: stop "
+                               "backend) and queue again; it restarts on the GPUs asked for.")
+    return client
+
+
+def _readable(exc) -> str:
+    hint = getattr(exc, "hint", "")
+    return f"xDiT: {getattr(exc, 'message', str(exc))}" + (f"\n{hint}" if hint else "")

@@ -1,0 +1,127 @@
+"""ComfyUI values → a backend request, and back. No ComfyUI import here: the nodes call these
+functions with ComfyUI's plain values (CONDITIONING lists, LATENT dicts), so the rules are
+testable without ComfyUI.
+
+ComfyUI's CONDITIONING is a list of ``[tensor [B, L, D], {options}]`` entries. The backend runs
+one text conditioning per side with no regional or timed parts, so anything more is refused
+with its name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from xdit_backend.errors import UserError
+
+# Options a conditioning entry may carry that the backend honours (or that are inert).
+HONOURED = {"pooled_output", "guidance", "width", "height", "crop_w", "crop_h", "target_width", "target_height"}
+# What the refused options are, for the message.
+REFUSED = {
+    "area": "an area (ConditioningSetArea)", "strength": "a strength (ConditioningSetArea…)",
+    "mask": "a mask (ConditioningSetMask)", "set_area_to_bounds": "a mask's bounds",
+    "control": "a ControlNet (Apply ControlNet)", "start_percent": "a timestep range (ConditioningSetTimestepRange)",
+    "end_percent": "a timestep range (ConditioningSetTimestepRange)", "gligen": "GLIGEN boxes",
+    "hooks": "hooks (LoRA/model hooks on the conditioning)", "reference_latents": "reference latents (Kontext)",
+    "concat_latent_image": "an image to condition on (image-to-video)", "clip_vision_output": "a CLIP vision output",
+}
+
+
+class TranslationError(UserError):
+    """Conditioning or a latent the backend cannot honour; the message names it, the hint the way out."""
+
+
+@dataclass
+class Side:
+    """One side of the guidance, as the backend takes it."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    guidance: float | None = None
+
+
+def conditioning(entries, spec, batch: int, which: str) -> Side:
+    """A CONDITIONING list → the tensors ``spec`` (the model family's spec) takes, repeated to ``batch``."""
+    if not entries:
+        raise TranslationError(f"the {which} conditioning is empty", "connect a text encoder's output")
+    if len(entries) > 1:
+        raise TranslationError(
+            f"the {which} conditioning has {len(entries)} entries (combined or concatenated conditioning); "
+            "the xDiT sampler takes one", "encode one prompt per side (or use KSampler for combined conditioning)")
+    tensor, options = entries[0]
+    for key, value in options.items():
+        if key in HONOURED or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
+            continue
+        if value is None:
+            continue
+        what = REFUSED.get(key, f"the option {key!r}")
+        raise TranslationError(f"the {which} conditioning carries {what}, which the xDiT sampler cannot honour",
+                               "remove that node from the prompt's path, or use KSampler for this workflow")
+    shapes = spec.conditioning_shapes(batch, tensor.shape[1])
+    side = Side()
+    side.tensors["context"] = _to_batch(tensor, batch, "context", which)
+    if "pooled" in shapes:
+        pooled = options.get("pooled_output")
+        if pooled is None:
+            raise TranslationError(f"the {which} conditioning has no pooled output, which a {spec.family} model needs",
+                                   "encode the prompt with this model's text encoders (CLIPTextEncode with its CLIP)")
+        side.tensors["pooled"] = _to_batch(pooled, batch, "pooled", which)
+    for key, shape in shapes.items():
+        got = tuple(side.tensors[key].shape)
+        if got != shape:
+            raise TranslationError(
+                f"the {which} conditioning's {key} has shape {list(got)}, a {spec.family} model needs {list(shape)}",
+                "encode the prompt with the text encoders that belong to this model")
+    if options.get("guidance") is not None and spec.default_guidance is not None:
+        side.guidance = float(options["guidance"])
+    return side
+
+
+def _to_batch(tensor: torch.Tensor, batch: int, name: str, which: str) -> torch.Tensor:
+    """ComfyUI repeats a one-prompt conditioning over the latent's batch; so do we."""
+    tensor = tensor.detach().to("cpu", torch.float32)
+    if tensor.shape[0] == batch:
+        return tensor.contiguous()
+    if tensor.shape[0] == 1:
+        return tensor.repeat(batch, *(1,) * (tensor.dim() - 1))
+    raise TranslationError(f"the {which} {name} has batch {tensor.shape[0]}, the latent {batch}",
+                           "use one prompt, or a latent batch of the same size")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    width: int
+    height: int
+    frames: int
+    batch: int
+
+
+def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
+    """A LATENT dict → its size in pixels and the tensor to send (None for an all-zero latent)."""
+    for key in ("noise_mask", "batch_index"):
+        if key in value:
+            what = {"noise_mask": "a noise mask (inpainting, Set Latent Noise Mask)",
+                    "batch_index": "batch indices (Latent From Batch)"}[key]
+            raise TranslationError(f"the latent carries {what}, which the xDiT sampler cannot honour",
+                                   "use a plain latent (Empty Latent, VAE Encode)")
+    samples = value["samples"]
+    want = 5 if spec.video else 4
+    channels = spec.latent_format.channels
+    if samples.dim() != want or samples.shape[1] != channels:
+        kind = "video latent [B, C, T, H, W]" if spec.video else "image latent [B, C, H, W]"
+        raise TranslationError(f"the latent has shape {list(samples.shape)}; a {spec.family} model takes a {kind} "
+                               f"with {channels} channels",
+                               _empty_latent_hint(spec))
+    h, w = samples.shape[-2:]
+    frames = (samples.shape[2] - 1) * spec.time_factor + 1 if spec.video else 1
+    geometry = Geometry(w * spec.vae_factor, h * spec.vae_factor, frames, samples.shape[0])
+    samples = samples.detach().to("cpu", torch.float32)
+    return geometry, (samples.contiguous() if torch.count_nonzero(samples) else None)
+
+
+def _empty_latent_hint(spec) -> str:
+    if spec.video:
+        return "make it with the Wan latent node (EmptyHunyuanLatentVideo / Wan22ImageToVideoLatent) or a video VAE Encode"
+    if spec.latent_format.channels == 16:
+        return "make it with EmptySD3LatentImage (16 channels), or VAE Encode with this model's VAE"
+    return "make it with EmptyLatentImage (4 channels), or VAE Encode with this model's VAE"
