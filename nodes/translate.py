@@ -108,8 +108,8 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
     want = 5 if spec.video else 4
     channels = spec.latent_format.channels
     if samples.dim() != want or samples.shape[1] != channels:
-        kind = "video latent [B, C, T, H, W]" if spec.video else "image latent [B, C, H, W]"
-        raise TranslationError(f"the latent has shape {list(samples.shape)}; a {spec.family} model takes a {kind} "
+        kind = "a video latent [B, C, T, H, W]" if spec.video else "an image latent [B, C, H, W]"
+        raise TranslationError(f"the latent has shape {list(samples.shape)}; a {spec.family} model takes {kind} "
                                f"with {channels} channels",
                                _empty_latent_hint(spec))
     h, w = samples.shape[-2:]

@@ -274,3 +274,56 @@ def test_xdit_sampler_gives_ksamplers_latent_on_the_same_file(host):
           f"{times['ksampler'][0]:.2f} s, {times['ksampler'][1]:.2f} s; xDiT Sampler (ulysses=2) "
           f"{times['xdit'][0]:.2f} s, {times['xdit'][1]:.2f} s; max |KSampler − xDiT| = {difference:.3g}")
     assert difference <= 1e-4
+
+
+def xdit_on_tiny_sd3(seed: int = 1) -> dict:
+    return {
+        "cond": {"class_type": "XDiTStandInConditioning",
+                 "inputs": {"seed": 5, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "tiny-sd3.safetensors",
+                                                                    "weight_dtype": "default"}},
+        "sampler": {"class_type": "XDiTSampler",
+                    "inputs": {"model": ["load", 0], "seed": seed, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                               "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
+                               "latent_image": ["empty", 0]}},
+        "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0], "filename_prefix": "latents/cache"}},
+    }
+
+
+def executed_nodes(host: Host, prompt_id: str) -> set[str]:
+    """Nodes that ran (not taken from ComfyUI's cache) for a prompt."""
+    cached = set()
+    for kind, data in host.history(prompt_id)["status"]["messages"]:
+        if kind == "execution_cached":
+            cached |= set(data["nodes"])
+    return {"cond", "empty", "load", "sampler", "save"} - cached
+
+
+def test_caching_reruns_the_sampler_exactly_when_an_input_or_the_model_file_changes(host):
+    model_file = host.base / "models" / "diffusion_models" / "tiny-sd3.safetensors"
+    first = host.queue(xdit_on_tiny_sd3(seed=21))
+    assert host.follow(first)[0] == "success"
+    again = host.queue(xdit_on_tiny_sd3(seed=21))
+    assert host.follow(again)[0] == "success" and "sampler" not in executed_nodes(host, again)
+    new_seed = host.queue(xdit_on_tiny_sd3(seed=22))
+    assert host.follow(new_seed)[0] == "success" and "sampler" in executed_nodes(host, new_seed)
+    os.utime(model_file, ns=(time.time_ns(), time.time_ns()))  # the file was replaced (same name)
+    replaced = host.queue(xdit_on_tiny_sd3(seed=22))
+    assert host.follow(replaced)[0] == "success" and {"load", "sampler"} <= executed_nodes(host, replaced)
+
+
+def test_the_backend_node_shows_status_unloads_and_stops(host):
+    def run(action: str) -> str:
+        prompt = {"backend": {"class_type": "XDiTBackend", "inputs": {"action": action}}}
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.history(prompt_id)["outputs"]["backend"]["text"][0]
+
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=31)))[0] == "success"  # a backend with a model loaded
+    status = run("status")
+    assert "world size 2" in status and "tiny-sd3.safetensors" in status
+    assert "tiny-sd3.safetensors" in run("unload models")
+    assert "stopped" in run("stop backend")
+    assert "no backend" in run("status")
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=32)))[0] == "success"  # the next run starts it again
