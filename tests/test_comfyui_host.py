@@ -327,3 +327,27 @@ def test_the_backend_node_shows_status_unloads_and_stops(host):
     assert "stopped" in run("stop backend")
     assert "no backend" in run("status")
     assert host.follow(host.queue(xdit_on_tiny_sd3(seed=32)))[0] == "success"  # the next run starts it again
+
+
+def test_flux_guidance_from_comfyuis_node_reaches_the_model(host):
+    """FluxGuidance on the conditioning sets the Flux guidance embedding: 1.5 and 5.0 differ."""
+    def run(guidance: float) -> torch.Tensor:
+        prompt = {
+            "cond": {"class_type": "XDiTStandInConditioning",
+                     "inputs": {"seed": 2, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+            "guided": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["cond", 0], "guidance": guidance}},
+            "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+            "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "[test] flux-tiny",
+                                                                        "weight_dtype": "default"}},
+            "sampler": {"class_type": "XDiTSampler",
+                        "inputs": {"model": ["load", 0], "seed": 3, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                                   "scheduler": "simple", "denoise": 1.0, "positive": ["guided", 0],
+                                   "latent_image": ["empty", 0]}},
+            "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0],
+                                                            "filename_prefix": f"latents/guidance-{guidance}"}},
+        }
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.latest_latent(f"guidance-{guidance}")
+
+    assert (run(1.5) - run(5.0)).abs().max() > 1e-3
