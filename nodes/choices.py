@@ -19,13 +19,15 @@ class ModelChoice:
     dtype: str = "auto"  # the backend's names: auto, bfloat16, float16, float32
     loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), in order
     shift: float | None = None  # flow shift (ComfyUI's ModelSamplingFlux/SD3 nodes); None: the model's
+    compile: bool = False  # torch.compile the transformer's blocks (the backend caches the compiled model)
 
     def with_lora(self, path: str, strength: float) -> ModelChoice:
-        return ModelChoice(self.ref, self.dtype, (*self.loras, (path, strength)), self.shift)
+        return ModelChoice(self.ref, self.dtype, (*self.loras, (path, strength)), self.shift, self.compile)
 
     def request_fields(self) -> dict:
         fields = {"model": self.ref, "dtype": self.dtype,
-                  "loras": [{"path": path, "strength": strength} for path, strength in self.loras]}
+                  "loras": [{"path": path, "strength": strength} for path, strength in self.loras],
+                  "compile": self.compile}
         if self.shift is not None:
             fields["shift"] = self.shift
         return fields
@@ -34,7 +36,7 @@ class ModelChoice:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what
         uses it. A string: ComfyUI stores it in the prompt, which SaveLatent writes out as JSON."""
         files = [self.ref, *(path for path, _ in self.loras)]
-        return repr((self.ref, self.dtype, self.loras, self.shift, [_mtime(path) for path in files]))
+        return repr((self.ref, self.dtype, self.loras, self.shift, self.compile, [_mtime(path) for path in files]))
 
 
 def _mtime(path: str) -> int:

@@ -56,13 +56,18 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
                 io.Float.Input("shift", default=0.0, min=0.0, max=100.0, step=0.01, optional=True,
                                tooltip="flow shift, as ModelSamplingFlux / ModelSamplingSD3 set it; 0: the model's "
                                        "default (Flux 1.15, SD3 3, Wan 8). PixArt has none."),
+                io.Boolean.Input("compile", default=False, optional=True,
+                                 tooltip="torch.compile the transformer's blocks: the first run compiles (slow), "
+                                         "later runs reuse the compiled model, at any size. A separate copy "
+                                         "of the model from the uncompiled one."),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
         )
 
     @classmethod
-    def choice(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0) -> ModelChoice:
-        choice = ModelChoice(model_path(model_name), DTYPES[weight_dtype], shift=shift or None)
+    def choice(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0,
+               compile=False) -> ModelChoice:
+        choice = ModelChoice(model_path(model_name), DTYPES[weight_dtype], shift=shift or None, compile=compile)
         if lora_name and lora_name != "None":
             import folder_paths
 
@@ -74,8 +79,9 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
         return cls.choice(**inputs).fingerprint()
 
     @classmethod
-    def execute(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0) -> io.NodeOutput:
-        return io.NodeOutput(cls.choice(model_name, weight_dtype, lora_name, lora_strength, shift))
+    def execute(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0,
+                compile=False) -> io.NodeOutput:
+        return io.NodeOutput(cls.choice(model_name, weight_dtype, lora_name, lora_strength, shift, compile))
 
 
 class XDiTLoraLoader(io.ComfyNode):

@@ -90,3 +90,11 @@ def test_counted_traffic_equals_the_formula(backend2, conditioning, degrees):
         sent = sum(v for k, v in record["sent_bytes"].items() if k != "control")
         assert sent == pytest.approx(expected * FIELDS["steps"], abs=8), record
         assert len(record["step_s"]) == FIELDS["steps"] and record["peak_memory_bytes"] > 0
+
+
+def test_a_warm_layout_creates_no_process_group_per_request(backend4, conditioning):
+    """The mesh (and the flattened ring × ulysses group) is built once; later requests reuse it."""
+    fields = {**FIELDS, "steps": 1, "parallel": {"ulysses": 2, "ring": 2}, "profile": True}
+    backend4.sample(fields, conditioning)  # builds the mesh, unless an earlier test did
+    _, second = backend4.sample(fields, conditioning)
+    assert [r["process_groups_created"] for r in second["profile"]] == [0, 0, 0, 0]

@@ -126,24 +126,62 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
     return total, " + ".join(terms) or "0"
 
 
-def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = None) -> int:
-    """Each layout on a CPU backend of its world size: step time, bytes sent per rank, peak memory."""
+def flux_dims(model: str, text_tokens: int) -> dict | None:
+    """What traffic_formula needs of a Flux model (None for another family: no formula)."""
+    from .models import registry
+
+    source = registry.resolve(model)
+    if source.family != "flux":
+        return None
+    config = source.config
+    return {"attention_layers": config["num_layers"] + config["num_single_layers"],
+            "hidden": config["num_attention_heads"] * config["attention_head_dim"], "text_tokens": text_tokens}
+
+
+def method_of(layout: str) -> str:
+    """The method a layout uses, without its degrees: "cfg=2,ulysses=2" → "cfg×ulysses"."""
+    degrees = parse_layout(layout)
+    return "×".join(name for name in DEGREE_NAMES if degrees.get(name, 1) > 1) or "serial"
+
+
+def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
+    """The figures of one layout's profiled request, from every rank's record."""
+    ranks = record["profile"]
+    steps = ranks[0]["step_s"][1:] or ranks[0]["step_s"]  # the first step is warm-up (when there are more)
+    median = statistics.median(steps)
+    speedup = serial_step / median if serial_step else None
+    return {
+        "layout": record["layout"], "method": method_of(record["layout"]), "world": record["world"],
+        "described": record["described"],
+        "step_median_s": median, "step_min_s": min(steps), "step_max_s": max(steps),
+        "step_spread": (max(steps) - min(steps)) / median,
+        "denoise_s": max(r["denoise_s"] for r in ranks),  # end to end on the slowest rank, no VAE anywhere
+        "sent_bytes_per_rank_per_step": max(sum(v for k, v in r["sent_bytes"].items() if k != "control")
+                                            for r in ranks) / fields["steps"],
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+        "memory_kind": ranks[0]["memory_kind"],
+        "largest_rank_parameters": max(r["parameters"] for r in ranks),
+        "process_groups_created": max(r["process_groups_created"] for r in ranks),
+        "speedup": speedup, "efficiency": speedup / record["world"] if speedup else None,
+    }
+
+
+def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = None,
+                     plot_path: Path | None = None, device: str = "cpu") -> int:
+    """Each layout on a backend of its world size: per-step time (first step excluded), denoising
+    time end to end, bytes sent per rank per step, peak memory, speed-up and efficiency vs serial."""
     import json
 
-    from .models.registry import BUILTINS
-
-    spec = BUILTINS[fields["model"]]
-    dims = {"attention_layers": spec.config["num_layers"] + spec.config["num_single_layers"],
-            "hidden": spec.config["num_attention_heads"] * spec.config["attention_head_dim"],
-            "text_tokens": spec.text_tokens}
     wanted = [(text, parse_layout(text)) for text in layouts]
-    rows, records = [], []
+    if plot_path:
+        _check_plotting()
+    records = []
     by_world: dict[int, list] = {}
     for text, degrees in wanted:
         by_world.setdefault(world_of(degrees), []).append((text, degrees))
     for world, group in sorted(by_world.items()):
         with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
-            options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device="cpu")
+            options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device=device)
             launcher.start(options)
             try:
                 client = Client(options.socket)
@@ -154,29 +192,68 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
                     records.append({**info, "layout": text, "world": world, "described": info["layout"]})
             finally:
                 launcher.stop(options.socket)
-    serial = next((statistics.median(r["profile"][0]["step_s"][1:]) for r in records if r["layout"] == "serial"), None)
-    for record in records:
-        ranks = record["profile"]
-        steps = ranks[0]["step_s"][1:]  # the first step is warm-up
-        median = statistics.median(steps)
-        sent = max(sum(v for k, v in r["sent_bytes"].items() if k != "control") for r in ranks) / fields["steps"]
-        formula_bytes, formula = traffic_formula(parse_layout(record["layout"]), dims, fields)
-        memory = max(r["peak_memory_bytes"] for r in ranks) / 2**20
-        parameters = max(r["parameters"] for r in ranks) * 4 / 2**20  # float32
-        speedup = f"{serial / median:.2f}×" if serial else "—"
-        rows.append(f"| {record['layout']} | {record['world']} | {median * 1e3:.1f} | "
-                    f"{min(steps) * 1e3:.1f}–{max(steps) * 1e3:.1f} | {speedup} | {sent / 1024:.1f} | "
-                    f"{formula_bytes / 1024:.1f} | {formula} | {parameters:.2f} | {memory:.0f} |")
-    n = (fields["width"] // 16) * (fields["height"] // 16)
-    print(f"{fields['model']}, {fields['width']}×{fields['height']} ({n} image tokens), batch {fields['batch']}, "
-          f"cfg {fields['cfg']}, {fields['steps']} steps (first excluded), float32, CPU, gloo\n")
-    print("| layout | ranks | step median ms | step min–max ms | speed-up vs serial | sent/rank/step KiB, counted | "
-          "formula KiB | formula | largest rank's parameters MiB | peak RSS/rank MiB |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    serial = next((statistics.median(r["profile"][0]["step_s"][1:] or r["profile"][0]["step_s"])
+                   for r in records if r["world"] == 1), None)
+    summaries = [summarise(record, fields, serial) for record in records]
+    dims = flux_dims(fields["model"], text_tokens=8)
+    print(f"{fields['model']}, {fields['width']}×{fields['height']}, batch {fields['batch']}, cfg {fields['cfg']}, "
+          f"{fields['steps']} steps (step times: first excluded), {fields.get('dtype', 'auto')}, {device}\n")
+    print("| layout | ranks | step median ms | min–max ms | denoise s (end to end) | speed-up | efficiency | "
+          "sent/rank/step KiB | formula KiB | largest rank's parameters M | peak memory/rank MiB | new groups |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for summary in summaries:
+        formula = traffic_formula(parse_layout(summary["layout"]), dims, fields)[0] / 1024 if dims else None
+        print(f"| {summary['layout']} | {summary['world']} | {summary['step_median_s'] * 1e3:.1f} | "
+              f"{summary['step_min_s'] * 1e3:.1f}–{summary['step_max_s'] * 1e3:.1f} | {summary['denoise_s']:.2f} | "
+              f"{_ratio(summary['speedup'], '×')} | {_ratio(summary['efficiency'], '')} | "
+              f"{summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
+              f"{'—' if formula is None else f'{formula:.1f}'} | {summary['largest_rank_parameters'] / 1e6:.2f} | "
+              f"{summary['peak_memory_bytes'] / 2**20:.0f} | {summary['process_groups_created']} |")
+    if serial is None:
+        print("\n(no world-1 layout in the list: add `serial` for speed-up and efficiency)")
     if json_path:
-        json_path.write_text(json.dumps({"fields": fields, "records": records}, indent=1))
+        json_path.write_text(json.dumps({"fields": fields, "device": device, "layouts": summaries,
+                                         "records": records}, indent=1))
+    if plot_path:
+        plot(summaries, plot_path, f"{fields['model']} {fields['width']}×{fields['height']}, {device}")
     return 0
+
+
+def _ratio(value: float | None, unit: str) -> str:
+    return "—" if value is None else f"{value:.2f}{unit}"
+
+
+def _check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("xdit-backend: --plot needs matplotlib: pip install matplotlib") from None
+
+
+def plot(summaries: list[dict], path: Path, title: str) -> None:
+    """Step time and efficiency against the number of ranks, one line per method (serial in each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    serial = [s for s in summaries if s["world"] == 1]
+    methods = sorted({s["method"] for s in summaries if s["world"] > 1})
+    figure, (times, efficiency) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in methods:
+        points = sorted(serial[:1] + [s for s in summaries if s["method"] == method], key=lambda s: s["world"])
+        worlds = [s["world"] for s in points]
+        times.plot(worlds, [s["step_median_s"] * 1e3 for s in points], marker="o", label=method)
+        if serial:
+            efficiency.plot(worlds, [s["efficiency"] for s in points], marker="o", label=method)
+    for axis, label in ((times, "step time, median (ms)"), (efficiency, "efficiency (speed-up / ranks)")):
+        axis.set_xlabel("ranks (GPUs)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    times.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def run_pipefusion_error_bench(stages: int, width: int, height: int) -> int:
@@ -217,4 +294,59 @@ def run_pipefusion_error_bench(stages: int, width: int, height: int) -> int:
     head = " | ".join(f"M={m}, warm-up {w}" for m in (stages, 2 * stages) for w in (0, 1, 2))
     print(f"PipeFusion {stages} stages, flux-tiny {width}×{height}, cfg 3.5: relative L2 distance to serial\n")
     print(f"| steps | {head} |\n|---|" + "---|" * 6 + "\n" + "\n".join(rows))
+    return 0
+
+
+def run_overhead_bench(width: int = 1024, height: int = 1024, steps: int = 8, repeats: int = 3) -> int:
+    """The backend's step at world 1 against a plain loop that calls the diffusers transformer
+    directly with the same Euler sampler (flux-tiny, float32, CPU): what the service layer costs."""
+    from .models import flux, registry
+    from .sampling.model_sampling import FlowSampling
+
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    transformer = model.transformer
+    spec = registry.spec("flux-tiny")
+    positive, _ = registry.random_conditioning("flux-tiny", 1, 3, spec)
+    h, w = height // 8, width // 8
+    sigmas = FlowSampling(1.15, flux=True).sigmas(steps)
+    ids, text_ids = flux.image_ids(h, w), torch.zeros(positive["context"].shape[1], 3)
+
+    def plain_loop() -> list[float]:
+        x = torch.randn(1, 16, h, w, generator=torch.Generator().manual_seed(3))
+        times = []
+        with torch.no_grad():
+            for i in range(steps):
+                started = time.perf_counter()
+                velocity = transformer(hidden_states=flux.pack(x), encoder_hidden_states=positive["context"],
+                                       pooled_projections=positive["pooled"], timestep=sigmas[i:i + 1],
+                                       img_ids=ids, txt_ids=text_ids, guidance=torch.tensor([3.5]),
+                                       return_dict=False)[0]
+                x = x + flux.unpack(velocity, h, w) * (sigmas[i + 1] - sigmas[i])  # Euler on v = (x − x0)/σ
+                times.append(time.perf_counter() - started)
+        return times[1:]
+
+    fields = {"model": "flux-tiny", "width": width, "height": height, "steps": steps, "seed": 3, "cfg": 1.0,
+              "parallel": {}, "profile": True}
+    backend_steps, plain_steps = [], []
+    with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
+        options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=1, device="cpu")
+        launcher.start(options)
+        try:
+            client = Client(options.socket)
+            client.sample({**fields, "steps": 2, "profile": False})  # warm-up
+            for _ in range(repeats):  # interleaved, so both see the same machine
+                plain_steps += plain_loop()
+                _, info = client.sample(fields)
+                backend_steps += info["profile"][0]["step_s"][1:]
+        finally:
+            launcher.stop(options.socket)
+    plain, backend = statistics.median(plain_steps), statistics.median(backend_steps)
+    print(f"flux-tiny {width}×{height} ({(width // 16) * (height // 16)} image tokens), float32, CPU, "
+          f"{steps} steps × {repeats} runs (first step of each excluded), threads {torch.get_num_threads()}\n")
+    print("| loop | step median ms | min–max ms | steps |\n|---|---|---|---|")
+    for name, times in (("plain diffusers loop, in-process", plain_steps),
+                        ("backend, world 1 (socket, step gate, progress)", backend_steps)):
+        print(f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f}–{max(times) * 1e3:.1f} | "
+              f"{len(times)} |")
+    print(f"\nbackend / plain = {backend / plain:.3f} ({(backend / plain - 1) * 100:+.1f} %; budget ≤ +3 %)")
     return 0

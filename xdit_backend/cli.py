@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a LoRA file merged into the weights (repeat for several; strength 1 by default)")
     sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)")
+    sample.add_argument("--compile", action="store_true",
+                        help="torch.compile the transformer's blocks (the first request compiles; the backend "
+                             "keeps the compiled model for later requests, at any size)")
     sample.add_argument("--embeds", type=Path, default=None,
                         help="safetensors with context, pooled [, negative_context, negative_pooled]")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
@@ -108,13 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     layouts = bench_kinds.add_parser("layouts", help="parallel layouts: step time, bytes sent per rank, peak memory")
     layouts.add_argument("--layouts", nargs="+", default=None,
                          help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 (default: the world-2 and world-4 set)")
-    layouts.add_argument("--model", default="flux-tiny")
+    layouts.add_argument("--model", default="flux-tiny",
+                         help="a built-in (flux-tiny…, or flux-dev-random: the full Flux.1-dev architecture with "
+                              "random weights, for GPUs), a model file or folder")
     layouts.add_argument("--width", type=int, default=512)
     layouts.add_argument("--height", type=int, default=512)
     layouts.add_argument("--steps", type=int, default=6)
     layouts.add_argument("--batch", type=int, default=2)
     layouts.add_argument("--cfg", type=float, default=3.5)
-    layouts.add_argument("--json", type=Path, default=None, help="also write every record as JSON")
+    layouts.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    layouts.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    layouts.add_argument("--json", type=Path, default=None, help="also write every figure and raw record as JSON")
+    layouts.add_argument("--plot", type=Path, default=None,
+                         help="PNG: step time and efficiency against ranks, one line per method (needs matplotlib)")
+    overhead = bench_kinds.add_parser("overhead", help="the backend's step at world 1 against a plain diffusers loop")
+    overhead.add_argument("--width", type=int, default=1024)
+    overhead.add_argument("--height", type=int, default=1024)
+    overhead.add_argument("--steps", type=int, default=8)
+    overhead.add_argument("--repeats", type=int, default=3)
+    scaling = bench_kinds.add_parser("scaling", help="MODELED step times on 2/4/8 GPUs, NVLink and PCIe (no GPU needed)")
+    scaling.add_argument("--t1", type=float, default=None,
+                         help="one GPU's step time in seconds (default: xDiT's published Flux.1-dev 1024² figure)")
     error = bench_kinds.add_parser("pipefusion-error", help="PipeFusion's distance to serial by patches, warm-up, steps")
     error.add_argument("--stages", type=int, default=2)
     error.add_argument("--width", type=int, default=512)
@@ -191,7 +208,7 @@ def cmd_sample(args) -> int:
               "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype,
               "loras": [_lora_entry(text) for text in args.lora], "frames": args.frames,
               "start_step": args.start_step, "add_noise": not args.no_add_noise,
-              "return_with_leftover_noise": args.leftover_noise}
+              "return_with_leftover_noise": args.leftover_noise, "compile": args.compile}
     fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift), ("end_step", args.end_step))
                    if v is not None})
     tensors = load_file(args.embeds) if args.embeds else {}
@@ -239,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_transport_bench
 
         handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
+    elif args.command == "bench" and args.bench == "overhead":
+        from .bench import run_overhead_bench
+
+        handler = lambda a: run_overhead_bench(a.width, a.height, a.steps, a.repeats)  # noqa: E731
+    elif args.command == "bench" and args.bench == "scaling":
+        from .scaling import run_scaling_model
+
+        handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
     elif args.command == "bench" and args.bench == "pipefusion-error":
         from .bench import run_pipefusion_error_bench
 
@@ -247,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import DEFAULT_LAYOUTS, run_layout_bench
 
         fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-                  "batch": args.batch, "cfg": args.cfg, "seed": 1}
-        handler = lambda a: run_layout_bench(a.layouts or DEFAULT_LAYOUTS, fields, a.json)  # noqa: E731
+                  "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype}
+        handler = lambda a: run_layout_bench(a.layouts or DEFAULT_LAYOUTS, fields, a.json, a.plot,  # noqa: E731
+                                             a.device)
     else:
         handler = globals()[f"cmd_{args.command}"]
     try:

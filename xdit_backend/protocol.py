@@ -89,6 +89,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
         "sampler": str,  # ComfyUI's sampler names (sampling/samplers.py)
         "scheduler": str,  # ComfyUI's scheduler names (sampling/schedulers.py); a "sigmas" tensor overrides it
         "denoise": _NUM,  # < 1: img2img, the tail of a longer schedule, as KSampler does it
+        "compile": bool,  # torch.compile the transformer's blocks (cached with the model, reused)
     },
     "cancel": {"target": str},
     "unload": {"model": str},

@@ -49,6 +49,7 @@ class SampleRequest:
     sampler: str
     scheduler: str
     denoise: float
+    compile: bool  # run the model with torch.compile'd blocks (compile.py)
     tensors: dict[str, torch.Tensor]
 
     def latent_shape(self, spec) -> tuple[int, ...]:
@@ -81,6 +82,7 @@ class SampleRequest:
             sampler=_name_in(f, "sampler", "euler", samplers.SAMPLERS),
             scheduler=_name_in(f, "scheduler", "simple", schedulers.SCHEDULERS),
             denoise=float(f.get("denoise", 1.0)),
+            compile=f.get("compile", False),
             tensors=dict(message.tensors),
         )
         request._check_ranges()

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from . import __version__, protocol
 from .attention import kernel_name
+from .compile import compile_blocks
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .errors import UserError
 from .control import (EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json,
@@ -111,26 +112,29 @@ class Executor:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.models: dict[tuple[str, int, str], object] = {}  # (name or path, file version, dtype) → model
-        self.stages: dict[tuple[str, int, str, int, int], tuple[object, list]] = {}  # + PipeFusion block range
+        self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled) → model
+        self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
         self.meshes = MeshCache(rt.device.type)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
-    def model(self, name: str, dtype: str = "auto", loras=()):
-        """The loaded model, cached by identity, dtype and LoRAs: a changed file (new mtime) is loaded again."""
+    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False):
+        """The loaded model, cached by identity, dtype, LoRAs and compilation: a changed file (new mtime)
+        is loaded again. A compiled model is a separate entry (its own weights), reused by later requests."""
         torch_dtype = compute_dtype(dtype, self.rt.device)
         path, version = registry.identity(name)
-        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)))
+        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled)
         if key not in self.models:
             self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
-            self.models[key] = registry.build(name, self.rt.device, torch_dtype, loras)
+            model = registry.build(name, self.rt.device, torch_dtype, loras)
+            self.models[key] = compile_blocks(model) if compiled else model
         return self.models[key]
 
     def loaded(self) -> list[str]:
         def describe(key):
             loras = f", {len(key[3])} LoRA" if key[3] else ""
-            return f"{key[0]} ({key[2]}{loras})"
+            compiled = ", compiled" if key[4] else ""
+            return f"{key[0]} ({key[2]}{loras}{compiled})"
 
         return sorted({describe(key) for key in [*self.models, *self.stages]})
 
@@ -144,20 +148,22 @@ class Executor:
         self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
         return sorted(names)
 
-    def stage_model(self, name: str, layout, dtype: str = "auto", loras=()) -> tuple[object, list]:
+    def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
+                    compiled: bool = False) -> tuple[object, list]:
         """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
         torch_dtype = compute_dtype(dtype, self.rt.device)
-        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), start, end)
+        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
+               start, end)
         if key not in self.stages:
             # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
             # moved: the other stages' weights are never read from disk nor copied to the device.
             model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
             blocks = keep_stage(model.transformer, start, end)
             model.transformer.to(self.rt.device)
-            self.stages[key] = (model, blocks)
+            self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]
 
     def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
@@ -166,9 +172,9 @@ class Executor:
         spec = registry.spec(request.model)
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
-            self.computing = self.model(request.model, request.dtype, request.loras)
+            self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
             return generate(Denoiser(self.computing, layout), gen, after_step)
-        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras)
+        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
         self.computing = stage
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
@@ -180,25 +186,43 @@ class Executor:
         """``generate`` plus this rank's record: seconds per step, bytes sent, peak memory."""
         if not request.profile:
             return self.generate(request, after_step), {}
-        step_ends = [time.perf_counter()]
+        cuda = self.rt.device.type == "cuda"
+        # Step ends: CUDA events on a GPU (recorded in the stream, read after the generation: no
+        # synchronisation inside the loop that production does not have), wall time on the CPU.
+        clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else time.perf_counter
+        marks = [clock()]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
+            marks[0].record()
 
         def timed(done: int, total: int) -> bool:
-            step_ends.append(time.perf_counter())
+            marks.append(clock())
+            if cuda:
+                marks[-1].record()
             return after_step(done, total)
 
-        if self.rt.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.rt.device)
+        groups_before = _process_groups()
+        started = time.perf_counter()
         with traffic.counting() as sent:
-            latent = self.generate(request, timed)
-        if self.rt.device.type == "cuda":
+            latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
+        denoise_s = time.perf_counter() - started
+        if cuda:
             peak = torch.cuda.max_memory_allocated(self.rt.device)
+            steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
-        return latent, {"rank": self.rt.rank, "step_s": steps, "sent_bytes": dict(sent), "peak_memory_bytes": peak,
-                        "memory_kind": "cuda allocated" if self.rt.device.type == "cuda" else "process peak RSS",
+            steps = [b - a for a, b in zip(marks, marks[1:])]
+        return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s, "sent_bytes": dict(sent),
+                        "peak_memory_bytes": peak,
+                        "memory_kind": "cuda allocated" if cuda else "process peak RSS",
+                        "process_groups_created": _process_groups() - groups_before,
                         "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
                         "pipeline_trace": self.last_trace}
+
+
+def _process_groups() -> int:
+    """Process groups this rank has created so far (a warm layout must create none per request)."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 class Leader:
@@ -324,7 +348,7 @@ class Leader:
 def request_fields(request: SampleRequest) -> dict:
     """The JSON fields of a resolved request, as broadcast to the other ranks."""
     names = ("model", "width", "height", "batch", "steps", "seed", "cfg", "frames", "start_step", "add_noise",
-             "sampler", "scheduler", "denoise")
+             "sampler", "scheduler", "denoise", "compile")
     fields = {name: getattr(request, name) for name in names}
     fields.update({name: getattr(request, name) for name in ("guidance", "shift", "end_step")
                    if getattr(request, name) is not None})

@@ -82,6 +82,14 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
     ),
+    "flux-dev-random": BuiltinModel(
+        family="flux",
+        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                    guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        text_tokens=512,
+        description="the full Flux.1-dev architecture (12 B parameters) with random weights, for GPU benchmarks",
+    ),
     "sd3-tiny": BuiltinModel(
         family="sd3",
         config=dict(
@@ -270,11 +278,7 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
     family = FAMILIES[source.family]
     cls = getattr(diffusers, family.diffusers_class)
     if source.kind == "builtin":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(BUILTINS[ref].seed)
-            transformer = cls(**source.config).to(device)
-        if dtype != transformer.dtype:
-            transformer = transformer.to(dtype)
+        transformer = _seeded(cls, source.config, BUILTINS[ref].seed, device, dtype)
     elif source.kind == "folder":
         transformer = cls.from_pretrained(source.ref, torch_dtype=dtype, local_files_only=True).to(device)
     else:
@@ -287,6 +291,19 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
     return family.model(transformer, ref, family.spec(source.config), reports)
+
+
+def _seeded(cls, config: dict, seed: int, device: torch.device, dtype: torch.dtype):
+    """A built-in's weights: constructed from a fixed seed directly on ``device`` in ``dtype`` (a
+    12 B-parameter random model never passes through the CPU), identical on every rank of a device type."""
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            return cls(**config)
+        finally:
+            torch.set_default_dtype(default)
 
 
 def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> int | None:

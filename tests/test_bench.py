@@ -1,0 +1,50 @@
+"""The benchmark harness in smoke mode (tiny model, 2 steps, world 1 and 2): every figure is
+reported, in the table, the JSON and the plot. No timing is asserted: timings live in the bench."""
+
+import json
+
+from xdit_backend.bench import method_of, run_layout_bench
+
+FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 1, "cfg": 3.5, "seed": 1,
+          "dtype": "auto"}
+SUMMARY_FIELDS = {"layout", "method", "world", "described", "step_median_s", "step_min_s", "step_max_s",
+                  "step_spread", "denoise_s", "sent_bytes_per_rank_per_step", "peak_memory_bytes", "memory_kind",
+                  "largest_rank_parameters", "process_groups_created", "speedup", "efficiency"}
+
+
+def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
+    json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert run_layout_bench(["serial", "ulysses=2", "cfg=2"], FIELDS, json_path, plot_path) == 0
+    table = capsys.readouterr().out
+    assert table.count("\n| ") == 4 and "| ulysses=2 | 2 |" in table  # header + three layouts
+    report = json.loads(json_path.read_text())
+    assert [s["layout"] for s in report["layouts"]] == ["serial", "ulysses=2", "cfg=2"]
+    for summary in report["layouts"]:
+        assert set(summary) == SUMMARY_FIELDS, summary
+        assert summary["step_median_s"] > 0 and summary["denoise_s"] >= summary["step_median_s"]
+        assert summary["peak_memory_bytes"] > 0 and summary["speedup"] > 0
+        assert summary["efficiency"] == summary["speedup"] / summary["world"]
+        assert summary["process_groups_created"] == 0  # the warm-up request built the mesh: none per request
+    serial, ulysses, cfg = report["layouts"]
+    assert serial["sent_bytes_per_rank_per_step"] == 0 and ulysses["sent_bytes_per_rank_per_step"] > 0
+    assert serial["speedup"] == 1.0 and len(report["records"][1]["profile"]) == 2  # one record per rank
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_methods_are_named_without_their_degrees():
+    assert [method_of(t) for t in ("serial", "ulysses=4", "cfg=2,ring=2", "pipefusion=2,patches=4")] == [
+        "serial", "ulysses", "cfg×ring", "pipefusion"]
+
+
+def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
+    from xdit_backend.scaling import NVLINK, PCIE, predict, run_scaling_model
+
+    t1 = 0.24
+    assert predict(t1, {}, NVLINK) == t1
+    for degrees in ({"ulysses": 2}, {"ulysses": 4}, {"ring": 4}, {"ulysses": 2, "ring": 2}):
+        world = degrees.get("ulysses", 1) * degrees.get("ring", 1)
+        fast, slow = predict(t1, degrees, NVLINK), predict(t1, degrees, PCIE)
+        assert t1 / world < fast < slow  # never better than the ideal share; PCIe never beats NVLink
+    assert predict(t1, {"ulysses": 4}, NVLINK) < predict(t1, {"ulysses": 2}, NVLINK)
+    run_scaling_model()
+    assert "MODELED" in capsys.readouterr().out

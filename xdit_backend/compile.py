@@ -1,0 +1,60 @@
+"""torch.compile of a model's transformer blocks, one block at a time.
+
+Only the blocks are compiled, never the whole transformer: sequence parallelism attaches its
+forward hooks (patch embedding, RoPE, output projection, Wan's first block) and attention
+processors from outside, per request (parallel/sequence.py), and a graph break stays inside
+one block. The blocks' ``forward`` is replaced, not ``__call__``: module hooks run eagerly
+around the compiled forward, so a hook attached after compiling is never traced away.
+(``nn.Module.compile`` would trace the hooks too, and dynamo does not guard on them by default.)
+
+Shapes: every dimension of every tensor a block gets, except the last (the features, fixed by
+the weights), is marked dynamic before the call: image tokens change with the resolution and
+the sequence-parallel degree, text tokens with the prompt, rows with the batch and CFG. So the
+first request compiles graphs with symbolic sizes that later sizes reuse. Marked dimensions are
+not "duck sized" (two sizes that happen to be equal are not assumed equal, as dynamic=True
+would), and a dimension the code pins to a constant (a size 1, a weight's size) is specialized
+without an error (``maybe_mark_dynamic``). No padding: attention over padded tokens would change
+the result unless masked.
+
+What still compiles, once each: a new path through a block (another attention processor: each
+sequence-parallel or PipeFusion layout; a batch of 1, where size 1 is a constant, versus 2 or
+more; another stride, as Flux's first single-stream block gets a whole tensor and the next ones a
+slice). Where a layout's own code breaks the graph (yunchang's ring P2P, PipeFusion's K/V buffer
+bookkeeping), the frames after the break start static and become dynamic at their second size.
+Those paths add up to more than dynamo's default 8 cached graphs per code object (measured: a
+world-2 mix of cfg, ulysses, ring, PipeFusion at batch 1 and 2 reached it, and past it dynamo
+runs the block eagerly), so the limit is raised to RECOMPILE_LIMIT.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models import registry
+
+RECOMPILE_LIMIT = 64  # cached graphs per code object (a block class's forward), all layouts and batches
+
+
+def compile_blocks(model):
+    """Compile each block of ``model``'s transformer in place (registry.FAMILIES' block lists);
+    returns the model. Compilation itself happens on the first call of each block."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    transformer = model.transformer
+    for name in registry.FAMILIES[model.spec.family].block_lists:
+        for block in getattr(transformer, name):
+            block.forward = _dynamic(torch.compile(block.forward))
+    return model
+
+
+def _dynamic(compiled):
+    """``compiled``, called with all but the last dimension of each tensor argument marked dynamic."""
+
+    def forward(*args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):  # RoPE: (cos, sin)
+                if isinstance(tensor, torch.Tensor):
+                    for dim in range(tensor.dim() - 1):
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled(*args, **kwargs)
+
+    return forward
