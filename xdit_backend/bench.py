@@ -247,6 +247,7 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
         if serial:
             efficiency.plot(worlds, [s["efficiency"] for s in points], marker="o", label=method)
     for axis, label in ((times, "step time, median (ms)"), (efficiency, "efficiency (speed-up / ranks)")):
+        axis.set_xticks(sorted({s["world"] for s in summaries}))
         axis.set_xlabel("ranks (GPUs)")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
