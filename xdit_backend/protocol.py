@@ -446,7 +446,10 @@ class Connection:
             got += n
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        """Close, but never in the middle of a frame another thread is sending (a queued job's
+        reply may be on its way when the client's side ends): the peer gets whole frames or none."""
+        with self._send_lock:
+            try:
+                self.sock.close()
+            except OSError:
+                pass

@@ -36,6 +36,8 @@ class Job:
         self.cancel_reason = ""
         self._cancelled = threading.Event()
         self.started = time.monotonic()
+        self.arrival = -1  # its place in the order requests were queued (set by the server)
+        self.execution = -1  # its place in the order they were run
 
     @property
     def id(self) -> str:
@@ -79,6 +81,7 @@ class SocketServer:
         self._ready = threading.Condition()
         self._jobs: dict[str, Job] = {}  # queued and running, by request id
         self._running: Job | None = None
+        self._arrived = self._executed = 0  # requests queued and started so far: the FIFO, on record
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._listener: socket.socket | None = None
         self.shutting_down = False
@@ -117,6 +120,8 @@ class SocketServer:
             if not self._queue:
                 return None
             job = self._queue.popleft()
+            job.execution = self._executed
+            self._executed += 1
             self._running = job
             return job
 
@@ -149,6 +154,8 @@ class SocketServer:
             if job.id in self._jobs:
                 return f"request id {job.id!r} is already queued or running"
             self._jobs[job.id] = job
+            job.arrival = self._arrived
+            self._arrived += 1
             if job.type == "shutdown":
                 self.shutting_down = True
                 self._queue.appendleft(job)

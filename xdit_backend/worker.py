@@ -339,7 +339,8 @@ class Leader:
             self.gate.close()  # may wait for ranks still inside a collective (up to --collective-timeout)
             return
         self.gate.close()
-        info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports}
+        info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
+                "order": {"arrival": job.arrival, "execution": job.execution}}
         if request.profile:
             info["profile"] = gather_json(record, self.rt.control)
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info}, {"samples": latent}))

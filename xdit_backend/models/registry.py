@@ -294,16 +294,13 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
 
 
 def _seeded(cls, config: dict, seed: int, device: torch.device, dtype: torch.dtype):
-    """A built-in's weights: constructed from a fixed seed directly on ``device`` in ``dtype`` (a
-    12 B-parameter random model never passes through the CPU), identical on every rank of a device type."""
-    default = torch.get_default_dtype()
+    """A built-in's weights: drawn in float32 from a fixed seed directly on ``device`` (a 12 B-parameter
+    random model never passes through the CPU), then rounded to ``dtype``, so a lower precision is the
+    same model rounded; identical on every rank of a device type."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(seed)
-        torch.set_default_dtype(dtype)
-        try:
-            return cls(**config)
-        finally:
-            torch.set_default_dtype(default)
+        transformer = cls(**config)
+    return transformer if dtype == transformer.dtype else transformer.to(dtype)
 
 
 def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> int | None:
