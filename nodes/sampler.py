@@ -6,6 +6,8 @@ ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend ca
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from comfy_api.latest import io
 
 from . import translate
@@ -165,9 +167,15 @@ def backend_client(parallel: ParallelChoice | None):
     from xdit_backend.client import Client
     from xdit_backend.paths import default_socket
 
+    import folder_paths
+
     gpus = parallel.gpus if parallel else None
     socket = default_socket()
-    client = Client(socket, auto_start=True, launch=launcher.LaunchOptions(socket=socket, gpus=gpus))
+    # a backend this node starts serves files from ComfyUI's model folders only
+    roots = tuple(sorted({str(Path(p).resolve()) for kind in ("diffusion_models", "checkpoints", "loras")
+                          for p in folder_paths.get_folder_paths(kind)}))
+    client = Client(socket, auto_start=True,
+                    launch=launcher.LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
     running = client.hello_or_none()
     if running and gpus:
         devices = [rank["device"] for rank in client.status()["ranks"]]

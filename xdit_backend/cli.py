@@ -33,12 +33,16 @@ def _add_launch(parser: argparse.ArgumentParser) -> None:
                         help="seconds any collective may wait before the backend fails (default 600)")
     parser.add_argument("--heartbeat", type=float, default=30.0, help="idle seconds between rank checks (default 30)")
     parser.add_argument("--max-payload-mb", type=int, default=1024, help="largest request payload (default 1024)")
+    parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                        help="a folder model and LoRA files may come from (repeatable); with none given, any path "
+                             "the backend's user can read")
 
 
 def launch_options(args: argparse.Namespace) -> launcher.LaunchOptions:
     return launcher.LaunchOptions(
         socket=paths.resolve_socket(args.socket), nproc=args.nproc, device=args.device, gpus=args.gpus,
-        collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb)
+        collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb,
+        model_roots=tuple(str(Path(root).expanduser().resolve()) for root in args.model_root))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ class LaunchOptions:
     collective_timeout: float = 600.0
     heartbeat: float = 30.0
     max_payload_mb: int = 1024
+    model_roots: tuple[str, ...] = ()  # when given, model and LoRA paths must resolve inside one of them
 
     def resolved(self) -> LaunchOptions:
         """Fill in the device and the number of ranks from what this machine has."""
@@ -54,12 +55,14 @@ class LaunchOptions:
         return LaunchOptions(**{**asdict(self), "device": device, "nproc": nproc})
 
     def to_json(self) -> dict:
-        return {**asdict(self), "socket": str(self.socket), "gpus": list(self.gpus) if self.gpus else None}
+        return {**asdict(self), "socket": str(self.socket), "gpus": list(self.gpus) if self.gpus else None,
+                "model_roots": list(self.model_roots)}
 
     @classmethod
     def from_json(cls, data: dict) -> LaunchOptions:
         gpus = tuple(data["gpus"]) if data.get("gpus") else None
-        return cls(**{**data, "socket": Path(data["socket"]), "gpus": gpus})
+        return cls(**{**data, "socket": Path(data["socket"]), "gpus": gpus,
+                      "model_roots": tuple(data.get("model_roots", ()))})
 
     def cli_args(self) -> list[str]:
         args = ["--socket", str(self.socket), "--collective-timeout", str(self.collective_timeout),
@@ -70,6 +73,8 @@ class LaunchOptions:
             args += ["--device", self.device]
         if self.gpus:
             args += ["--gpus", ",".join(map(str, self.gpus))]
+        for root in self.model_roots:
+            args += ["--model-root", root]
         return args
 
 
@@ -177,7 +182,8 @@ def serve(options: LaunchOptions) -> int:
     )
     worker_args = ["-m", "xdit_backend.worker", "--socket", str(sock), "--device", options.device,
                    "--collective-timeout", str(options.collective_timeout), "--heartbeat", str(options.heartbeat),
-                   "--max-payload-mb", str(options.max_payload_mb)]
+                   "--max-payload-mb", str(options.max_payload_mb),
+                   *(arg for root in options.model_roots for arg in ("--model-root", root))]
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as exc:

@@ -10,6 +10,15 @@ from pathlib import Path
 SOCKET_ENV = "XDIT_SOCKET"
 
 
+def inside_roots(path: str, roots) -> bool:
+    """Whether ``path`` lies inside one of ``roots`` once every symlink and ``..`` is resolved (no
+    traversal, no symlink escape); with no roots, every path does."""
+    if not roots:
+        return True
+    real = Path(path).expanduser().resolve()
+    return any(real.is_relative_to(Path(root).resolve()) for root in roots)
+
+
 def default_socket() -> Path:
     """``$XDIT_SOCKET``, else ``$XDG_RUNTIME_DIR/comfyui-xdit/backend.sock``, else a per-user /tmp dir."""
     if os.environ.get(SOCKET_ENV):

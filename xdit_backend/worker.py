@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import __version__, protocol
+from . import __version__, paths, protocol
 from .attention import kernel_name
 from .compile import compile_blocks
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout", type=float, default=600.0)
     parser.add_argument("--heartbeat", type=float, default=30.0)
     parser.add_argument("--max-payload-mb", type=int, default=1024)
+    parser.add_argument("--model-root", action="append", default=[], type=Path)
     return parser.parse_args(argv)
 
 
@@ -228,8 +229,10 @@ def _process_groups() -> int:
 class Leader:
     """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
 
-    def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float):
+    def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
+                 model_roots: tuple[Path, ...] = ()):
         self.rt = rt
+        self.model_roots = model_roots  # where model and LoRA files may come from (empty: anywhere)
         self.server = SocketServer(socket_path, self.status, limits)
         self.ranks = ranks
         self.heartbeat = heartbeat
@@ -273,6 +276,7 @@ class Leader:
     def resolve(self, job: Job) -> tuple[SampleRequest, str]:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
         request = SampleRequest.parse(job.message)
+        self.check_roots(request)
         spec = registry.spec(request.model)  # validation needs no weights
         request.check_model(spec)
         positive, negative = request.conditioning(spec)
@@ -298,6 +302,16 @@ class Leader:
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
+
+    def check_roots(self, request: SampleRequest) -> None:
+        """Model and LoRA files only from the configured roots, symlinks and '..' resolved first."""
+        files = ([("model", request.model)] if request.model not in registry.BUILTINS else []) + \
+            [("LoRA", spec.path) for spec in request.loras]
+        for what, path in files:
+            if not paths.inside_roots(path, self.model_roots):
+                raise RequestError(f"{what} {path} is outside the model roots this backend serves "
+                                   f"({', '.join(map(str, self.model_roots))})",
+                                   "put the file under one of them, or start the backend with another --model-root")
 
     def devices(self) -> str:
         kinds = sorted({r["device_name"] for r in self.ranks})
@@ -420,7 +434,7 @@ def run(args: argparse.Namespace) -> None:
             os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
         return
     limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
-    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat)
+    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat, tuple(args.model_root))
     server = leader.server
     server.start()
     log.info("backend ready: world size %d, socket %s", rt.world_size, args.socket)
