@@ -56,3 +56,60 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(backends):
+    """Rank 0 holds the socket: the client sees the connection end (no hang), the launcher names
+    rank 0, nothing is left behind, and the next request starts a new backend."""
+    client = backends.start(2)
+    before = client.status()
+    reference, _ = client.sample(SMALL)
+    killed_at = []
+
+    def kill_rank_0(step, total, elapsed):
+        if not killed_at:
+            os.kill(before["ranks"][0]["pid"], signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    with pytest.raises(BackendDied) as info:
+        client.sample(LONG, on_progress=kill_rank_0)
+    assert time.monotonic() - killed_at[0] < 30
+    assert "rank 0 was killed by SIGKILL" in info.value.message, info.value.message
+    old = [before["pid"], *(r["pid"] for r in before["ranks"])]
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in old):
+        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if _alive(p)]}"
+        time.sleep(0.1)
+    restarting = Client(client.socket_path, auto_start=True)
+    result, _ = restarting.sample(SMALL)
+    backends.track(client.socket_path)
+    assert restarting.status()["pid"] != before["pid"]
+    assert torch.equal(result["samples"], reference["samples"])
+
+
+def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_timeout(backends):
+    """SIGSTOP on rank 1 mid-request: rank 0's next collective times out (--collective-timeout 20)
+    and the request fails with an error instead of hanging; the next request restarts the backend."""
+    client = backends.start(2, collective_timeout=20.0, heartbeat=5.0)
+    rank1 = client.status()["ranks"][1]["pid"]
+    stopped_at = []
+
+    def stop_rank_1(step, total, elapsed):
+        if not stopped_at:
+            os.kill(rank1, signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+    try:
+        with pytest.raises(BackendDied):
+            client.sample({**LONG, "parallel": {"ulysses": 2}}, on_progress=stop_rank_1)
+        took = time.monotonic() - stopped_at[0]
+        assert took < 20 + 30, f"the stalled rank was noticed after {took:.0f} s"
+    finally:
+        try:
+            os.kill(rank1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    restarting = Client(client.socket_path, auto_start=True)
+    result, _ = restarting.sample(SMALL)
+    backends.track(client.socket_path)
+    assert torch.isfinite(result["samples"]).all()
