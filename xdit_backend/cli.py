@@ -36,13 +36,18 @@ def _add_launch(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
                         help="a folder model and LoRA files may come from (repeatable); with none given, any path "
                              "the backend's user can read")
+    parser.add_argument("--tcp", default=None, metavar="127.0.0.1:PORT",
+                        help="also listen on loopback TCP; clients must send the token first (see --token-file)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="the TCP token (default: <socket>.token, created 0600 with a random token)")
 
 
 def launch_options(args: argparse.Namespace) -> launcher.LaunchOptions:
     return launcher.LaunchOptions(
         socket=paths.resolve_socket(args.socket), nproc=args.nproc, device=args.device, gpus=args.gpus,
         collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb,
-        model_roots=tuple(str(Path(root).expanduser().resolve()) for root in args.model_root))
+        model_roots=tuple(str(Path(root).expanduser().resolve()) for root in args.model_root),
+        tcp=args.tcp, token_file=str(Path(args.token_file).expanduser().resolve()) if args.token_file else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

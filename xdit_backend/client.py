@@ -62,8 +62,11 @@ class Client:
     be shared between threads."""
 
     def __init__(self, socket_path: str | Path | None = None, *, auto_start: bool = False,
-                 launch: launcher.LaunchOptions | None = None, connect_timeout: float = 5.0):
+                 launch: launcher.LaunchOptions | None = None, connect_timeout: float = 5.0,
+                 tcp: str | None = None, token: str | None = None):
         self.socket_path = paths.resolve_socket(socket_path)
+        self.tcp = tcp  # "127.0.0.1:PORT": connect over loopback TCP instead, proving ``token`` first
+        self.token = token
         self.auto_start = auto_start
         self.launch = launch
         self.connect_timeout = connect_timeout
@@ -71,6 +74,8 @@ class Client:
     # ------------------------------------------------------------------ connections
 
     def _connect(self) -> Connection:
+        if self.tcp:
+            return self._connect_tcp()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.connect_timeout)
         try:
@@ -83,6 +88,20 @@ class Client:
             sock.close()
             raise
         return Connection(sock, direction="reply")
+
+    def _connect_tcp(self) -> Connection:
+        try:
+            sock = socket.create_connection(launcher.tcp_address(self.tcp), timeout=self.connect_timeout)
+        except OSError as exc:
+            raise NoBackend("no_backend", f"no backend answers at tcp {self.tcp} ({exc})",
+                            "start it with --tcp, or check the port") from None
+        conn = Connection(sock, direction="reply")
+        conn.send(Message("hello", {"id": uuid.uuid4().hex, "client": "xdit_backend.client", "token": self.token or ""}))
+        reply = conn.receive(idle_timeout=self.connect_timeout)
+        if reply.type == "error":
+            conn.close()
+            raise BackendError.from_message(reply)
+        return conn
 
     def _connect_or_start(self) -> Connection:
         try:

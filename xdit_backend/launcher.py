@@ -38,6 +38,8 @@ class LaunchOptions:
     heartbeat: float = 30.0
     max_payload_mb: int = 1024
     model_roots: tuple[str, ...] = ()  # when given, model and LoRA paths must resolve inside one of them
+    tcp: str | None = None  # "127.0.0.1:PORT": also listen on loopback TCP, for clients holding the token
+    token_file: str | None = None  # the TCP token (default: <socket>.token, written 0600 at start)
 
     def resolved(self) -> LaunchOptions:
         """Fill in the device and the number of ranks from what this machine has."""
@@ -49,6 +51,11 @@ class LaunchOptions:
             raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
         if nproc < 1:
             raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+        if self.tcp:
+            host = tcp_address(self.tcp)[0]
+            if host not in LOOPBACK:
+                raise LaunchError(f"--tcp {self.tcp}: the backend listens on loopback only ({', '.join(LOOPBACK)}); "
+                                  "reach it from other machines through an SSH tunnel, never an open port")
         if not 0 < self.heartbeat * 2 <= self.collective_timeout:
             raise LaunchError(f"--heartbeat {self.heartbeat:g} must be positive and at most half of "
                               f"--collective-timeout {self.collective_timeout:g}, so idle ranks never time out")
@@ -75,7 +82,36 @@ class LaunchOptions:
             args += ["--gpus", ",".join(map(str, self.gpus))]
         for root in self.model_roots:
             args += ["--model-root", root]
+        if self.tcp:
+            args += ["--tcp", self.tcp, "--token-file", self.token_file or str(token_path(self.socket))]
         return args
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def tcp_address(text: str) -> tuple[str, int]:
+    """"127.0.0.1:8765" → ("127.0.0.1", 8765); "[::1]:8765" works too."""
+    host, _, port = text.rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise LaunchError(f"--tcp {text!r} is not HOST:PORT, e.g. --tcp 127.0.0.1:8765") from None
+
+
+def token_path(sock: Path) -> Path:
+    return sock.with_name(sock.name + ".token")
+
+
+def ensure_token(path: Path) -> str:
+    """The TCP token in ``path``, created (32 random bytes, urlsafe, mode 0600) when missing."""
+    import secrets
+
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
 
 
 def _cuda_device_count() -> int:
@@ -163,6 +199,8 @@ def serve(options: LaunchOptions) -> int:
     if options.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, options.gpus))
     os.environ["XDIT_LAUNCHER_PID"] = str(os.getpid())
+    if options.tcp:
+        ensure_token(Path(options.token_file) if options.token_file else token_path(sock))
     rank_logs = sock.with_name(sock.name + ".ranks")
     shutil.rmtree(rank_logs, ignore_errors=True)
     state = {"pid": os.getpid(), "options": options.to_json(), "log": str(paths.log_file(sock)),
@@ -183,7 +221,9 @@ def serve(options: LaunchOptions) -> int:
     worker_args = ["-m", "xdit_backend.worker", "--socket", str(sock), "--device", options.device,
                    "--collective-timeout", str(options.collective_timeout), "--heartbeat", str(options.heartbeat),
                    "--max-payload-mb", str(options.max_payload_mb),
-                   *(arg for root in options.model_roots for arg in ("--model-root", root))]
+                   *(arg for root in options.model_roots for arg in ("--model-root", root)),
+                   *(("--tcp", options.tcp, "--token-file", options.token_file or str(token_path(options.socket)))
+                     if options.tcp else ())]
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as exc:

@@ -65,7 +65,7 @@ DEFAULT_LIMITS = Limits()
 # Unknown types and unknown fields are errors; semantic checks live in request.py.
 _NUM = (int, float)
 REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
-    "hello": {"client": str},
+    "hello": {"client": str, "token": str},  # the token: required as the first frame over TCP
     "status": {},
     "sample": {
         "model": str,

@@ -9,6 +9,7 @@ rank 0's main thread (worker.Leader). Everything else (``hello``, ``status``, ``
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
 import os
 import socket
@@ -73,8 +74,11 @@ class Job:
 class SocketServer:
     """Listens on a Unix socket that only its owner can reach, and feeds a FIFO of jobs."""
 
-    def __init__(self, path: Path, status: Callable[[], dict], limits: protocol.Limits = protocol.DEFAULT_LIMITS):
+    def __init__(self, path: Path, status: Callable[[], dict], limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+                 tcp: tuple[str, int] | None = None, token: str | None = None):
         self.path = path
+        self.tcp = tcp  # (loopback host, port): a second listener whose clients must send the token first
+        self.token = token
         self.status = status
         self.limits = limits
         self._queue: collections.deque[Job] = collections.deque()
@@ -84,6 +88,7 @@ class SocketServer:
         self._arrived = self._executed = 0  # requests queued and started so far: the FIFO, on record
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._listener: socket.socket | None = None
+        self._tcp_listener: socket.socket | None = None
         self.shutting_down = False
 
     # ------------------------------------------------------------------ life cycle
@@ -99,9 +104,17 @@ class SocketServer:
             os.umask(old_umask)
         listener.listen(64)
         self._listener = listener
-        threading.Thread(target=self._accept_loop, name="xdit-accept", daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(listener, False), name="xdit-accept", daemon=True).start()
+        if self.tcp:
+            host, port = self.tcp
+            tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self._tcp_listener = tcp
+            threading.Thread(target=self._accept_loop, args=(tcp, True), name="xdit-accept-tcp", daemon=True).start()
 
     def close(self) -> None:
+        if self._tcp_listener is not None:
+            self._tcp_listener.close()
+            self._tcp_listener = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -182,16 +195,16 @@ class SocketServer:
 
     # ------------------------------------------------------------------ connections
 
-    def _accept_loop(self) -> None:
-        while self._listener is not None:
+    def _accept_loop(self, listener: socket.socket, tcp: bool) -> None:
+        while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return  # closed
             if not self._connections.acquire(blocking=False):
                 self._refuse(sock, "busy", f"more than {MAX_CONNECTIONS} connections are open", "retry later")
                 continue
-            threading.Thread(target=self._serve_connection, args=(sock,), name="xdit-conn", daemon=True).start()
+            threading.Thread(target=self._serve_connection, args=(sock, tcp), name="xdit-conn", daemon=True).start()
 
     def _refuse(self, sock: socket.socket, kind: str, message: str, hint: str) -> None:
         conn = Connection(sock, self.limits, direction="request")
@@ -201,14 +214,18 @@ class SocketServer:
             pass
         conn.close()
 
-    def _serve_connection(self, sock: socket.socket) -> None:
+    def _serve_connection(self, sock: socket.socket, tcp: bool = False) -> None:
         conn = Connection(sock, self.limits, direction="request")
         mine: list[Job] = []
         try:
-            uid = _peer_uid(sock)
-            if uid != os.getuid():
-                self._refuse(sock, "forbidden", f"uid {uid} may not use this backend", "run the client as its owner")
-                return
+            if tcp:
+                if not self._token_given(conn):
+                    return
+            else:
+                uid = _peer_uid(sock)
+                if uid != os.getuid():
+                    self._refuse(sock, "forbidden", f"uid {uid} may not use this backend", "run the client as its owner")
+                    return
             while True:
                 try:
                     message = conn.receive(idle_timeout=None)
@@ -233,6 +250,20 @@ class SocketServer:
                 self._cancel(job.id, "the client disconnected")
             conn.close()
             self._connections.release()
+
+    def _token_given(self, conn: Connection) -> bool:
+        """Over TCP the first frame must be a hello carrying the token (compared in constant time)."""
+        try:
+            message = conn.receive(idle_timeout=protocol.DEFAULT_LIMITS.frame_timeout_s)
+        except (protocol.ConnectionClosed, FrameError, OSError):
+            message = None
+        given = message.fields.get("token", "") if message is not None and message.type == "hello" else ""
+        if not (self.token and hmac.compare_digest(given.encode(), self.token.encode())):
+            self._refuse(conn.sock, "forbidden", "a TCP client must first send hello with the backend's token",
+                         "read the token from the file the backend was started with (--token-file)")
+            return False
+        self._dispatch(message, conn, [])
+        return True
 
     def _dispatch(self, message: Message, conn: Connection, mine: list[Job]) -> None:
         reply_id = {"id": message.id}

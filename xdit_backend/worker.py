@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import __version__, paths, protocol
+from . import __version__, launcher, paths, protocol
 from .attention import kernel_name
 from .compile import compile_blocks
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat", type=float, default=30.0)
     parser.add_argument("--max-payload-mb", type=int, default=1024)
     parser.add_argument("--model-root", action="append", default=[], type=Path)
+    parser.add_argument("--tcp", default=None, help="loopback HOST:PORT to listen on as well (token required)")
+    parser.add_argument("--token-file", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -230,10 +232,10 @@ class Leader:
     """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
 
     def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
-                 model_roots: tuple[Path, ...] = ()):
+                 model_roots: tuple[Path, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None):
         self.rt = rt
         self.model_roots = model_roots  # where model and LoRA files may come from (empty: anywhere)
-        self.server = SocketServer(socket_path, self.status, limits)
+        self.server = SocketServer(socket_path, self.status, limits, tcp, token)
         self.ranks = ranks
         self.heartbeat = heartbeat
         self.gate = StepGate(rt.control)
@@ -434,7 +436,9 @@ def run(args: argparse.Namespace) -> None:
             os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
         return
     limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
-    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat, tuple(args.model_root))
+    tcp = launcher.tcp_address(args.tcp) if args.tcp else None
+    token = args.token_file.read_text().strip() if args.tcp else None
+    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat, tuple(args.model_root), tcp, token)
     server = leader.server
     server.start()
     log.info("backend ready: world size %d, socket %s", rt.world_size, args.socket)
