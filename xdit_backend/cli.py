@@ -36,6 +36,10 @@ def _add_launch(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
                         help="a folder model and LoRA files may come from (repeatable); with none given, any path "
                              "the backend's user can read")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines (default 1); see the README's multi-node set-up")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's number; node 0 holds the socket")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="node 0's address and a free port, the same on every node")
     parser.add_argument("--tcp", default=None, metavar="127.0.0.1:PORT",
                         help="also listen on loopback TCP; clients must send the token first (see --token-file)")
     parser.add_argument("--token-file", default=None, metavar="PATH",
@@ -47,7 +51,8 @@ def launch_options(args: argparse.Namespace) -> launcher.LaunchOptions:
         socket=paths.resolve_socket(args.socket), nproc=args.nproc, device=args.device, gpus=args.gpus,
         collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb,
         model_roots=tuple(str(Path(root).expanduser().resolve()) for root in args.model_root),
-        tcp=args.tcp, token_file=str(Path(args.token_file).expanduser().resolve()) if args.token_file else None)
+        tcp=args.tcp, token_file=str(Path(args.token_file).expanduser().resolve()) if args.token_file else None,
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,9 @@ class LaunchOptions:
     model_roots: tuple[str, ...] = ()  # when given, model and LoRA paths must resolve inside one of them
     tcp: str | None = None  # "127.0.0.1:PORT": also listen on loopback TCP, for clients holding the token
     token_file: str | None = None  # the TCP token (default: <socket>.token, written 0600 at start)
+    nnodes: int = 1  # machines; with more than one, every node runs its own launcher with the same endpoint
+    node_rank: int = 0  # this machine's place: node 0 holds global rank 0, hence the socket and the queue
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0 (needed when nnodes > 1)
 
     def resolved(self) -> LaunchOptions:
         """Fill in the device and the number of ranks from what this machine has."""
@@ -51,6 +54,11 @@ class LaunchOptions:
             raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
         if nproc < 1:
             raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise LaunchError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address, "
+                              "the same on every node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank} must lie in 0..{self.nnodes - 1} for --nnodes {self.nnodes}")
         if self.tcp:
             host = tcp_address(self.tcp)[0]
             if host not in LOOPBACK:
@@ -84,6 +92,9 @@ class LaunchOptions:
             args += ["--model-root", root]
         if self.tcp:
             args += ["--tcp", self.tcp, "--token-file", self.token_file or str(token_path(self.socket))]
+        if self.nnodes > 1:
+            args += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                     "--rdzv-endpoint", self.rdzv_endpoint]
         return args
 
 
@@ -207,13 +218,17 @@ def serve(options: LaunchOptions) -> int:
              "started": time.time()}
     _write_state(sock, status="starting", **state)
 
+    # One node: c10d rendezvous on a port the OS picks. Several: torchrun's static rendezvous at
+    # node 0's endpoint, where --node-rank fixes each node's ranks (node 0 gets global rank 0).
+    several = options.nnodes > 1
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
         nproc_per_node=options.nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # port 0: the OS picks a free one
+        run_id="xdit-multinode" if several else uuid.uuid4().hex,
+        rdzv_backend="static" if several else "c10d",
+        rdzv_endpoint=options.rdzv_endpoint if several else "127.0.0.1:0",  # port 0: the OS picks one
+        rdzv_configs={"rank": options.node_rank} if several else {},
         max_restarts=0,  # a failed rank fails the backend; the client restarts it on the next request
         monitor_interval=0.2,
         logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
@@ -264,6 +279,12 @@ def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: `stop` can end it and every rank together
         )
+    if options.node_rank > 0:  # the socket and the queue live on node 0: this node only runs its ranks
+        time.sleep(1.0)
+        if process.poll() is not None:
+            raise LaunchError(f"node {options.node_rank} failed to start: {_last_line(log_path)} (log: {log_path})")
+        return {"pid": process.pid, "node_rank": options.node_rank, "log": str(log_path),
+                "waiting_for": f"node 0 at {options.rdzv_endpoint}; its socket serves the whole backend"}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if client.hello_or_none() is not None:
