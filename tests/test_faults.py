@@ -32,11 +32,7 @@ def test_sigkill_of_rank_1_fails_the_request_and_the_next_one_restarts(backends)
     assert "rank 1 was killed by SIGKILL" in info.value.message
     assert "restarts the backend" in info.value.hint
 
-    deadline = time.monotonic() + 30  # nothing of the old backend is left behind
-    old = [before["pid"], *(r["pid"] for r in before["ranks"])]
-    while any(_alive(pid) for pid in old):
-        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if _alive(p)]}"
-        time.sleep(0.1)
+    assert_all_gone(before)
 
     restarting = Client(client.socket_path, auto_start=True)
     result, _ = restarting.sample(SMALL)
@@ -44,6 +40,15 @@ def test_sigkill_of_rank_1_fails_the_request_and_the_next_one_restarts(backends)
     after = restarting.status()
     assert after["world_size"] == 2 and after["pid"] != before["pid"]
     assert torch.equal(result["samples"], reference["samples"])
+
+
+def assert_all_gone(status: dict, within: float = 30) -> None:
+    """Nothing of the backend ``status`` describes (launcher and ranks) is left after ``within`` s."""
+    old = [status["pid"], *(r["pid"] for r in status["ranks"])]
+    deadline = time.monotonic() + within
+    while any(_alive(pid) for pid in old):
+        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if _alive(p)]}"
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:
@@ -75,11 +80,7 @@ def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(back
         client.sample(LONG, on_progress=kill_rank_0)
     assert time.monotonic() - killed_at[0] < 30
     assert "rank 0 was killed by SIGKILL" in info.value.message, info.value.message
-    old = [before["pid"], *(r["pid"] for r in before["ranks"])]
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in old):
-        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if _alive(p)]}"
-        time.sleep(0.1)
+    assert_all_gone(before)
     restarting = Client(client.socket_path, auto_start=True)
     result, _ = restarting.sample(SMALL)
     backends.track(client.socket_path)

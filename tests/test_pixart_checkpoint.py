@@ -7,7 +7,7 @@ from diffusers import PixArtTransformer2DModel
 from safetensors.torch import save_file
 
 from xdit_backend.errors import UserError
-from xdit_backend.models import pixart_checkpoint, registry
+from xdit_backend.models import checkpoint, pixart_checkpoint, registry
 
 COMMON = {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
           "norm_type": "ada_norm_single", "num_embeds_ada_norm": 1000, "activation_fn": "gelu-approximate",
@@ -170,7 +170,7 @@ def test_foreign_layouts_are_not_pixart(tiny):
     assert pixart_checkpoint.detect_prefix({"model.diffusion_model." + k for k in sd3}) is None
     assert pixart_checkpoint.detect_prefix(sd3) is None
     keys = original_state_dict(*tiny).keys()
-    for prefix in pixart_checkpoint.PREFIXES:
+    for prefix in checkpoint.PREFIXES:
         assert pixart_checkpoint.detect_prefix({prefix + k for k in keys}) == prefix
 
 

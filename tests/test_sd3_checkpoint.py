@@ -7,7 +7,7 @@ from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file, save_file
 
 from xdit_backend.errors import UserError
-from xdit_backend.models import sd3_checkpoint, registry
+from xdit_backend.models import checkpoint, registry, sd3_checkpoint
 
 TINY = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 64,
         "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 128,
@@ -177,7 +177,7 @@ def test_tiny_variants_are_named_by_architecture(tiny):
 def test_prefix_is_detected_and_other_layouts_are_not(tiny):
     """The prefix comes back for SD3 files; Flux, PixArt, Wan and random key sets give None."""
     keys = list(original_state_dict(tiny[1]))
-    for prefix in sd3_checkpoint.PREFIXES:
+    for prefix in checkpoint.PREFIXES:
         assert sd3_checkpoint.detect_prefix([prefix + k for k in keys]) == prefix
     flux = {"img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight"}
     pixart = {"x_embedder.proj.weight", "blocks.0.attn.qkv.weight", "t_block.1.weight", "pos_embed"}

@@ -14,6 +14,15 @@ from dataclasses import dataclass
 import torch
 
 
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI's: bare, or inside a checkpoint
+
+
+def find_prefix(keys, markers: tuple[str, ...]) -> str | None:
+    """The prefix under which ``keys`` hold every one of a layout's ``markers``, or None."""
+    keys = set(keys)
+    return next((prefix for prefix in PREFIXES if all(prefix + marker in keys for marker in markers)), None)
+
+
 @dataclass(frozen=True)
 class Source:
     """Where one diffusers tensor comes from: a key of the original file, and which part of it."""

@@ -10,10 +10,8 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands
+from .checkpoint import Source, bands, find_prefix
 
-# ComfyUI keeps models either bare ("unet" / diffusion_models) or inside a checkpoint.
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
 
 
@@ -82,11 +80,7 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
 
 def detect_prefix(keys) -> str | None:
     """The key prefix under which the file holds a Flux model in BFL layout, or None if it does not."""
-    keys = set(keys)
-    for prefix in PREFIXES:
-        if all(prefix + marker in keys for marker in MARKERS):
-            return prefix
-    return None
+    return find_prefix(keys, MARKERS)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:

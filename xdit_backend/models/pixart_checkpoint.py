@@ -25,9 +25,8 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands
+from .checkpoint import Source, bands, find_prefix
 
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 # t_block and the cross-attention's q_linear are PixArt's own (SD3 also has x_embedder / t_embedder).
 MARKERS = ("t_block.1.weight", "blocks.0.cross_attn.q_linear.weight", "x_embedder.proj.weight")
 HEAD_DIM = 72
@@ -85,11 +84,7 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
 
 def detect_prefix(keys) -> str | None:
     """The key prefix under which the file holds a PixArt model in the original layout, or None."""
-    keys = set(keys)
-    for prefix in PREFIXES:
-        if all(prefix + marker in keys for marker in MARKERS):
-            return prefix
-    return None
+    return find_prefix(keys, MARKERS)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:

@@ -23,10 +23,8 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands
+from .checkpoint import Source, bands, find_prefix
 
-# ComfyUI keeps models either bare ("unet" / diffusion_models) or inside a checkpoint.
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 MARKERS = ("x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
            "joint_blocks.0.context_block.attn.qkv.weight")
 HEAD_DIM = 64  # every SD3; files without qk-norm weights do not store it
@@ -63,11 +61,7 @@ _BLOCK = {
 
 def detect_prefix(keys) -> str | None:
     """The key prefix under which the file holds an SD3 model in the original layout, or None."""
-    keys = set(keys)
-    for prefix in PREFIXES:
-        if all(prefix + marker in keys for marker in MARKERS):
-            return prefix
-    return None
+    return find_prefix(keys, MARKERS)
 
 
 def _block_indices(shapes, prefix: str, suffix: str = "") -> list[int]:

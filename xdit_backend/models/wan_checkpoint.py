@@ -18,9 +18,8 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source
+from .checkpoint import Source, find_prefix
 
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 MARKERS = ("patch_embedding.weight", "time_projection.1.weight", "head.modulation")
 HEAD_DIM = 128  # every released Wan: 1.3B 1536 = 12 x 128, 5B 3072 = 24 x 128, 14B 5120 = 40 x 128
 SMALL_HEAD_DIM = 32  # for test-sized widths that are not a multiple of 128 (64 = 2 x 32)
@@ -67,11 +66,7 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
 
 def detect_prefix(keys) -> str | None:
     """The key prefix under which the file holds a Wan model in the original layout, or None."""
-    keys = set(keys)
-    for prefix in PREFIXES:
-        if all(prefix + marker in keys for marker in MARKERS):
-            return prefix
-    return None
+    return find_prefix(keys, MARKERS)
 
 
 def head_dim(width: int) -> int | None:
