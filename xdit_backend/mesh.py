@@ -10,9 +10,11 @@ Meshes live in a MeshCache owned by the worker; nothing here keeps a group in a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cached_property
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import DEGREES, ParallelConfig
@@ -26,6 +28,7 @@ class Layout:
 
     config: ParallelConfig
     mesh: DeviceMesh
+    override: tuple | None = field(default=None, repr=False)  # (backend, options): the groups' timeout
 
     def group(self, axis: str):
         return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
@@ -43,7 +46,7 @@ class Layout:
             return self.group("ulysses")
         if self.config.ulysses == 1:
             return self.group("ring")
-        return self.mesh["ring", "ulysses"]._flatten("sequence").get_group()
+        return self.mesh["ring", "ulysses"]._flatten("sequence", backend_override=self.override).get_group()
 
     @property
     def sequence_index(self) -> int:
@@ -54,13 +57,29 @@ class Layout:
 class MeshCache:
     """Builds each shape of mesh once (all ranks together) and keeps it for later requests."""
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, timeout: timedelta | None = None):
         self.device_type = device_type
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self.override = _with_timeout(device_type, timeout) if timeout else None
 
     def get(self, config: ParallelConfig) -> Layout:
         """This request's layout: its own config (patches, warm-up…) over the cached mesh of its degrees."""
         shape = tuple(getattr(config, axis) for axis in AXES)
         if shape not in self._meshes:
-            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES)
-        return Layout(config, self._meshes[shape])
+            overrides = {axis: self.override for axis in AXES} if self.override else None
+            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES,
+                                                   backend_override=overrides)
+        return Layout(config, self._meshes[shape], self.override)
+
+
+def _with_timeout(device_type: str, timeout: timedelta) -> tuple:
+    """(backend, options) that give a mesh's groups ``timeout``: without it, new groups get torch's
+    default (30 minutes for gloo), not the timeout the backend was started with."""
+    if device_type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        backend = "nccl"
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        backend = "gloo"
+    options._timeout = timeout
+    return backend, options

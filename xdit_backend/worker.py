@@ -60,6 +60,7 @@ class Runtime:
     device: torch.device
     control: object  # a gloo group for commands and the step gate (the default group on CPU)
     started: float
+    timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +102,7 @@ def start_runtime(args: argparse.Namespace) -> Runtime:
     timeout = timedelta(seconds=args.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time())
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
 
 
 def describe_rank(rt: Runtime) -> dict:
@@ -117,7 +118,7 @@ class Executor:
         self.rt = rt
         self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled) → model
         self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
-        self.meshes = MeshCache(rt.device.type)
+        self.meshes = MeshCache(rt.device.type, rt.timeout)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
