@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import LONG, SMALL
 
-from xdit_backend.client import BackendDied, Client
+from xdit_backend.client import BackendDied, BackendError, Client
 
 
 def test_sigkill_of_rank_1_fails_the_request_and_the_next_one_restarts(backends):
@@ -114,3 +114,27 @@ def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_time
     result, _ = restarting.sample(SMALL)
     backends.track(client.socket_path)
     assert torch.isfinite(result["samples"]).all()
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_serving(backends, monkeypatch,
+                                                                                       failing_rank):
+    """A simulated out-of-memory in one rank's 3rd model call under ulysses=2: the error names that
+    rank and its exception, the other rank leaves its collective (data collectives wait half of
+    --collective-timeout: 5 s here), and the same backend (no restart) serves the next request correctly."""
+    monkeypatch.setenv("XDIT_TEST_FAULT", f"{failing_rank}:3")
+    client = backends.start(2, collective_timeout=10.0, heartbeat=4.0)
+    before = client.status()
+    fields = {**SMALL, "steps": 4, "parallel": {"ulysses": 2}}
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        client.sample(fields)
+    took = time.monotonic() - started
+    assert info.value.kind == "model_error" and info.value.rank == failing_rank
+    assert f"rank {failing_rank}: MemoryError: CUDA out of memory (simulated" in info.value.message
+    assert "keeps serving" in info.value.hint and took < 10 + 20, f"took {took:.1f} s"
+    result, _ = client.sample(fields)  # the fault fires once: this one runs whole
+    assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
+    reference = Client(client.socket_path)  # and its answer is the right one
+    again, _ = reference.sample({**fields, "parallel": {"ring": 2}})
+    assert (result["samples"] - again["samples"]).abs().max() <= 1e-4

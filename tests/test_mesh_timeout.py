@@ -1,5 +1,6 @@
-"""The mesh's groups carry the backend's collective timeout, not torch's 30-minute default: a
-data collective whose peer stops answering fails within --collective-timeout."""
+"""The mesh's groups carry the timeout they are given (the worker gives half of
+--collective-timeout), not torch's 30-minute default: a data collective whose peer stops
+answering fails within it."""
 
 import os
 import socket

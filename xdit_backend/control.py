@@ -87,33 +87,39 @@ def gather_json(record: dict, group) -> list[dict]:
 
 
 class StepGate:
-    """Once per denoising step, rank 0 tells every rank whether to go on.
+    """Once per denoising step, every rank learns whether to go on: rank 0 may stop (a cancel, a
+    client that went away), and any rank may report that it failed.
 
-    This is how a cancel, a client that went away or a failure on rank 0 stops every rank
-    within one step, and it bounds how long any rank waits without hearing from rank 0.
-    A request always ends with one STOP: ranks other than 0 loop ``while gate.passes()``
-    without knowing the step count, and rank 0 calls ``close()`` however its work ended.
+    This is how a cancel or a failure anywhere stops every rank within one step, and it bounds how
+    long any rank waits. A request always ends with one closed gate: ranks other than 0 loop
+    ``while gate.passes()`` without knowing the step count, rank 0 calls ``close()`` however its
+    work ended, and a rank that raised calls ``fail()`` (the others see ``failed`` at the gate).
     """
-
-    GO, STOP = 0, 1
 
     def __init__(self, group):
         self.group = group
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._flags = torch.zeros(2, dtype=torch.int64)  # [stop: rank 0's say, failed: any rank's]
         self.open = False
+        self.failed = False
 
-    def passes(self, stop: bool = False) -> bool:
-        """Rank 0's ``stop`` decides; returns True on every rank when the work should go on."""
-        self._flag[0] = self.STOP if stop else self.GO
-        _collective(dist.broadcast, self._flag, src=0, group=self.group)  # [1]
-        self.open = int(self._flag[0]) == self.GO
+    def passes(self, stop: bool = False, failed: bool = False) -> bool:
+        """Returns True on every rank when the work should go on."""
+        self._flags[0], self._flags[1] = int(stop), int(failed)
+        _collective(dist.all_reduce, self._flags, op=dist.ReduceOp.MAX, group=self.group)  # [2]
+        self.failed = bool(self._flags[1])
+        self.open = not (self._flags[0] or self._flags[1])
         return self.open
 
     def begin(self) -> None:
-        """Rank 0: the other ranks have been sent a request and now wait at the gate."""
-        self.open = True
+        """Every rank: a request starts; the ranks meet at the gate after each step."""
+        self.open, self.failed = True, False
 
     def close(self) -> None:
-        """Rank 0: send the final STOP unless one was already sent."""
+        """Rank 0: close the gate unless it is closed already."""
         if self.open:
             self.passes(stop=True)
+
+    def fail(self) -> None:
+        """This rank raised: meet the others at the gate with the news (unless it is closed already)."""
+        if self.open:
+            self.passes(failed=True)

@@ -71,6 +71,10 @@ class MeshCache:
                                                    backend_override=overrides)
         return Layout(config, self._meshes[shape], self.override)
 
+    def clear(self) -> None:
+        """Forget every mesh (after a failed request: a group that timed out is not reused)."""
+        self._meshes.clear()
+
 
 def _with_timeout(device_type: str, timeout: timedelta) -> tuple:
     """(backend, options) that give a mesh's groups ``timeout``: without it, new groups get torch's

@@ -44,6 +44,7 @@ from .server import Job, SocketServer
 log = logging.getLogger("xdit_backend.worker")
 
 LAUNCHER_PID_ENV = "XDIT_LAUNCHER_PID"
+FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
 
 
 class StartupError(Exception):
@@ -118,7 +119,9 @@ class Executor:
         self.rt = rt
         self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled) → model
         self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
-        self.meshes = MeshCache(rt.device.type, rt.timeout)
+        # The layouts' data collectives wait half as long as the control group: after a rank raises,
+        # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
+        self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
@@ -177,6 +180,7 @@ class Executor:
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
             self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
+            _inject_fault(self.computing, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
         stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
         self.computing = stage
@@ -222,6 +226,23 @@ class Executor:
                         "process_groups_created": _process_groups() - groups_before,
                         "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
                         "pipeline_trace": self.last_trace}
+
+
+def _inject_fault(model, rank: int) -> None:
+    """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
+    as an out-of-memory inside the model would."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
+        return
+    calls, target = [0], int(spec.split(":")[1])
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == target:
+            raise MemoryError(f"CUDA out of memory (simulated by {FAULT_ENV} on rank {rank})")
+
+    model.transformer.register_forward_pre_hook(hook)
+    model.fault_injected = True
 
 
 def _process_groups() -> int:
@@ -342,18 +363,16 @@ class Leader:
         try:
             latent, record = self.executor.profiled(request, after_step)
         except GenerationStopped:
+            if self.gate.failed:  # another rank raised: agree on what happened, keep serving
+                self.report_failure(job, agree_on_failure(self.rt, self.gate, self.executor, None))
+                return
             job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
             return
         except PeerLost:
             raise
         except Exception as exc:
-            if is_peer_failure(exc):  # a data collective found a rank gone: the launcher will say which
-                raise PeerLost(str(exc).splitlines()[0]) from exc
-            # a failure inside the model: tell the client first, then release the ranks
-            log.exception("request %s failed", job.id)
-            job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
-                     rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
-            self.gate.close()  # may wait for ranks still inside a collective (up to --collective-timeout)
+            log.exception("request %s failed on rank 0", job.id)
+            self.report_failure(job, agree_on_failure(self.rt, self.gate, self.executor, exc))
             return
         self.gate.close()
         info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
@@ -361,6 +380,36 @@ class Leader:
         if request.profile:
             info["profile"] = gather_json(record, self.rt.control)
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info}, {"samples": latent}))
+
+
+    def report_failure(self, job: Job, failures: list) -> None:
+        """Name the rank whose own work failed (not one that only timed out waiting for it)."""
+        raised = [f for f in failures if f]
+        cause = next((f for f in raised if not f["waiting"]), raised[0] if raised else None)
+        if cause is None:
+            job.fail("model_error", "the request failed on a rank that reported no error", "see the backend log")
+            return
+        job.fail("model_error", f"rank {cause['rank']}: {cause['error']}",
+                 "the other ranks left their collectives and the backend keeps serving; see the backend log "
+                 "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])
+
+
+def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseException | None) -> list:
+    """Every rank, after a failed step: meet at the gate (a rank that raised says so), gather what
+    each rank saw, and drop the layouts' process groups (a timed-out group is not reused).
+
+    A rank stuck in a data collective with the rank that raised waits out ``--collective-timeout``
+    (the mesh's groups carry it), then arrives here too. If a rank is gone, the gate's collective
+    fails and PeerLost ends the backend as before.
+    """
+    mine = None
+    if exc is not None:
+        mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {exc}"[:2000], "waiting": is_peer_failure(exc),
+                "traceback": traceback.format_exc()[-4000:]}
+    gate.fail()
+    failures = gather_json(mine, rt.control)
+    executor.meshes.clear()
+    return failures
 
 
 def request_fields(request: SampleRequest) -> dict:
@@ -393,7 +442,15 @@ def follow(rt: Runtime) -> None:
             try:
                 _, record = executor.profiled(request, lambda done, total: gate.passes())
             except GenerationStopped:
+                if gate.failed:  # a rank raised: agree, then wait for the next command
+                    agree_on_failure(rt, gate, executor, None)
                 continue  # every rank stopped at the same gate
+            except PeerLost:
+                raise
+            except Exception as exc:  # this rank raised (or timed out waiting for one that did)
+                log.exception("rank %d failed during the request", rt.rank)
+                agree_on_failure(rt, gate, executor, exc)
+                continue
             while gate.open and gate.passes():  # rank 0's closing STOP
                 pass
             if request.profile:
