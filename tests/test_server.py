@@ -185,3 +185,29 @@ def test_another_uid_is_refused_even_past_the_directory():
         assert "uid 65534 may not use this backend" in out.stdout
     finally:
         server.close()
+
+
+
+def test_an_idle_connection_is_closed_but_one_waiting_for_its_request_is_not():
+    """Every read of the server has a bound: a silent connection is closed after the idle limit,
+    while one whose request is still queued keeps waiting for its replies."""
+    from conftest import short_socket_dir
+
+    from xdit_backend.server import SocketServer
+
+    path = short_socket_dir() / "idle.sock"
+    server = SocketServer(path, lambda: {"world_size": 1, "pid": os.getpid()}, protocol.Limits(idle_timeout_s=1.0))
+    server.start()
+    try:
+        idle, waiting = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2))
+        for sock in (idle, waiting):
+            sock.settimeout(10)
+            sock.connect(str(path))
+        waiting.sendall(frame({"type": "sample", "id": "queued", "model": "flux-tiny"}))  # nobody runs it
+        time.sleep(2.5)
+        assert idle.recv(1) == b""  # closed by the server
+        waiting.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # still open: nothing to read yet, and no EOF
+            waiting.recv(1)
+    finally:
+        server.close()

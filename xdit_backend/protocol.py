@@ -57,6 +57,7 @@ class Limits:
     max_tensor_dims: int = 6
     max_string_chars: int = 4096
     frame_timeout_s: float = 30.0  # once a frame has started, the rest must arrive in this time
+    idle_timeout_s: float = 300.0  # a connection with nothing queued or running closes after this long idle
 
 
 DEFAULT_LIMITS = Limits()

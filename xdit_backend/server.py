@@ -228,7 +228,11 @@ class SocketServer:
                     return
             while True:
                 try:
-                    message = conn.receive(idle_timeout=None)
+                    message = conn.receive(idle_timeout=self.limits.idle_timeout_s)
+                except TimeoutError:
+                    if any(job.id in self._jobs for job in mine):
+                        continue  # its request is queued or running: the client waits for replies
+                    return  # idle, with nothing of its own in flight: free the connection
                 except protocol.ConnectionClosed:
                     return
                 except FrameError as exc:
