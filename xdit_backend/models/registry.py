@@ -250,11 +250,17 @@ def _construct(source: Source):
 
 
 def block_sizes(ref: str) -> list[int]:
-    """Parameter count of each transformer block, in execution order (nothing allocated)."""
+    """Parameter count of each transformer block, in execution order (nothing allocated); counted
+    once per version of the model, not on every PipeFusion request."""
+    return list(_block_sizes(*identity(ref)))
+
+
+@functools.lru_cache(maxsize=32)
+def _block_sizes(ref: str, version: int) -> tuple[int, ...]:
     source = resolve(ref)
     transformer = _construct(source)
     blocks = [b for name in FAMILIES[source.family].block_lists for b in getattr(transformer, name)]
-    return [sum(p.numel() for p in block.parameters()) for block in blocks]
+    return tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
 
 
 def spec(ref: str):

@@ -8,6 +8,7 @@ model's output becomes a denoised estimate (comfy/model_sampling.py; float32 as 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,20 +32,42 @@ def _flux_time_shift(mu: float, t):
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
 
 
+class _Tabulated:
+    """What both kinds share: a table of σ, computed once per setting (it is read at every step),
+    its "simple" schedule, and its ends."""
+
+    def table(self) -> torch.Tensor:
+        """[T] float32 σ, ascending; shared, never to be modified in place."""
+        return _table(self)
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        return simple_schedule(self.table(), steps)
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.table()[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.table()[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _table(sampling) -> torch.Tensor:
+    return sampling.compute_table()
+
+
 @dataclass(frozen=True)
-class FlowSampling:
+class FlowSampling(_Tabulated):
     shift: float
     flux: bool = False  # ModelSamplingFlux rather than ModelSamplingDiscreteFlow
     multiplier: float = 1000.0
 
-    def table(self) -> torch.Tensor:
+    def compute_table(self) -> torch.Tensor:
         if self.flux:
             return flux_sigma_table(self.shift)
         t = (torch.arange(1, 1001, 1) / 1000) * self.multiplier / self.multiplier
         return t if self.shift == 1.0 else self.shift * t / (1 + (self.shift - 1) * t)  # time_snr_shift
-
-    def sigmas(self, steps: int) -> torch.Tensor:
-        return simple_schedule(self.table(), steps)
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma if self.flux else sigma * self.multiplier
@@ -63,14 +86,6 @@ class FlowSampling:
 
     # -- what the schedulers need (ComfyUI's sigma_min/sigma_max/sigma/percent_to_sigma) --
 
-    @property
-    def sigma_min(self) -> torch.Tensor:
-        return self.table()[0]
-
-    @property
-    def sigma_max(self) -> torch.Tensor:
-        return self.table()[-1]
-
     def sigma(self, timestep):
         """σ at a model timestep (tensor or float): the inverse of ``timestep``."""
         if self.flux:
@@ -87,7 +102,7 @@ class FlowSampling:
 
 
 @dataclass(frozen=True)
-class EpsSampling:
+class EpsSampling(_Tabulated):
     linear_start: float = 0.0001
     linear_end: float = 0.02
     timesteps: int = 1000  # "sqrt_linear" betas: linspace(start, end), as ComfyUI's PixArt
@@ -97,15 +112,17 @@ class EpsSampling:
         alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
         return ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5
 
-    def table(self) -> torch.Tensor:
+    def compute_table(self) -> torch.Tensor:
         return self._sigmas64().float()
 
-    def sigmas(self, steps: int) -> torch.Tensor:
-        return simple_schedule(self.table(), steps)
+    @functools.cached_property
+    def _log_sigmas(self) -> torch.Tensor:
+        """log σ as ComfyUI keeps it (the log taken in float64), computed once."""
+        return self._sigmas64().log().float()
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The nearest discrete timestep in log σ (ComfyUI's ``timestep``), as a float."""
-        log_sigmas = self._sigmas64().log().float().to(sigma.device)
+        log_sigmas = self._log_sigmas.to(sigma.device)
         return (sigma.log() - log_sigmas[:, None]).abs().argmin(dim=0).view(sigma.shape).float()
 
     def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +133,7 @@ class EpsSampling:
 
     def noise_scaling(self, sigma, noise, latent) -> torch.Tensor:
         """From σ_max (a full generation) ComfyUI scales by √(1 + σ²), else by σ."""
-        sigma_max = float(self.table()[-1])
+        sigma_max = float(self.sigma_max)
         at_max = math.isclose(sigma_max, float(sigma), rel_tol=1e-05) or float(sigma) > sigma_max
         return noise * ((1.0 + sigma ** 2.0) ** 0.5 if at_max else sigma) + latent
 
@@ -125,17 +142,9 @@ class EpsSampling:
 
     # -- what the schedulers need (ComfyUI's sigma_min/sigma_max/sigma/percent_to_sigma) --
 
-    @property
-    def sigma_min(self) -> torch.Tensor:
-        return self.table()[0]
-
-    @property
-    def sigma_max(self) -> torch.Tensor:
-        return self.table()[-1]
-
     def sigma(self, timestep: torch.Tensor) -> torch.Tensor:
         """σ at a (fractional) timestep: linear interpolation of log σ between the two nearest entries."""
-        log_sigmas = self._sigmas64().log().float()
+        log_sigmas = self._log_sigmas
         t = timestep.float().to(log_sigmas.device).clamp(min=0, max=len(log_sigmas) - 1)
         w = t.frac()
         log_sigma = (1 - w) * log_sigmas[t.floor().long()] + w * log_sigmas[t.ceil().long()]
