@@ -50,6 +50,25 @@ def test_image_tokens_must_divide_by_the_sequence_degree():
     assert "not padded" in error.message
 
 
+def test_text_tokens_of_a_joint_model_must_divide_by_the_sequence_degree():
+    """A joint model's prompt is split with the image: the rule names the text count and the degrees that fit."""
+    prompt_154 = RequestFacts(batch=1, image_tokens=4096, cfg_scale=1.0, has_negative=False, text_tokens=154)
+    error = refused(ParallelConfig(ulysses=4), world=4, request=prompt_154)
+    assert "ring × ulysses = 4 does not divide the 154 text tokens" in error.message
+    assert "[1, 2]" in error.hint and "cfg, dp or pipefusion" in error.hint
+    ParallelConfig(ulysses=2).validate(2, FLUX_TINY, prompt_154)
+
+
+def test_auto_keeps_the_sequence_degree_within_what_the_text_allows():
+    """154 text tokens allow ulysses=2 on 4 ranks; the other factor goes to data parallel."""
+    request = RequestFacts(batch=2, image_tokens=4096, cfg_scale=1.0, has_negative=False, text_tokens=154)
+    config, why = ParallelConfig.auto(4, FLUX_TINY, request)
+    assert (config.ulysses, config.ring, config.dp) == (2, 1, 2), why
+    with pytest.raises(ConfigError) as error:
+        ParallelConfig.auto(4, FLUX_TINY, RequestFacts(1, 4096, 1.0, False, text_tokens=154))
+    assert "154 text tokens" in error.value.message
+
+
 def test_batch_must_divide_by_dp():
     error = refused(ParallelConfig(dp=2), request=RequestFacts(3, 4096, 3.5, True))
     assert "dp=2 does not divide the batch of 3" in error.message

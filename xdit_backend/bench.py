@@ -92,6 +92,7 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
 
     A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
     e bytes per element, U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels.
+    Sequence parallelism cuts the joint sequence, text included: a rank holds (N+L)/P tokens.
     """
     u, r, cfg, dp, pf = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp", "pipefusion"))
     p = u * r
@@ -108,12 +109,12 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
         activations, returned = b * (n + text) * c * e, images * n * 64 * e
         return max(activations, returned), ("PipeFusion max(B·(N+L)·C·e activations to the next stage, "
                                             "(B/dp)·N·64·e patches back to stage 0); no factor of A")
-    if u > 1:
-        total += 4 * a * b * (n // p) * c * e * (u - 1) // u + a * b * text * (c // u) * e * (u - 1)
-        terms.append("Ulysses 4·A·B·(N/P)·C·e·(U−1)/U + A·B·L·(C/U)·e·(U−1)")
-    if r > 1:
-        total += 2 * a * b * (n // r) * (c // u) * e * (r - 1)  # after Ulysses a ring rank holds N/R tokens
-        terms.append("Ring 2·A·B·(N/R)·(C/U)·e·(R−1)")
+    if u > 1:  # q, k, v in and the output back: four all-to-alls of a rank's (N+L)/P tokens
+        total += 4 * a * b * ((n + text) // p) * c * e * (u - 1) // u
+        terms.append("Ulysses 4·A·B·((N+L)/P)·C·e·(U−1)/U")
+    if r > 1:  # K and V, R−1 times; after Ulysses a ring rank holds (N+L)/R tokens of C/U channels
+        total += 2 * a * b * ((n + text) // r) * (c // u) * e * (r - 1)
+        terms.append("Ring 2·A·B·((N+L)/R)·(C/U)·e·(R−1)")
     if p > 1:
         total += b * (n // p) * 64 * e * (p - 1)
         terms.append("velocity B·(N/P)·64·e·(P−1)")

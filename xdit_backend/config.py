@@ -36,6 +36,11 @@ class RequestFacts:
     cfg_scale: float
     has_negative: bool
     token_rows: int = 1  # rows of that token grid (Flux: H/16); PipeFusion's patches are bands of rows
+    text_tokens: int = 0  # text tokens sequence parallelism cuts too (a joint model's prompt); 0: none
+
+    def splits(self, parts: int) -> bool:
+        """Whether ``parts`` sequence ranks can each take an equal share of the image and text tokens."""
+        return self.image_tokens % parts == 0 and self.text_tokens % parts == 0
 
     @property
     def cfg_worth_splitting(self) -> bool:
@@ -50,8 +55,9 @@ class ParallelConfig:
     dp:          data parallel: the batch is split into ``dp`` slices, one per group of ranks.
     cfg:         1 or 2: with 2, the conditional and unconditional passes run on the two halves.
     pipefusion:  pipeline stages over the transformer blocks (PipeFusion; not in this version).
-    ring:        sequence parallel: image tokens split ``ring`` ways, K/V passed around a ring.
-    ulysses:     sequence parallel: image tokens split ``ulysses`` ways, heads exchanged all-to-all.
+    ring:        sequence parallel: the tokens split ``ring`` ways, K/V passed around a ring.
+    ulysses:     sequence parallel: the tokens split ``ulysses`` ways, heads exchanged all-to-all.
+                 (Image tokens, and a joint model's text tokens too: each rank holds 1/(ring·ulysses).)
     num_pipeline_patch: PipeFusion's patches per step (default: the number of stages; more overlaps better).
     warmup_steps: PipeFusion's first steps, run synchronously on the whole latent (exact).
     pipefusion_blocks: blocks per stage, in order (default: as even as possible).
@@ -133,6 +139,14 @@ class ParallelConfig:
                 "(tokens are not padded: padding would change attention)",
                 "choose a width and height whose (W/16)·(H/16) is a multiple of "
                 f"{self.sequence}, e.g. multiples of {16 * self.sequence} pixels on one side")
+        if request.text_tokens % self.sequence:
+            ok = [d for d in _divisors(request.text_tokens) if request.splits(d) and d <= self.sequence]
+            raise ConfigError(
+                f"ring × ulysses = {self.sequence} does not divide the {request.text_tokens} text tokens of the prompt "
+                f"(model {model.name} attends to text and image tokens together, and every sequence rank takes an "
+                "equal share of both; tokens are not padded: padding would change attention)",
+                f"use ring × ulysses in {ok} and give the other ranks to cfg, dp or pipefusion; or encode the prompt "
+                f"to a length that is a multiple of {self.sequence} tokens")
         if request.batch % self.dp:
             raise ConfigError(f"dp={self.dp} does not divide the batch of {request.batch}",
                               f"use a batch that is a multiple of {self.dp}, or dp=1")
@@ -186,14 +200,13 @@ class ParallelConfig:
             picked["cfg"], remaining = 2, remaining // 2
             why.append("CFG parallel for the cond and uncond passes")
         if "ulysses" in model.supports:
-            u = max(d for d in _divisors(remaining)
-                    if model.heads % d == 0 and request.image_tokens % d == 0)
+            u = max(d for d in _divisors(remaining) if model.heads % d == 0 and request.splits(d))
             if u > 1:
                 picked["ulysses"], remaining = u, remaining // u
                 why.append(f"Ulysses as far as the {model.heads} heads allow")
         if remaining > 1 and "ring" in model.supports:
             ulysses = picked.get("ulysses", 1)
-            r = max(d for d in _divisors(remaining) if request.image_tokens % (d * ulysses) == 0)
+            r = max(d for d in _divisors(remaining) if request.splits(d * ulysses))
             if r > 1:
                 picked["ring"], remaining = r, remaining // r
                 why.append("Ring for the factor Ulysses cannot take")
@@ -201,8 +214,9 @@ class ParallelConfig:
             picked["dp"], remaining = remaining, 1
             why.append(f"data parallel over the batch of {request.batch}")
         if remaining > 1:
+            text = f"{request.text_tokens} text tokens, " if request.text_tokens else ""
             raise ConfigError(f"no layout of {world_size} ranks fits this request ({request.image_tokens} image tokens, "
-                              f"{model.heads} heads, batch {request.batch})",
+                              f"{text}{model.heads} heads, batch {request.batch})",
                               "change the resolution so the image tokens divide by the ranks, or start fewer ranks")
         return cls(**picked), ", ".join(why) or "world size 1"
 

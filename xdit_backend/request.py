@@ -134,7 +134,7 @@ class SampleRequest:
         if self.guidance is not None and spec.default_guidance is None:
             raise RequestError(f"guidance {self.guidance}: model {self.model} has no guidance embedding "
                                "(only Flux.1-dev-style models take one)", "leave guidance out; use cfg")
-        if self.shift is not None and not hasattr(spec.model_sampling(None), "shift"):
+        if self.shift is not None and not spec.takes_shift:
             raise RequestError(f"shift {self.shift}: model {self.model} samples with discrete noise levels, "
                                "which have no flow shift", "leave shift out")
         if self.end_step is not None and self.end_step > self.steps:

@@ -7,8 +7,10 @@ Every number this module prints is MODELED, not measured. Inputs:
   formulas the CPU bench checks against counted traffic, in bf16);
 - a link: bandwidth per GPU and latency per collective (datasheet-class values, below).
 
-Formulas (N GPUs, C_N = t1/N the ideal compute share, V bytes sent per rank per step,
-K collectives per step, W bandwidth, λ latency):
+Formulas (N GPUs, C_N the compute share of the tokens a rank holds, V bytes sent per rank per
+step, K collectives per step, W bandwidth, λ latency). C_N counts tokens: a sequence rank holds
+(T+L)/P of the T image and L text tokens, so C_N = t1/P (the text is cut with the image; while it
+was replicated a rank held L + T/P: 1536 of Flux's 4608 tokens at P = 4, a 3.0× ceiling):
 - Ulysses (blocking all-to-alls): T = C_N + V/W + K·λ.
 - Ring (K/V blocks passed while the previous block computes): the attention share α of the
   compute hides communication: T = C_N + max(0, V/W − α·C_N) + K·λ.
@@ -44,10 +46,23 @@ ATTENTION_SHARE = 4608 / (4608 + 6 * 3072)  # S/(S + 6C): attention's FLOPs shar
 
 
 def collectives(degrees: dict, layers: int) -> int:
-    """Collectives per step: Ulysses 4 all-to-alls + a text all-gather per layer; Ring R−1 exchanges per
-    layer; the velocity gather; CFG's output gather."""
+    """Collectives per step: Ulysses 4 all-to-alls per layer; Ring R−1 exchanges per layer; the
+    velocity gather; CFG's output gather."""
     u, r, cfg = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg"))
-    return (5 * layers if u > 1 else 0) + ((r - 1) * layers if r > 1 else 0) + (u * r > 1) + (cfg > 1)
+    return (4 * layers if u > 1 else 0) + ((r - 1) * layers if r > 1 else 0) + (u * r > 1) + (cfg > 1)
+
+
+def tokens_per_rank(degrees: dict, image_tokens: int, text_tokens: int) -> float:
+    """Tokens one rank runs through the blocks: a 1/P share of the joint [text; image] sequence."""
+    return (image_tokens + text_tokens) / (degrees.get("ulysses", 1) * degrees.get("ring", 1))
+
+
+def compute_share(t1: float, degrees: dict) -> float:
+    """C_N: one GPU's step time scaled by the share of the tokens a rank holds (and by 1/cfg, 1/stages)."""
+    image = (FLUX_1024["width"] // 16) * (FLUX_1024["height"] // 16)
+    text = FLUX_DEV["text_tokens"]
+    share = tokens_per_rank(degrees, image, text) / (image + text)
+    return t1 * share / (degrees.get("cfg", 1) * degrees.get("pipefusion", 1))
 
 
 def predict(t1: float, degrees: dict, link: Link, patches: int | None = None) -> float:
@@ -57,7 +72,7 @@ def predict(t1: float, degrees: dict, link: Link, patches: int | None = None) ->
         world *= degrees.get(name, 1)
     if world == 1:
         return t1
-    share = t1 / world
+    share = compute_share(t1, degrees)
     sent, _ = traffic_formula(degrees, FLUX_DEV, FLUX_1024)
     sent = sent / 2  # traffic_formula counts float32 elements; the GPU runs bf16
     lag = collectives(degrees, FLUX_DEV["attention_layers"]) * link.latency

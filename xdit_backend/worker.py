@@ -312,7 +312,8 @@ class Leader:
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
             positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
-        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows)
+        text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text)
         model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks)
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)

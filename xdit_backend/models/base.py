@@ -7,23 +7,62 @@ parallelism splits its tokens and positions, and the parallel methods it support
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..errors import UserError
 
 
-class FamilySpec:
-    """Geometry shared by the families; a family's frozen dataclass spec sets the class attributes."""
+class FamilySpec(ABC):
+    """The interface every family's spec implements: a frozen dataclass of the numbers read from a
+    model's config, plus these class attributes and methods. The engine (parallel/, sampling/, the
+    worker) reads a family only through this interface; ``__init_subclass__`` refuses a family that
+    leaves a required attribute unset, so a new family fails at its definition, not in a request.
 
-    family = ""
+    Each family sets:
+    family:           its name in the registry ("flux", "sd3", …)
+    latent_format:    models/latent_formats.py (ComfyUI's constants; a property where it depends on the model)
+    attention:        "joint" (text and image tokens in one attention) or "self+cross"
+    positions:        how token positions enter: "rope-2d", "rope-3d", "absolute"
+    parallel_methods: the degrees it can run with > 1 (config.DEGREES)
+    sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
+    and the dataclass fields ``heads`` (attention heads: Ulysses splits them) and ``blocks``
+    (transformer blocks: PipeFusion cuts them into stages).
+    """
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "attention", "positions", "parallel_methods",
+                                           "sequence_plan", "heads", "blocks")
+
     vae_factor = 8  # pixels per latent cell (Wan 2.2-5B's VAE: 16)
     patch = (1, 2, 2)  # latent cells per token: (frames, rows, columns)
     video = False  # 5-D latents [B, C, T, h, w]
     time_factor = 4  # video frames per latent frame after the first (Wan's VAEs)
     default_guidance: float | None = None  # a guidance embedding (Flux-dev); None: the family has none
+    takes_shift = True  # flow models have a shift; discrete EPS models (PixArt) have none
     optional_conditioning: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
+        missing = [name for name in cls.REQUIRED if not hasattr(cls, name) and name not in declared]
+        if missing:
+            raise TypeError(f"model family {cls.__name__} does not set {', '.join(missing)} (see FamilySpec)")
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict) -> FamilySpec:
+        """The spec of a model from its diffusers config."""
+
+    @abstractmethod
+    def model_sampling(self, shift: float | None):
+        """ComfyUI's model sampling for this family (sampling/model_sampling.py); ``shift`` None: the default."""
+
+    @abstractmethod
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The tensors a request must carry for one side (positive or negative) of the guidance."""
 
     @property
     def pixel_multiple(self) -> int:
@@ -60,11 +99,9 @@ class FamilySpec:
         columns = width // self.vae_factor // self.patch[2]
         return self.latent_frames(frames) // self.patch[0] * rows * columns, rows
 
-    def model_sampling(self, shift: float | None):
-        raise NotImplementedError
 
 
-class DiffusionModel:
+class DiffusionModel(ABC):
     """A loaded transformer (whole, or one PipeFusion stage of it) and its family's spec.
 
     ``predict_x0`` is ComfyUI's model call: scale the input, run the transformer at the model
@@ -90,33 +127,57 @@ class DiffusionModel:
     def device(self) -> torch.device:
         return self.transformer.device
 
-    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen, slices=None) -> torch.Tensor:
-        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]; ``slices``: this rank's tokens (Flux)."""
+    def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
+        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]."""
         sampling = gen.sampling
         out = self.output(sampling.calculate_input(sigma, x).to(self.dtype), sampling.timestep(sigma),
-                          cond, gen.guidance, slices)
+                          cond, gen.guidance)
         return sampling.calculate_denoised(sigma, out.float(), x)
 
-    def output(self, x, timestep, cond, guidance, slices) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def output(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, guidance: float | None) -> torch.Tensor:
+        """The transformer's raw prediction for the whole latent ``x``, in latent shape. Under sequence
+        parallelism the same call runs: the plan's hooks cut the tokens inside (parallel/sequence.py)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One tensor that sequence parallelism cuts to this rank's share of the tokens.
+
+    module: the module's name in the transformer ("" is the transformer itself);
+    arg:    a keyword or positional input of that module's forward, or None for its output
+            (each tensor of a tuple output: RoPE's cos and sin);
+    dim:    the sequence dimension of that tensor;
+    text:   a text tensor (a joint model's text tokens are cut too): the text length must divide.
+    """
+
+    module: str
+    arg: str | int | None
+    dim: int
+    text: bool = False
 
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """Where sequence parallelism splits a family's tokens and gathers them back, by module name:
-    attached from outside with forward hooks and attention processors, removed after the request.
+    """Where sequence parallelism cuts a family's tokens and gathers them back, by module name:
+    attached from outside with forward hooks and attention processors, removed after the request
+    (diffusers' ``_cp_plan`` is the precedent).
 
-    split_outputs: (module, dim): the module's output (each tensor of a tuple output) is cut to
-                   this rank's token slice along ``dim`` (the patch embedding; RoPE tables).
-    split_inputs:  (module, dim): the module's first positional input is cut the same way.
-    gather_output: the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify).
-    attention:     (attribute name, kind): attention modules that get a sequence-parallel processor;
-                   "joint" (diffusers Attention: self-attention, plus replicated text when given),
-                   "wan" (WanAttention with 3-D RoPE). Cross-attention to the text is left alone: its
-                   queries are this rank's tokens and its keys the whole text, so it is already exact.
+    cuts:      the tensors cut to this rank's share, each where it enters or leaves a module. Every
+               rank holds 1/P of the image tokens and, for a joint model, 1/P of the text tokens.
+    gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify).
+    attention: (attribute name, kind): attention modules that get a sequence-parallel processor;
+               "flux" (FluxAttention), "joint" (diffusers Attention: self-attention, and the joint
+               [text; image] attention when given the text), "wan" (WanAttention with 3-D RoPE).
+               Cross-attention to the whole text is left alone: its queries are this rank's tokens
+               and its keys the whole text, so it is already exact.
     """
 
-    split_outputs: tuple[tuple[str, int], ...] = ()
-    split_inputs: tuple[tuple[str, int], ...] = ()
-    gather_output: str = "proj_out"
-    attention: tuple[tuple[str, str], ...] = ()
+    cuts: tuple[Cut, ...]
+    attention: tuple[tuple[str, str], ...]
+    gather: str = "proj_out"
+
+    @property
+    def cuts_text(self) -> bool:
+        """Whether the text tokens are split across the sequence ranks (joint models)."""
+        return any(cut.text for cut in self.cuts)

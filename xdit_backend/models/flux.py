@@ -1,8 +1,9 @@
 """Flux: diffusers ``FluxTransformer2DModel`` fed the way ComfyUI feeds its own Flux model.
 
 Joint text+image attention (MM-DiT, double- then single-stream blocks), 2-D RoPE over
-(0, row, column) token positions. Sequence parallelism slices the image tokens and their
-positions before the transformer (``output`` with ``slices``), so RoPE matches each slice.
+(0, row, column) token positions. Sequence parallelism cuts the transformer's inputs, as
+diffusers' own ``_cp_plan`` for Flux does: the image tokens and their positions, and the text
+tokens and theirs, so each rank's RoPE matches its tokens; it gathers after ``proj_out``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import DiffusionModel, FamilySpec
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
 
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
@@ -58,6 +59,10 @@ class FluxSpec(FamilySpec):
     attention = "joint"  # text and image tokens in one attention (MM-DiT)
     positions = "rope-2d"
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
+    sequence_plan = SequencePlan(
+        cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]
+              Cut("", "encoder_hidden_states", 1, text=True), Cut("", "txt_ids", 0, text=True)),  # [B, L, C], [L, 3]
+        attention=(("attn", "flux"),))  # double- and single-stream blocks alike
 
     @property
     def default_guidance(self) -> float | None:
@@ -84,30 +89,22 @@ class FluxModel(DiffusionModel):
     def has_guidance(self) -> bool:
         return self.spec.has_guidance
 
-    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for ``x`` [B, 16, h, w] at ``timestep`` [B] (σ: diffusers multiplies by 1000,
-        as ComfyUI does). With ``slices`` (sequence parallel), the transformer runs on this rank's
-        slice of the image tokens and their positions, and the velocity is gathered from every slice.
-        """
+        as ComfyUI does)."""
         b, _, h, w = x.shape
-        tokens = pack(x)  # [B, N = h/2·w/2, 64]
-        ids = image_ids(h, w).to(self.device)  # [N, 3]
-        if slices is not None:
-            tokens, ids = slices.split(tokens, dim=1), slices.split(ids, dim=0)  # [B, N/P, 64], [N/P, 3]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         velocity = self.transformer(
-            hidden_states=tokens,
+            hidden_states=pack(x),  # [B, N = h/2·w/2, 64]
             encoder_hidden_states=context,
             pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
             timestep=timestep.to(self.device, self.dtype),
-            img_ids=ids,
-            txt_ids=torch.zeros(context.shape[1], 3, device=self.device),
+            img_ids=image_ids(h, w).to(self.device),  # [N, 3]
+            txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
             guidance=torch.full((b,), guidance, device=self.device) if self.has_guidance else None,
             return_dict=False,
         )[0]
-        if slices is not None:
-            velocity = slices.gather(velocity)  # [B, N/P, 64] → [B, N, 64]
-        return unpack(velocity, h, w)  # [B, 16, h, w]
+        return unpack(velocity, h, w)  # [B, N, 64] → [B, 16, h, w]
 
 
 def attention_inputs(attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None):

@@ -15,7 +15,7 @@ import torch
 
 from ..sampling.model_sampling import EpsSampling
 from . import latent_formats
-from .base import DiffusionModel, FamilySpec, SequencePlan
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,9 @@ class PixArtSpec(FamilySpec):
     positions = "absolute"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     optional_conditioning = ("context_mask",)  # [B, L] 1 for a real text token, 0 for padding
-    sequence_plan = SequencePlan(split_outputs=(("pos_embed", 1),), attention=(("attn1", "joint"),))
+    takes_shift = False  # discrete EPS noise levels: no flow shift
+    sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),),  # [B, N, C], positions already added
+                                 attention=(("attn1", "joint"),))
 
     @property
     def latent_format(self):
@@ -56,7 +58,7 @@ class PixArtSpec(FamilySpec):
 
 
 class PixArtModel(DiffusionModel):
-    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """ε for x [B, 4, h, w] (already scaled by 1/√(σ²+1)) at the discrete timestep [B]."""
         b, c, h, w = x.shape
         added = {"resolution": None, "aspect_ratio": None}

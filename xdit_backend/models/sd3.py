@@ -2,8 +2,9 @@
 
 Joint text+image attention (and, in SD3.5-medium, an extra image-only attention in the first
 blocks), absolute 2-D position embeddings added by the patch embedding. Sequence parallelism
-cuts the tokens right after ``pos_embed`` (positions already added) and gathers them after
-``proj_out``; text tokens stay replicated (sequence.py). Model sampling: discrete flow, shift 3.
+cuts the image tokens right after ``pos_embed`` (positions already added) and the text tokens
+where they enter, and gathers the image tokens after ``proj_out``. Model sampling: discrete flow,
+shift 3.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import DiffusionModel, FamilySpec, SequencePlan
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
 
 SD3_DEFAULT_SHIFT = 3.0  # ComfyUI's SD3 sampling_settings
 
@@ -31,8 +32,10 @@ class SD3Spec(FamilySpec):
     attention = "joint"
     positions = "absolute"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
-    sequence_plan = SequencePlan(split_outputs=(("pos_embed", 1),),
-                                 attention=(("attn", "joint"), ("attn2", "joint")))
+    sequence_plan = SequencePlan(
+        cuts=(Cut("pos_embed", None, 1),  # [B, N, C], absolute positions already added
+              Cut("", "encoder_hidden_states", 1, text=True)),  # [B, L, 4096]
+        attention=(("attn", "joint"), ("attn2", "joint")))
 
     @classmethod
     def from_config(cls, config: dict) -> SD3Spec:
@@ -47,7 +50,7 @@ class SD3Spec(FamilySpec):
 
 
 class SD3Model(DiffusionModel):
-    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for x [B, 16, h, w] at timestep 1000·σ [B]."""
         return self.transformer(
             hidden_states=x,

@@ -16,7 +16,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import DiffusionModel, FamilySpec, SequencePlan
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
 
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
 
@@ -33,8 +33,8 @@ class WanSpec(FamilySpec):
     attention = "self+cross"
     positions = "rope-3d"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
-    sequence_plan = SequencePlan(split_outputs=(("rope", 1),),  # (cos, sin) [1, N, 1, D] each
-                                 split_inputs=(("blocks.0", 1),),  # the patch tokens [B, N, D]
+    sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
+                                       Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]
                                  attention=(("attn1", "wan"),))
 
     @property
@@ -57,7 +57,7 @@ class WanSpec(FamilySpec):
 
 
 class WanModel(DiffusionModel):
-    def output(self, x, timestep, cond, guidance, slices=None) -> torch.Tensor:
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for x [B, C, T, h, w] at timestep 1000·σ [B]."""
         return self.transformer(
             hidden_states=x,

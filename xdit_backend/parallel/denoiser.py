@@ -2,7 +2,7 @@
 
 - CFG parallel (cfg=2): the rank at cfg index 0 runs the conditional pass, index 1 the
   unconditional one; both results are all-gathered and combined as ComfyUI does.
-- Sequence parallel (ring × ulysses): the model runs on this rank's token slice (sequence.py).
+- Sequence parallel (ring × ulysses): the model runs on this rank's share of the tokens (sequence.py).
 - Data parallel (dp): this rank's dp group owns a slice of the batch rows (``rows``).
 Without a layout (or world 1) it is the serial computation, batching cond and uncond together.
 """
@@ -24,13 +24,8 @@ class Denoiser:
         self.layout = layout
         self.latent_format = model.latent_format
         self.device = model.device
-        config = layout.config if layout else None
         self.cfg_group = layout.group("cfg") if layout else None
         self.dp_group = layout.group("dp") if layout else None
-        self.slices = None
-        if config is not None and config.sequence > 1:
-            self.slices = sequence.TokenSlices(layout.sequence_group, layout.sequence_index, config.sequence)
-        self._processors: list = []
 
     def rows(self, batch: int) -> slice:
         """The batch rows this rank's dp group generates."""
@@ -42,43 +37,33 @@ class Denoiser:
 
     @contextmanager
     def attached(self):
-        """Sequence-parallel processors on the model for the duration of a generation, then restored."""
-        if self.slices is None:
+        """Sequence parallelism on the model, as its family's plan says, for one generation; then undone."""
+        if self.layout is None or self.layout.config.sequence == 1:
             yield self
             return
-        transformer = self.model.transformer
-        saved = transformer.attn_processors
-        kernel = attention.local_attention(self.device)
-        self._processors, hooks = sequence.attach(transformer, self.model.spec, self.layout, self.slices, kernel)
+        attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
+                                   attention.local_attention(self.device))
         try:
             yield self
         finally:
-            for hook in hooks:
-                hook.remove()
-            transformer.set_attn_processor(saved)
-            self._processors = []
+            attached.detach()
 
     def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None, gen) -> torch.Tensor:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B]."""
         cfg = gen.cfg
         if self.cfg_group is not None:
             side = positive if self.layout.index("cfg") == 0 else negative
-            mine = self._predict(x, sigma, side, gen)  # [B, C, (T,) h, w]
+            mine = self.model.predict_x0(x, sigma, side, gen)  # [B, C, (T,) h, w]
             both = [torch.empty_like(mine) for _ in range(2)]
             dist.all_gather(both, mine.contiguous(), group=self.cfg_group)  # [cond, uncond], by cfg index
             cond, uncond = both
             return uncond + (cond - uncond) * cfg
         if negative is None or cfg == 1.0:
-            return self._predict(x, sigma, positive, gen)
+            return self.model.predict_x0(x, sigma, positive, gen)
         both = {key: torch.cat([positive[key], negative[key]]) for key in positive}
-        x0 = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen)  # [2B, C, (T,) h, w]
+        x0 = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen)  # [2B, C, (T,) h, w]
         cond, uncond = x0.chunk(2)
         return uncond + (cond - uncond) * cfg
-
-    def _predict(self, x, sigma, cond, gen):
-        for processor in self._processors:
-            processor.text_tokens = cond["context"].shape[1]  # single-stream blocks need the split point
-        return self.model.predict_x0(x, sigma, cond, gen, slices=self.slices)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
         """[B/dp, C, ...] from each dp group → [B, C, ...] on every rank."""

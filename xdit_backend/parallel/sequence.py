@@ -1,22 +1,20 @@
-"""Sequence parallelism (USP: Ulysses × Ring) for joint text+image attention.
+"""Sequence parallelism (USP: Ulysses × Ring), attached to a model from its family's SequencePlan.
 
-Image tokens are split across the ``ring × ulysses`` ranks; text tokens are replicated on every
-rank. Attention of the local [text; image slice] queries is exact:
+Every rank of a ``ring × ulysses`` group holds 1/P of the sequence: of the image tokens and, for
+a joint text+image (MM-DiT) model, of the text tokens too, so no rank carries the whole text
+through every block. Attention over the local [text share; image share] tokens is exact:
 
-- image keys: Ulysses all-to-all (yunchang ``SeqAllToAll4D``) swaps the sequence split for a head
-  split, then yunchang's ring passes K/V blocks around the ring, merging with our kernel's LSE;
-- text keys: every rank has them, so each rank attends to them locally (for its heads);
-- the two partial results are merged by their log-sum-exp, then Ulysses swaps back.
+- Ulysses all-to-all (yunchang ``SeqAllToAll4D``) swaps the sequence split for a head split;
+- yunchang's ring passes K/V blocks around the ring, merging with our kernel's log-sum-exp;
+- Ulysses swaps back. Attention is not causal, so the order in which the ranks' shares are laid
+  side by side does not matter, as long as queries, keys and values agree (they come from the
+  same all-to-all) and each token's position (RoPE, absolute embedding) is its own.
 
-yunchang's ``LongContextAttention`` (0.6.4) takes no joint (text) tensors and reads its groups
-from yunchang's module globals, so its two building blocks are composed here with our groups.
-The model runs on its token slice unchanged; only each attention module's processor is replaced
-(``attach``), and its output slice is gathered once per step (``TokenSlices.gather``).
-
-Flux slices its own tokens and positions (models/flux.py). The other families are cut where
-their spec's ``SequencePlan`` says, by forward hooks: after the patch embedding (absolute
-position embeddings already added: SD3, PixArt) or before the first block with the 3-D RoPE
-table cut alongside (Wan), and gathered after the output projection.
+yunchang's ``LongContextAttention`` (0.6.4) reads its groups from yunchang's module globals, so
+its two building blocks are composed here with our groups. The model runs unchanged on its share:
+``attach`` cuts the tensors the plan names with forward hooks, gathers the output once per model
+call, and gives each attention module the plan names a processor whose attention is USPAttention.
+Everything is undone by ``Attached.detach``.
 """
 
 from __future__ import annotations
@@ -26,97 +24,59 @@ import torch.distributed as dist
 
 from .. import attention
 from ..models import flux
+from ..models.base import Cut, SequencePlan
 
 
-class JointUSPAttention:
-    """Attention over [text (replicated) ; image (this rank's slice)] tokens, exact across ranks."""
+class USPAttention:
+    """Attention over this rank's share of one sequence, exact across the ring × ulysses ranks."""
 
     def __init__(self, ulysses_group, ring_group, kernel: attention.Kernel):
         self.ulysses_group = ulysses_group  # None when ulysses = 1
         self.ring_group = ring_group  # None when ring = 1
         self.kernel = kernel
 
-    def __call__(self, q, k, v, text_tokens: int):
-        """q, k, v: [B, L + N/P, H, D], the first ``text_tokens`` = L being text; returns the same shape."""
+    def __call__(self, q, k, v):
+        """q, k, v: [B, S/P, H, D], this rank's share of the sequence; returns the same shape."""
         from yunchang.comm.all_to_all import SeqAllToAll4D
 
-        L = text_tokens
-        tq, tk, tv = q[:, :L], k[:, :L], v[:, :L]  # [B, L, H, D]
-        iq, ik, iv = q[:, L:], k[:, L:], v[:, L:]  # [B, N/P, H, D]
         ug = self.ulysses_group
         if ug is not None:
-            # scatter heads (dim 2), gather sequence (dim 1): [B, N/P, H, D] → [B, N/R, H/U, D]
-            iq, ik, iv = (SeqAllToAll4D.apply(ug, t.contiguous(), 2, 1, False) for t in (iq, ik, iv))
-            heads = q.shape[2] // dist.get_world_size(ug)
-            mine = slice(dist.get_rank(ug) * heads, (dist.get_rank(ug) + 1) * heads)
-            tq, tk, tv = tq[:, :, mine], tk[:, :, mine], tv[:, :, mine]  # [B, L, H/U, D]
-
-        queries = torch.cat([tq, iq], dim=1)  # [B, L + N/R, H/U, D]
+            # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H, D] → [B, S/R, H/U, D]
+            q, k, v = (SeqAllToAll4D.apply(ug, t.contiguous(), 2, 1, False) for t in (q, k, v))
         if self.ring_group is not None:
             from yunchang.ring import ring_flash_attn_func
 
-            out, lse, _ = ring_flash_attn_func(queries, ik.contiguous(), iv.contiguous(), causal=False,
-                                               return_attn_probs=True, group=self.ring_group,
-                                               attn_type=None, attn_processor=self.kernel)
+            out, _, _ = ring_flash_attn_func(q, k, v, causal=False, return_attn_probs=True, group=self.ring_group,
+                                             attn_type=None, attn_processor=self.kernel)  # [B, S/R, H/U, D]
         else:
-            out, lse = self.kernel(queries, ik, iv)  # [B, L + N/R, H/U, D], [B, H/U, L + N/R]
-        if L:
-            out_text_keys, lse_text_keys = self.kernel(queries, tk, tv)
-            out, _ = attention.merge(out, lse, out_text_keys, lse_text_keys)
+            out, _ = self.kernel(q, k, v)  # [B, S/R, H/U, D]
         out = out.to(q.dtype)
-
-        text_out, image_out = out[:, :L], out[:, L:]
         if ug is not None:
-            # scatter sequence (dim 1), gather heads (dim 2): [B, N/R, H/U, D] → [B, N/P, H, D]
-            image_out = SeqAllToAll4D.apply(ug, image_out.contiguous(), 1, 2, False)
-        if not L:
-            return image_out  # [B, N/P, H, D]
-        if ug is not None:
-            parts = [torch.empty_like(text_out) for _ in range(dist.get_world_size(ug))]
-            dist.all_gather(parts, text_out.contiguous(), group=ug)  # U × [B, L, H/U, D]
-            text_out = torch.cat(parts, dim=2)  # [B, L, H, D]
-        return torch.cat([text_out, image_out], dim=1)  # [B, L + N/P, H, D]
+            # scatter sequence (dim 1), gather heads (dim 2): [B, S/R, H/U, D] → [B, S/P, H, D]
+            out = SeqAllToAll4D.apply(ug, out.contiguous(), 1, 2, False)
+        return out
 
 
 class FluxUSPProcessor:
-    """A Flux attention processor whose attention is JointUSPAttention (set ``text_tokens`` per call)."""
+    """A Flux attention processor (double- and single-stream blocks) whose attention is USPAttention."""
 
-    def __init__(self, usp: JointUSPAttention):
+    def __init__(self, usp: USPAttention):
         self.usp = usp
-        self.text_tokens = 0  # single-stream blocks see text and image as one sequence
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
             raise NotImplementedError("sequence parallel Flux attention does not take an attention mask")
-        # RoPE comes from this rank's token ids, so it matches its tokens. q, k, v: [B, S, H, D]
+        # RoPE comes from this rank's token ids, so it matches its tokens. q, k, v: [B, S/P, H, D], text first
         query, key, value = flux.attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        text_tokens = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else self.text_tokens
-        out = self.usp(query, key, value, text_tokens).to(query.dtype)
+        out = self.usp(query, key, value).to(query.dtype)
         return flux.attention_outputs(attn, out, encoder_hidden_states)
 
 
-class TokenSlices:
-    """This rank's contiguous slice of the image tokens, and the gather that undoes the split."""
-
-    def __init__(self, group, index: int, parts: int):
-        self.group, self.index, self.parts = group, index, parts
-
-    def split(self, tokens: torch.Tensor, dim: int) -> torch.Tensor:
-        """[..., N, ...] → [..., N/P, ...] along ``dim``: the slice at this rank's sequence index."""
-        return tokens.chunk(self.parts, dim=dim)[self.index]
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """[B, N/P, C] on every rank → [B, N, C] on every rank (slices in sequence-index order)."""
-        parts = [torch.empty_like(local) for _ in range(self.parts)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)  # P × [B, N/P, C]
-        return torch.cat(parts, dim=1)
-
-
 class AttentionUSPProcessor:
-    """A diffusers ``Attention`` processor (SD3, PixArt) whose attention is JointUSPAttention: the
-    module's own tokens, plus the text's replicated tokens when it is given them (SD3's joint blocks)."""
+    """A diffusers ``Attention`` processor (SD3, PixArt) whose attention is USPAttention: the module's
+    own tokens, plus this rank's share of the text when it is given it (SD3's joint blocks)."""
 
-    def __init__(self, usp: JointUSPAttention):
+    def __init__(self, usp: USPAttention):
         self.usp = usp
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
@@ -131,13 +91,13 @@ class AttentionUSPProcessor:
         if attn.norm_q is not None:
             query, key = attn.norm_q(query), attn.norm_k(key)  # over D: the same in either layout
         text_tokens = 0
-        if encoder_hidden_states is not None:  # joint: [text; image], the text first as JointUSPAttention wants it
+        if encoder_hidden_states is not None:  # joint: [text share; image share]
             text = [heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
             if attn.norm_added_q is not None:
                 text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
             query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
             text_tokens = encoder_hidden_states.shape[1]
-        out = self.usp(query, key, value, text_tokens).flatten(2, 3).to(query.dtype)  # [B, L + N/P, H·D]
+        out = self.usp(query, key, value).flatten(2, 3).to(query.dtype)  # [B, (L + N)/P, H·D]
         text_out, image_out = out[:, :text_tokens], out[:, text_tokens:]
         image_out = attn.to_out[1](attn.to_out[0](image_out))
         if attn.residual_connection:
@@ -151,9 +111,9 @@ class AttentionUSPProcessor:
 
 
 class WanUSPProcessor:
-    """Wan's self-attention with JointUSPAttention; RoPE comes from this rank's slice of the table."""
+    """Wan's self-attention with USPAttention; RoPE comes from this rank's share of the table."""
 
-    def __init__(self, usp: JointUSPAttention):
+    def __init__(self, usp: USPAttention):
         self.usp = usp
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -164,7 +124,7 @@ class WanUSPProcessor:
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        out = self.usp(query, key, value, 0).flatten(2, 3).type_as(query)  # [B, N/P, H·D]
+        out = self.usp(query, key, value).flatten(2, 3).type_as(query)  # [B, N/P, H·D]
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -175,48 +135,86 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)  # [B, S, H, D]
 
 
-PROCESSORS = {"joint": AttentionUSPProcessor, "wan": WanUSPProcessor}
+PROCESSORS = {"flux": FluxUSPProcessor, "joint": AttentionUSPProcessor, "wan": WanUSPProcessor}
 
 
-def attach(transformer, spec, layout, slices: TokenSlices, kernel: attention.Kernel) -> tuple[list, list]:
-    """Make ``transformer`` sequence parallel for a request: returns the processors that need
-    ``text_tokens`` set per call (Flux's single-stream blocks) and the hooks to remove.
+class Shard:
+    """This rank's contiguous share of a sequence, and the gather that undoes the cut."""
 
-    Undo with the hooks' ``remove()`` and ``transformer.set_attn_processor(saved)``,
-    ``saved = transformer.attn_processors`` taken before.
-    """
-    usp = JointUSPAttention(layout.group("ulysses"), layout.group("ring"), kernel)
-    plan = getattr(spec, "sequence_plan", None)
-    if plan is None:  # Flux: the model wrapper slices tokens and positions itself
-        from diffusers.models.transformers.transformer_flux import FluxAttention
+    def __init__(self, group, index: int, parts: int):
+        self.group, self.index, self.parts = group, index, parts
 
-        processors = []
-        for module in transformer.modules():
-            if isinstance(module, FluxAttention):
-                processor = FluxUSPProcessor(usp)
-                module.set_processor(processor)
-                processors.append(processor)
-        return processors, []
+    def cut(self, tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        """[..., S, ...] → [..., S/P, ...] along ``dim``: the share at this rank's sequence index."""
+        if tensor.shape[dim] % self.parts:  # validation refuses such requests first (config.py)
+            raise ValueError(f"{what}: {tensor.shape[dim]} tokens do not split into ring × ulysses = {self.parts} "
+                             "equal shares")
+        return tensor.chunk(self.parts, dim=dim)[self.index]
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """[B, N/P, C] on every rank → [B, N, C] on every rank (shares in sequence-index order)."""
+        parts = [torch.empty_like(local) for _ in range(self.parts)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)  # P × [B, N/P, C]
+        return torch.cat(parts, dim=1)
+
+
+class Attached:
+    """The hooks and processors a plan put on a transformer; ``detach`` restores it as it was."""
+
+    def __init__(self, transformer, hooks: list):
+        self.transformer, self.hooks = transformer, hooks
+        self.saved = transformer.attn_processors  # taken before any processor is replaced
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.transformer.set_attn_processor(self.saved)
+
+
+def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) -> Attached:
+    """Make ``transformer`` sequence parallel under ``layout`` as ``plan`` says, until ``detach``."""
+    shard = Shard(layout.sequence_group, layout.sequence_index, layout.config.sequence)
     modules = dict(transformer.named_modules())
-    hooks = []
-    for name, dim in plan.split_outputs:
-        hooks.append(modules[name].register_forward_hook(
-            lambda module, args, out, dim=dim: _split(slices, out, dim)))
-    for name, dim in plan.split_inputs:
-        hooks.append(modules[name].register_forward_pre_hook(
-            lambda module, args, dim=dim: (slices.split(args[0], dim), *args[1:])))
-    hooks.append(modules[plan.gather_output].register_forward_hook(
-        lambda module, args, out: slices.gather(out)))  # [B, N/P, C] → [B, N, C]
+    attached = Attached(transformer, [])
+    for name in dict.fromkeys(cut.module for cut in plan.cuts):  # one hook per module, in plan order
+        cuts = [cut for cut in plan.cuts if cut.module == name]
+        inputs = [cut for cut in cuts if cut.arg is not None]
+        outputs = [cut for cut in cuts if cut.arg is None]
+        if inputs:
+            attached.hooks.append(modules[name].register_forward_pre_hook(
+                lambda module, args, kwargs, inputs=inputs: _cut_inputs(shard, inputs, args, kwargs), with_kwargs=True))
+        for cut in outputs:
+            attached.hooks.append(modules[name].register_forward_hook(
+                lambda module, args, out, cut=cut: _cut_output(shard, cut, out)))
+    attached.hooks.append(modules[plan.gather].register_forward_hook(
+        lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
+    usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel)
     kinds = dict(plan.attention)
     for name, module in modules.items():
         kind = kinds.get(name.rsplit(".", 1)[-1])
         if kind is not None:
             module.set_processor(PROCESSORS[kind](usp))
-    return [], hooks
+    return attached
 
 
-def _split(slices: TokenSlices, out, dim: int):
-    """This rank's slice of a module output, or of each tensor of a tuple output (RoPE's cos, sin)."""
+def _cut_inputs(shard: Shard, cuts: list[Cut], args: tuple, kwargs: dict):
+    """A module's inputs with the planned ones cut to this rank's share (by position or keyword)."""
+    args = list(args)
+    for cut in cuts:
+        where = f"{cut.module or 'the transformer'}'s input {cut.arg!r}"
+        if isinstance(cut.arg, int) and cut.arg < len(args):
+            args[cut.arg] = shard.cut(args[cut.arg], cut.dim, where)
+        elif isinstance(cut.arg, str) and kwargs.get(cut.arg) is not None:
+            kwargs[cut.arg] = shard.cut(kwargs[cut.arg], cut.dim, where)
+        else:
+            raise RuntimeError(f"the sequence plan cuts {where}, but the forward call did not pass it "
+                               f"(positional {len(args)}, keywords {sorted(kwargs)})")
+    return tuple(args), kwargs
+
+
+def _cut_output(shard: Shard, cut: Cut, out):
+    """This rank's share of a module output, or of each tensor of a tuple output (RoPE's cos, sin)."""
+    where = f"{cut.module}'s output"
     if isinstance(out, tuple):
-        return tuple(slices.split(t, dim) for t in out)
-    return slices.split(out, dim)
+        return tuple(shard.cut(t, cut.dim, where) for t in out)
+    return shard.cut(out, cut.dim, where)

@@ -1,0 +1,81 @@
+"""Every family implements one interface, and its sequence plan names modules its model really has."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from xdit_backend.models import registry
+from xdit_backend.models.base import Cut, FamilySpec, SequencePlan
+from xdit_backend.parallel import sequence
+
+TINY = {family: name for name, builtin in registry.BUILTINS.items()
+        for family in [builtin.family] if name.endswith("-tiny")}
+
+
+def test_every_family_has_a_tiny_builtin():
+    """The parity tests cover each family through its tiny model."""
+    assert set(TINY) == set(registry.FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(registry.FAMILIES))
+def test_spec_implements_the_interface(family):
+    """The spec is a FamilySpec with every required attribute, and its plan's processor kinds exist."""
+    spec = registry.spec(TINY[family])
+    assert isinstance(spec, FamilySpec) and spec.family == family
+    for name in FamilySpec.REQUIRED:
+        assert getattr(spec, name) is not None, name
+    assert isinstance(spec.sequence_plan, SequencePlan)
+    assert {kind for _, kind in spec.sequence_plan.attention} <= set(sequence.PROCESSORS)
+    assert spec.conditioning_shapes(1, 8)["context"] == (1, 8, spec.context_dim)
+
+
+@pytest.mark.parametrize("family", sorted(registry.FAMILIES))
+def test_the_plan_names_modules_the_model_has(family):
+    """Every cut, the gather and at least one attention module of the plan exist in the built model."""
+    model = registry.build(TINY[family], torch.device("cpu"))
+    plan = model.spec.sequence_plan
+    modules = dict(model.transformer.named_modules())
+    for cut in plan.cuts:
+        assert cut.module in modules, cut
+    assert plan.gather in modules
+    attention_names = {name.rsplit(".", 1)[-1] for name in modules}
+    for name, _ in plan.attention:
+        assert name in attention_names, name
+
+
+def test_joint_models_cut_their_text_and_the_others_do_not():
+    """Flux and SD3 attend to text and image together, so their text is split; PixArt and Wan cross-attend."""
+    cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
+    assert cuts_text == {"flux": True, "sd3": True, "pixart": False, "wan": False}
+
+
+def test_a_family_that_leaves_a_required_attribute_unset_fails_where_it_is_defined():
+    """The missing attributes are named at class creation, not in a request."""
+    with pytest.raises(TypeError, match="does not set .*sequence_plan"):
+        @dataclass(frozen=True)
+        class Incomplete(FamilySpec):
+            heads: int
+            blocks: int
+            family = "incomplete"
+            latent_format = None
+            attention = "joint"
+            positions = "absolute"
+            parallel_methods = frozenset()
+
+
+def test_a_family_without_its_methods_cannot_be_built():
+    """model_sampling, conditioning_shapes and from_config are abstract."""
+    @dataclass(frozen=True)
+    class NoMethods(FamilySpec):
+        heads: int
+        blocks: int
+        family = "no-methods"
+        latent_format = None
+        attention = "joint"
+        positions = "absolute"
+        parallel_methods = frozenset()
+        sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),), attention=())
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoMethods(4, 2)
