@@ -62,10 +62,3 @@ def local_attention(device: torch.device) -> Kernel:
 
     return attend
 
-
-def merge(out_a, lse_a, out_b, lse_b):
-    """Combine two partial attentions over disjoint key sets: outs [B, S, H, D], lses [B, H, S]."""
-    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, S]
-    weight_a = torch.exp(lse_a - lse).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    weight_b = torch.exp(lse_b - lse).transpose(1, 2).unsqueeze(-1)
-    return out_a.float() * weight_a + out_b.float() * weight_b, lse
