@@ -59,8 +59,6 @@ def test_a_family_that_leaves_a_required_attribute_unset_fails_where_it_is_defin
             blocks: int
             family = "incomplete"
             latent_format = None
-            attention = "joint"
-            positions = "absolute"
             parallel_methods = frozenset()
 
 
@@ -72,8 +70,6 @@ def test_a_family_without_its_methods_cannot_be_built():
         blocks: int
         family = "no-methods"
         latent_format = None
-        attention = "joint"
-        positions = "absolute"
         parallel_methods = frozenset()
         sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),), attention=())
 

@@ -1,8 +1,8 @@
 """What every model family shares: the request geometry a spec derives, and the loaded-model wrapper.
 
 A family module (flux.py, sd3.py, pixart.py, wan.py) declares, as data on its spec: the
-conditioning it takes, its latent format, its model sampling, its attention kind, how sequence
-parallelism splits its tokens and positions, and the parallel methods it supports.
+conditioning it takes, its latent format, its model sampling, how sequence parallelism cuts its
+tokens and positions (its SequencePlan), and the parallel methods it supports.
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ class FamilySpec(ABC):
     Each family sets:
     family:           its name in the registry ("flux", "sd3", …)
     latent_format:    models/latent_formats.py (ComfyUI's constants; a property where it depends on the model)
-    attention:        "joint" (text and image tokens in one attention) or "self+cross"
-    positions:        how token positions enter: "rope-2d", "rope-3d", "absolute"
     parallel_methods: the degrees it can run with > 1 (config.DEGREES)
     sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
     and the dataclass fields ``heads`` (attention heads: Ulysses splits them) and ``blocks``
     (transformer blocks: PipeFusion cuts them into stages).
     """
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "attention", "positions", "parallel_methods",
-                                           "sequence_plan", "heads", "blocks")
+    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan", "heads",
+                                           "blocks")
 
     vae_factor = 8  # pixels per latent cell (Wan 2.2-5B's VAE: 16)
     patch = (1, 2, 2)  # latent cells per token: (frames, rows, columns)

@@ -56,8 +56,6 @@ class FluxSpec(FamilySpec):
 
     family = "flux"
     latent_format = latent_formats.FLUX
-    attention = "joint"  # text and image tokens in one attention (MM-DiT)
-    positions = "rope-2d"
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]

@@ -28,8 +28,6 @@ class PixArtSpec(FamilySpec):
     sigma: bool  # PixArt-Σ (SDXL's VAE); PixArt-α uses SD 1.5's
 
     family = "pixart"
-    attention = "self+cross"
-    positions = "absolute"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     optional_conditioning = ("context_mask",)  # [B, L] 1 for a real text token, 0 for padding
     takes_shift = False  # discrete EPS noise levels: no flow shift

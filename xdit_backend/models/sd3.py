@@ -29,8 +29,6 @@ class SD3Spec(FamilySpec):
 
     family = "sd3"
     latent_format = latent_formats.SD3
-    attention = "joint"
-    positions = "absolute"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     sequence_plan = SequencePlan(
         cuts=(Cut("pos_embed", None, 1),  # [B, N, C], absolute positions already added

@@ -30,8 +30,6 @@ class WanSpec(FamilySpec):
 
     family = "wan"
     video = True
-    attention = "self+cross"
-    positions = "rope-3d"
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
                                        Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]

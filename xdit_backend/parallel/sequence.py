@@ -31,29 +31,29 @@ class USPAttention:
     """Attention over this rank's share of one sequence, exact across the ring × ulysses ranks."""
 
     def __init__(self, ulysses_group, ring_group, kernel: attention.Kernel):
+        from yunchang.comm.all_to_all import SeqAllToAll4D  # once per request, not per attention call
+        from yunchang.ring import ring_flash_attn_func
+
         self.ulysses_group = ulysses_group  # None when ulysses = 1
         self.ring_group = ring_group  # None when ring = 1
         self.kernel = kernel
+        self.all_to_all, self.ring_attention = SeqAllToAll4D.apply, ring_flash_attn_func
 
     def __call__(self, q, k, v):
         """q, k, v: [B, S/P, H, D], this rank's share of the sequence; returns the same shape."""
-        from yunchang.comm.all_to_all import SeqAllToAll4D
-
         ug = self.ulysses_group
         if ug is not None:
             # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H, D] → [B, S/R, H/U, D]
-            q, k, v = (SeqAllToAll4D.apply(ug, t.contiguous(), 2, 1, False) for t in (q, k, v))
+            q, k, v = (self.all_to_all(ug, t.contiguous(), 2, 1, False) for t in (q, k, v))
         if self.ring_group is not None:
-            from yunchang.ring import ring_flash_attn_func
-
-            out, _, _ = ring_flash_attn_func(q, k, v, causal=False, return_attn_probs=True, group=self.ring_group,
+            out, _, _ = self.ring_attention(q, k, v, causal=False, return_attn_probs=True, group=self.ring_group,
                                              attn_type=None, attn_processor=self.kernel)  # [B, S/R, H/U, D]
         else:
             out, _ = self.kernel(q, k, v)  # [B, S/R, H/U, D]
         out = out.to(q.dtype)
         if ug is not None:
             # scatter sequence (dim 1), gather heads (dim 2): [B, S/R, H/U, D] → [B, S/P, H, D]
-            out = SeqAllToAll4D.apply(ug, out.contiguous(), 1, 2, False)
+            out = self.all_to_all(ug, out.contiguous(), 1, 2, False)
         return out
 
 
