@@ -65,12 +65,18 @@ class Host:
         import websocket
 
         ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
-        progress, deadline = [], time.monotonic() + timeout
+        progress, deadline, finished = [], time.monotonic() + timeout, False
         try:
             while time.monotonic() < deadline:
-                if self.history(prompt_id):  # it may have finished before we listened
+                if not finished and self.history(prompt_id):
+                    # Finished, perhaps before we listened: read what is still queued, then stop when the
+                    # socket goes quiet (breaking at once lost the last progress events under load).
+                    finished = True
+                    ws.settimeout(2.0)
+                try:
+                    message = ws.recv()
+                except websocket.WebSocketTimeoutException:
                     break
-                message = ws.recv()
                 if not isinstance(message, str):
                     continue  # previews are binary
                 event = json.loads(message)
