@@ -163,8 +163,8 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
 def backend_client(parallel: ParallelChoice | None):
     """The client of the backend at the default socket, started on the chosen GPUs when none runs;
     a running backend on other GPUs is an error that says how to restart it."""
-    from xdit_backend import launcher
     from xdit_backend.client import Client
+    from xdit_backend.launch_options import LaunchOptions
     from xdit_backend.paths import default_socket
 
     import folder_paths
@@ -175,7 +175,7 @@ def backend_client(parallel: ParallelChoice | None):
     roots = tuple(sorted({str(Path(p).resolve()) for kind in ("diffusion_models", "checkpoints", "loras")
                           for p in folder_paths.get_folder_paths(kind)}))
     client = Client(socket, auto_start=True,
-                    launch=launcher.LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
+                    launch=LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
     running = client.hello_or_none()
     if running and gpus:
         devices = [rank["device"] for rank in client.status()["ranks"]]

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import __version__, launcher, paths, protocol
+from . import __version__, paths, protocol
 from .attention import kernel_name
 from .compile import compile_blocks
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
-from .errors import UserError
-from .control import (EXIT_PEER_LOST, PeerLost, StepGate, barrier, broadcast_message, gather_json,
+from .errors import EXIT_PEER_LOST, UserError
+from .launch_options import LaunchOptions, tcp_address
+from .control import (PeerLost, StepGate, barrier, broadcast_message, gather_json,
                       is_peer_failure)
 from .mesh import MeshCache
 from .models import lora, registry
@@ -43,7 +44,6 @@ from .server import Job, SocketServer
 
 log = logging.getLogger("xdit_backend.worker")
 
-LAUNCHER_PID_ENV = "XDIT_LAUNCHER_PID"
 FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
 
 
@@ -64,20 +64,14 @@ class Runtime:
     timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> LaunchOptions:
+    """The launch options the launcher passed on (LaunchOptions.to_argv)."""
     parser = argparse.ArgumentParser(prog="python -m xdit_backend.worker")
-    parser.add_argument("--socket", required=True, type=Path)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--collective-timeout", type=float, default=600.0)
-    parser.add_argument("--heartbeat", type=float, default=30.0)
-    parser.add_argument("--max-payload-mb", type=int, default=1024)
-    parser.add_argument("--model-root", action="append", default=[], type=Path)
-    parser.add_argument("--tcp", default=None, help="loopback HOST:PORT to listen on as well (token required)")
-    parser.add_argument("--token-file", type=Path, default=None)
-    return parser.parse_args(argv)
+    LaunchOptions.add_arguments(parser)
+    return LaunchOptions.from_args(parser.parse_args(argv))
 
 
-def start_runtime(args: argparse.Namespace) -> Runtime:
+def start_runtime(args: LaunchOptions) -> Runtime:
     """Join the process group (gloo on CPU, NCCL on CUDA) and pin this rank to its device."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -265,7 +259,7 @@ class Leader:
 
     def status(self) -> dict:
         return {
-            "pid": int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())),
+            "pid": int(os.environ.get(paths.LAUNCHER_PID_ENV, os.getppid())),
             "protocol": protocol.PROTOCOL_VERSION,
             "version": __version__,
             "world_size": self.rt.world_size,
@@ -475,7 +469,7 @@ def leave_together(rt: Runtime) -> None:
 
 
 @record
-def run(args: argparse.Namespace) -> None:
+def run(args: LaunchOptions) -> None:
     rt = start_runtime(args)
     ranks = gather_json(describe_rank(rt), rt.control)  # also proves every rank is up
     if rt.rank != 0:
@@ -494,9 +488,9 @@ def run(args: argparse.Namespace) -> None:
             os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
         return
     limits = protocol.Limits(max_payload_bytes=args.max_payload_mb << 20)
-    tcp = launcher.tcp_address(args.tcp) if args.tcp else None
-    token = args.token_file.read_text().strip() if args.tcp else None
-    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat, tuple(args.model_root), tcp, token)
+    tcp = tcp_address(args.tcp) if args.tcp else None
+    token = Path(args.token_file).read_text().strip() if args.tcp else None
+    leader = Leader(rt, ranks, args.socket, limits, args.heartbeat, args.model_roots, tcp, token)
     server = leader.server
     server.start()
     log.info("backend ready: world size %d, socket %s", rt.world_size, args.socket)
