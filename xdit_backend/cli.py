@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import launcher, paths
+from . import launcher, paths, schema
 from .client import BackendError, Client, NoBackend
 from .launch_options import LaunchError, LaunchOptions, int_list
 
@@ -30,32 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser("sample", help="generate one latent through the backend")
     LaunchOptions.add_arguments(sample)
-    sample.add_argument("--model", required=True,
-                        help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder")
-    sample.add_argument("--width", type=int, default=1024)
-    sample.add_argument("--height", type=int, default=1024)
-    sample.add_argument("--steps", type=int, default=20)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--cfg", type=float, default=1.0, help="true CFG scale (uses the negative when > 1)")
-    sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
-    sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
-    sample.add_argument("--batch", type=int, default=1)
-    sample.add_argument("--frames", type=int, default=1, help="video models (Wan): frames, 1 + a multiple of 4")
-    steps = sample.add_argument_group("step range (KSamplerAdvanced; Wan 2.2's two experts are two runs)")
-    steps.add_argument("--start-step", type=int, default=0, help="first step of the --steps schedule to run")
-    steps.add_argument("--end-step", type=int, default=None, help="step to stop at (default: the last)")
-    steps.add_argument("--no-add-noise", action="store_true", help="the input latent already holds its noise")
-    steps.add_argument("--leftover-noise", action="store_true",
-                       help="stop at --end-step's noise level instead of denoising fully (for a second run)")
-    steps.add_argument("--latent", type=Path, default=None,
-                       help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
-    sample.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                        help="a LoRA file merged into the weights (repeat for several; strength 1 by default)")
-    sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)")
-    sample.add_argument("--compile", action="store_true",
-                        help="torch.compile the transformer's blocks (the first request compiles; the backend "
-                             "keeps the compiled model for later requests, at any size)")
+    schema.add_flags(sample)  # one flag per request field (the layout's: below)
+    sample.add_argument("--latent", type=Path, default=None,
+                        help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
     sample.add_argument("--embeds", type=Path, default=None,
                         help="safetensors with context, pooled [, negative_context, negative_pooled]")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
@@ -95,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     layouts.add_argument("--steps", type=int, default=6)
     layouts.add_argument("--batch", type=int, default=2)
     layouts.add_argument("--cfg", type=float, default=3.5)
-    layouts.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    layouts.add_argument("--dtype", choices=schema.DTYPE_NAMES, default="auto")
     layouts.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     layouts.add_argument("--json", type=Path, default=None, help="also write every figure and raw record as JSON")
     layouts.add_argument("--plot", type=Path, default=None,
@@ -148,15 +125,6 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
     print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
 
 
-def _lora_entry(text: str) -> dict:
-    """PATH or PATH:STRENGTH → {"path", "strength"}."""
-    path, _, strength = text.rpartition(":") if ":" in text else (text, "", "1")
-    try:
-        return {"path": path, "strength": float(strength)}
-    except ValueError:
-        return {"path": text, "strength": 1.0}
-
-
 def requested_layout(args) -> dict | str:
     """Explicit degrees from the flags, or "auto"."""
     degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None,
@@ -180,13 +148,7 @@ def cmd_sample(args) -> int:
     from safetensors.torch import load_file, save_file
 
     layout = requested_layout(args)
-    fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype,
-              "loras": [_lora_entry(text) for text in args.lora], "frames": args.frames,
-              "start_step": args.start_step, "add_noise": not args.no_add_noise,
-              "return_with_leftover_noise": args.leftover_noise, "compile": args.compile}
-    fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift), ("end_step", args.end_step))
-                   if v is not None})
+    fields = {**schema.flag_fields(args), "parallel": layout}
     tensors = load_file(args.embeds) if args.embeds else {}
     if args.latent:
         stored = load_file(args.latent)
@@ -214,6 +176,8 @@ def cmd_sample(args) -> int:
     save_file({"samples": samples}, str(args.out))
     print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
           f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
+    if "profile" in info:  # --profile: each rank's record, as JSON on stdout
+        print(json.dumps(info["profile"], indent=1))
     for report in info.get("loras", []):
         unmatched = (f"; {report['unmatched_keys']} keys matched nothing, e.g. {report['unmatched_examples']}"
                      if report["unmatched_keys"] else "")

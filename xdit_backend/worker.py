@@ -347,7 +347,7 @@ class Leader:
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
-        broadcast_message(Message("sample", request_fields(request), request.tensors), self.rt.control)
+        broadcast_message(Message("sample", request.to_fields(), request.tensors), self.rt.control)
         self.gate.begin()
 
         def after_step(done: int, total: int) -> bool:
@@ -404,18 +404,6 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     failures = gather_json(mine, rt.control)
     executor.meshes.clear()
     return failures
-
-
-def request_fields(request: SampleRequest) -> dict:
-    """The JSON fields of a resolved request, as broadcast to the other ranks."""
-    names = ("model", "width", "height", "batch", "steps", "seed", "cfg", "frames", "start_step", "add_noise",
-             "sampler", "scheduler", "denoise", "compile")
-    fields = {name: getattr(request, name) for name in names}
-    fields.update({name: getattr(request, name) for name in ("guidance", "shift", "end_step")
-                   if getattr(request, name) is not None})
-    return {**fields, "parallel": request.parallel.to_json(), "profile": request.profile, "dtype": request.dtype,
-            "return_with_leftover_noise": request.leftover_noise,
-            "loras": [{"path": spec.path, "strength": spec.strength} for spec in request.loras]}
 
 
 def follow(rt: Runtime) -> None:
