@@ -29,7 +29,8 @@ def int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, e.g. 0,1; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas, e.g. 0,1; got {text!r}") from None
 
 
 def tcp_address(text: str) -> tuple[str, int]:
