@@ -141,14 +141,19 @@ def requested_layout(args) -> dict | str:
     return {**degrees, **pipeline} if degrees else "auto"
 
 
+def sample_fields(args) -> dict:
+    """The request's wire fields from the ``sample`` flags: the schema's, and the layout's."""
+    return {**schema.flag_fields(args), "parallel": requested_layout(args)}
+
+
 def cmd_sample(args) -> int:
     import math
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    layout = requested_layout(args)
-    fields = {**schema.flag_fields(args), "parallel": layout}
+    fields = sample_fields(args)
+    layout = fields["parallel"]
     tensors = load_file(args.embeds) if args.embeds else {}
     if args.latent:
         stored = load_file(args.latent)
