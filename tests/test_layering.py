@@ -37,7 +37,7 @@ def test_the_samplers_do_not_import_generate():
 
 def test_light_modules_import_no_torch():
     """The schema and the launch options are read by the nodes and the client before any torch."""
-    for module in ("xdit_backend.launch_options", "xdit_backend.paths", "xdit_backend.errors"):
+    for module in ("xdit_backend.schema", "xdit_backend.launch_options", "xdit_backend.paths", "xdit_backend.errors"):
         code = f"import sys, {module}; print('torch' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "False", module
