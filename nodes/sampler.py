@@ -29,15 +29,16 @@ def scheduler_names() -> list[str]:
     return list(SCHEDULERS)
 
 
-def seed_input(name: str):
-    return io.Int.Input(name, default=FIELDS["seed"].default, min=SEED_RANGE[0], max=SEED_RANGE[1],
-                        control_after_generate=True)
+def seed_range() -> dict:
+    """The seed widget's settings: the request's seed default and range."""
+    return {"default": FIELDS["seed"].default, "min": SEED_RANGE[0], "max": SEED_RANGE[1],
+            "control_after_generate": True}
 
 
 def common_inputs() -> list:
     steps, cfg = FIELDS["steps"], FIELDS["cfg"]
     return [
-        seed_input("seed"),
+        io.Int.Input("seed", **seed_range()),
         io.Int.Input("steps", default=steps.default, min=steps.low, max=steps.high),
         io.Float.Input("cfg", default=8.0, min=cfg.low, max=cfg.high, step=0.1, round=0.01),  # KSampler's default
         io.Combo.Input("sampler_name", options=sampler_names()),
@@ -79,7 +80,7 @@ class XDiTSamplerAdvanced(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         seed, steps, cfg, sampler_name, scheduler = common_inputs()
-        seed = seed_input("noise_seed")
+        seed = io.Int.Input("noise_seed", **seed_range())
         return io.Schema(
             node_id="XDiTSamplerAdvanced",
             display_name="xDiT Sampler (Advanced)",
