@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xdit_backend import schema
+
 TEST_PREFIX = "[test] "  # built-in test models in the loader's list (random weights, no file)
 
 
@@ -25,12 +27,8 @@ class ModelChoice:
         return ModelChoice(self.ref, self.dtype, (*self.loras, (path, strength)), self.shift, self.compile)
 
     def request_fields(self) -> dict:
-        fields = {"model": self.ref, "dtype": self.dtype,
-                  "loras": [{"path": path, "strength": strength} for path, strength in self.loras],
-                  "compile": self.compile}
-        if self.shift is not None:
-            fields["shift"] = self.shift
-        return fields
+        return schema.fields(model=self.ref, dtype=self.dtype, compile=self.compile, shift=self.shift,
+                             loras=[{"path": path, "strength": strength} for path, strength in self.loras])
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what

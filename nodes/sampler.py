@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from comfy_api.latest import io
+from xdit_backend import schema
+from xdit_backend.schema import FIELDS, MAX_STEPS, SEED_RANGE
 
 from . import translate
 from .choices import ParallelChoice
@@ -27,11 +29,18 @@ def scheduler_names() -> list[str]:
     return list(SCHEDULERS)
 
 
+def seed_range() -> dict:
+    """The seed widget's settings: the request's seed default and range."""
+    return {"default": FIELDS["seed"].default, "min": SEED_RANGE[0], "max": SEED_RANGE[1],
+            "control_after_generate": True}
+
+
 def common_inputs() -> list:
+    steps, cfg = FIELDS["steps"], FIELDS["cfg"]
     return [
-        io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
-        io.Int.Input("steps", default=20, min=1, max=10000),
-        io.Float.Input("cfg", default=8.0, min=0.0, max=100.0, step=0.1, round=0.01),
+        io.Int.Input("seed", **seed_range()),
+        io.Int.Input("steps", default=steps.default, min=steps.low, max=steps.high),
+        io.Float.Input("cfg", default=8.0, min=cfg.low, max=cfg.high, step=0.1, round=0.01),  # KSampler's default
         io.Combo.Input("sampler_name", options=sampler_names()),
         io.Combo.Input("scheduler", options=scheduler_names()),
     ]
@@ -52,7 +61,8 @@ class XDiTSampler(io.ComfyNode):
                 io.Conditioning.Input("positive", optional=True, tooltip="optional only for [test] models"),
                 io.Conditioning.Input("negative", optional=True),
                 io.Latent.Input("latent_image"),
-                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01),
+                io.Float.Input("denoise", default=FIELDS["denoise"].default, min=FIELDS["denoise"].low,
+                               max=FIELDS["denoise"].high, step=0.01),
                 XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
             ],
             outputs=[io.Latent.Output()],
@@ -61,8 +71,8 @@ class XDiTSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, latent_image, denoise=1.0,
                 positive=None, negative=None, parallel=None) -> io.NodeOutput:
-        fields = {"seed": seed, "steps": steps, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
-                  "denoise": denoise}
+        fields = schema.fields(seed=seed, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler,
+                               denoise=denoise)
         return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields))
 
 
@@ -70,7 +80,7 @@ class XDiTSamplerAdvanced(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         seed, steps, cfg, sampler_name, scheduler = common_inputs()
-        seed = io.Int.Input("noise_seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True)
+        seed = io.Int.Input("noise_seed", **seed_range())
         return io.Schema(
             node_id="XDiTSamplerAdvanced",
             display_name="xDiT Sampler (Advanced)",
@@ -84,8 +94,8 @@ class XDiTSamplerAdvanced(io.ComfyNode):
                 io.Conditioning.Input("positive", optional=True, tooltip="optional only for [test] models"),
                 io.Conditioning.Input("negative", optional=True),
                 io.Latent.Input("latent_image"),
-                io.Int.Input("start_at_step", default=0, min=0, max=10000),
-                io.Int.Input("end_at_step", default=10000, min=0, max=10000),
+                io.Int.Input("start_at_step", default=0, min=0, max=MAX_STEPS),
+                io.Int.Input("end_at_step", default=MAX_STEPS, min=0, max=MAX_STEPS),
                 io.Combo.Input("return_with_leftover_noise", options=["disable", "enable"]),
                 io.Sigmas.Input("sigmas", optional=True, tooltip="replaces steps and scheduler (any scheduler node)"),
                 XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
@@ -97,11 +107,10 @@ class XDiTSamplerAdvanced(io.ComfyNode):
     def execute(cls, model, add_noise, noise_seed, steps, cfg, sampler_name, scheduler, latent_image,
                 start_at_step, end_at_step, return_with_leftover_noise, positive=None, negative=None,
                 sigmas=None, parallel=None) -> io.NodeOutput:
-        fields = {"seed": noise_seed, "steps": steps, "cfg": cfg, "sampler": sampler_name, "scheduler": scheduler,
-                  "add_noise": add_noise == "enable", "start_step": start_at_step,
-                  "return_with_leftover_noise": return_with_leftover_noise == "enable"}
-        if end_at_step < steps:  # KSamplerAdvanced's default 10000: to the end
-            fields["end_step"] = end_at_step
+        end_step = end_at_step if end_at_step < steps else None  # KSamplerAdvanced's default 10000: to the end
+        fields = schema.fields(seed=noise_seed, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler,
+                               add_noise=add_noise == "enable", start_step=start_at_step, end_step=end_step,
+                               return_with_leftover_noise=return_with_leftover_noise == "enable")
         extra = {}
         if sigmas is not None:
             extra["sigmas"] = sigmas.detach().to("cpu").float().contiguous()
@@ -138,11 +147,10 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         raise ValueError(_readable(exc)) from None
     if negative is not None and positive is None:
         raise ValueError("xDiT: a negative conditioning without a positive one; connect the positive prompt")
-    request = {**model.request_fields(), **fields, "width": geometry.width, "height": geometry.height,
-               "frames": geometry.frames, "batch": geometry.batch,
-               "parallel": (parallel or ParallelChoice()).request_value()}
-    if guidance is not None:
-        request["guidance"] = guidance
+    request = {**model.request_fields(), **fields,
+               **schema.fields(width=geometry.width, height=geometry.height, frames=geometry.frames,
+                               batch=geometry.batch, parallel=(parallel or ParallelChoice()).request_value(),
+                               guidance=guidance)}
     if mm.get_torch_device().type == "cuda":  # ComfyUI's text encoders and VAE share GPU 0 with rank 0
         mm.unload_all_models()
         mm.soft_empty_cache()
@@ -163,8 +171,8 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
 def backend_client(parallel: ParallelChoice | None):
     """The client of the backend at the default socket, started on the chosen GPUs when none runs;
     a running backend on other GPUs is an error that says how to restart it."""
-    from xdit_backend import launcher
     from xdit_backend.client import Client
+    from xdit_backend.launch_options import LaunchOptions
     from xdit_backend.paths import default_socket
 
     import folder_paths
@@ -175,7 +183,7 @@ def backend_client(parallel: ParallelChoice | None):
     roots = tuple(sorted({str(Path(p).resolve()) for kind in ("diffusion_models", "checkpoints", "loras")
                           for p in folder_paths.get_folder_paths(kind)}))
     client = Client(socket, auto_start=True,
-                    launch=launcher.LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
+                    launch=LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
     running = client.hello_or_none()
     if running and gpus:
         devices = [rank["device"] for rank in client.status()["ranks"]]

@@ -17,7 +17,6 @@ from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
-from xdit_backend.worker import request_fields
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 3}
@@ -88,7 +87,7 @@ def test_compile_is_a_boolean_request_field_carried_to_every_rank():
     fields = {**FIELDS, "compile": True, "parallel": {"ulysses": 2}}
     decoded = protocol.decode_bytes(protocol.encode_bytes(Message("sample", fields)))
     request = SampleRequest.parse(decoded)
-    assert request.compile and request_fields(request)["compile"] is True
+    assert request.compile and request.to_fields()["compile"] is True
     assert SampleRequest.parse(Message("sample", FIELDS)).compile is False
     with pytest.raises(protocol.FrameError, match="'compile'.*expected boolean"):
         protocol.decode_bytes(protocol.encode_bytes(Message("sample", {**FIELDS, "compile": 1})))

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from xdit_backend.control import EXIT_PEER_LOST
+from xdit_backend.errors import EXIT_PEER_LOST
 from xdit_backend.launcher import _root_cause
 
 

@@ -6,8 +6,9 @@ import pytest
 from conftest import SMALL
 from test_protocol import frame
 
-from xdit_backend import launcher, protocol
+from xdit_backend import launcher, paths, protocol
 from xdit_backend.client import BackendError, Client
+from xdit_backend.launch_options import tcp_address
 
 
 def free_port() -> int:
@@ -23,14 +24,14 @@ def tcp_backend():
     manager = Backends()
     address = f"127.0.0.1:{free_port()}"
     client = manager.start(1, tcp=address)
-    token = launcher.token_path(client.socket_path).read_text().strip()
+    token = paths.token_path(client.socket_path).read_text().strip()
     yield client, address, token
     manager.cleanup()
 
 
 def test_the_token_file_is_private_and_random(tcp_backend):
     client, _, token = tcp_backend
-    path = launcher.token_path(client.socket_path)
+    path = paths.token_path(client.socket_path)
     assert path.stat().st_mode & 0o777 == 0o600 and len(token) >= 40
 
 
@@ -51,7 +52,7 @@ def test_without_the_right_token_nothing_is_served(tcp_backend, token):
 
 def test_a_first_frame_other_than_hello_is_refused_and_the_connection_closed(tcp_backend):
     _, address, _ = tcp_backend
-    host, port = launcher.tcp_address(address)
+    host, port = tcp_address(address)
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(frame({"type": "status", "id": "s"}))
         reply = protocol.Connection(sock, direction="reply").receive(idle_timeout=10)

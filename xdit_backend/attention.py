@@ -5,7 +5,8 @@ Every kernel takes q, k, v as [B, S, H, D] and returns (out [B, Sq, H, D], lse [
 - PyTorch's fused SDPA kernels on CUDA (flash for fp16/bf16, memory-efficient otherwise);
 - PyTorch's CPU flash kernel on the CPU.
 yunchang's own torch paths are not used: its TORCH_MATH returns a zero log-sum-exp, which makes
-ring merges wrong (measured; see DESIGN.md).
+ring merges wrong (measured on this project's machines; tests/test_parallel.py holds every ring
+layout to the serial result).
 """
 
 from __future__ import annotations

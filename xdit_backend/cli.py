@@ -8,92 +8,31 @@ import sys
 import time
 from pathlib import Path
 
-from . import launcher, paths
+from . import launcher, paths, schema
 from .client import BackendError, Client, NoBackend
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, e.g. 0,1; got {text!r}") from None
+from .launch_options import LaunchError, LaunchOptions, int_list
 
 
 def _add_socket(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", type=Path, default=None,
-                        help=f"the backend's Unix socket (default: ${paths.SOCKET_ENV} or {paths.default_socket()})")
-
-
-def _add_launch(parser: argparse.ArgumentParser) -> None:
-    _add_socket(parser)
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is visible")
-    parser.add_argument("--gpus", type=_int_list, default=None, help="GPU indices for the ranks, e.g. 0,1,2,3")
-    parser.add_argument("--collective-timeout", type=float, default=600.0,
-                        help="seconds any collective may wait before the backend fails (default 600)")
-    parser.add_argument("--heartbeat", type=float, default=30.0, help="idle seconds between rank checks (default 30)")
-    parser.add_argument("--max-payload-mb", type=int, default=1024, help="largest request payload (default 1024)")
-    parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
-                        help="a folder model and LoRA files may come from (repeatable); with none given, any path "
-                             "the backend's user can read")
-    parser.add_argument("--nnodes", type=int, default=1, help="machines (default 1); see the README's multi-node set-up")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's number; node 0 holds the socket")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="node 0's address and a free port, the same on every node")
-    parser.add_argument("--tcp", default=None, metavar="127.0.0.1:PORT",
-                        help="also listen on loopback TCP; clients must send the token first (see --token-file)")
-    parser.add_argument("--token-file", default=None, metavar="PATH",
-                        help="the TCP token (default: <socket>.token, created 0600 with a random token)")
-
-
-def launch_options(args: argparse.Namespace) -> launcher.LaunchOptions:
-    return launcher.LaunchOptions(
-        socket=paths.resolve_socket(args.socket), nproc=args.nproc, device=args.device, gpus=args.gpus,
-        collective_timeout=args.collective_timeout, heartbeat=args.heartbeat, max_payload_mb=args.max_payload_mb,
-        model_roots=tuple(str(Path(root).expanduser().resolve()) for root in args.model_root),
-        tcp=args.tcp, token_file=str(Path(args.token_file).expanduser().resolve()) if args.token_file else None,
-        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    LaunchOptions.add_arguments(parser, only=("socket",))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xdit-backend", description="Multi-process parallel DiT sampling backend")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    _add_launch(commands.add_parser("serve", help="run a backend in the foreground"))
+    LaunchOptions.add_arguments(commands.add_parser("serve", help="run a backend in the foreground"))
     start = commands.add_parser("start", help="start a backend in the background; prints its status")
-    _add_launch(start)
+    LaunchOptions.add_arguments(start)
     start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every rank (default 180)")
     _add_socket(commands.add_parser("status", help="the running backend's status as JSON; exit 1 if none"))
     _add_socket(commands.add_parser("stop", help="stop the backend"))
 
     sample = commands.add_parser("sample", help="generate one latent through the backend")
-    _add_launch(sample)
-    sample.add_argument("--model", required=True,
-                        help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder")
-    sample.add_argument("--width", type=int, default=1024)
-    sample.add_argument("--height", type=int, default=1024)
-    sample.add_argument("--steps", type=int, default=20)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--cfg", type=float, default=1.0, help="true CFG scale (uses the negative when > 1)")
-    sample.add_argument("--guidance", type=float, default=None, help="Flux guidance embedding (default 3.5)")
-    sample.add_argument("--shift", type=float, default=None, help="flow shift (default: the model's, Flux 1.15)")
-    sample.add_argument("--batch", type=int, default=1)
-    sample.add_argument("--frames", type=int, default=1, help="video models (Wan): frames, 1 + a multiple of 4")
-    steps = sample.add_argument_group("step range (KSamplerAdvanced; Wan 2.2's two experts are two runs)")
-    steps.add_argument("--start-step", type=int, default=0, help="first step of the --steps schedule to run")
-    steps.add_argument("--end-step", type=int, default=None, help="step to stop at (default: the last)")
-    steps.add_argument("--no-add-noise", action="store_true", help="the input latent already holds its noise")
-    steps.add_argument("--leftover-noise", action="store_true",
-                       help="stop at --end-step's noise level instead of denoising fully (for a second run)")
-    steps.add_argument("--latent", type=Path, default=None,
-                       help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
-    sample.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                        help="a LoRA file merged into the weights (repeat for several; strength 1 by default)")
-    sample.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)")
-    sample.add_argument("--compile", action="store_true",
-                        help="torch.compile the transformer's blocks (the first request compiles; the backend "
-                             "keeps the compiled model for later requests, at any size)")
+    LaunchOptions.add_arguments(sample)
+    schema.add_flags(sample)  # one flag per request field (the layout's: below)
+    sample.add_argument("--latent", type=Path, default=None,
+                        help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
     sample.add_argument("--embeds", type=Path, default=None,
                         help="safetensors with context, pooled [, negative_context, negative_pooled]")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
@@ -107,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PipeFusion patches per step (default: the stages; more patches overlap better)")
     layout.add_argument("--warmup-steps", type=int, default=None,
                         help="PipeFusion's first steps on the whole latent, exact (default 1)")
-    layout.add_argument("--stage-blocks", type=_int_list, default=None,
+    layout.add_argument("--stage-blocks", type=int_list, default=None,
                         help="PipeFusion blocks per stage, e.g. 2,5 (default: balanced by parameters)")
     layout.add_argument("--parallel", choices=("auto",), default=None,
                         help="let the backend pick degrees for its world size (the default without degrees)")
@@ -133,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     layouts.add_argument("--steps", type=int, default=6)
     layouts.add_argument("--batch", type=int, default=2)
     layouts.add_argument("--cfg", type=float, default=3.5)
-    layouts.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    layouts.add_argument("--dtype", choices=schema.DTYPE_NAMES, default="auto")
     layouts.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     layouts.add_argument("--json", type=Path, default=None, help="also write every figure and raw record as JSON")
     layouts.add_argument("--plot", type=Path, default=None,
@@ -154,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    return launcher.serve(launch_options(args))
+    return launcher.serve(LaunchOptions.from_args(args))
 
 
 def cmd_start(args) -> int:
-    status = launcher.start(launch_options(args), timeout=args.timeout)
+    status = launcher.start(LaunchOptions.from_args(args), timeout=args.timeout)
     print(json.dumps(status, indent=2))
     return 0
 
@@ -186,15 +125,6 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
     print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
 
 
-def _lora_entry(text: str) -> dict:
-    """PATH or PATH:STRENGTH → {"path", "strength"}."""
-    path, _, strength = text.rpartition(":") if ":" in text else (text, "", "1")
-    try:
-        return {"path": path, "strength": float(strength)}
-    except ValueError:
-        return {"path": text, "strength": 1.0}
-
-
 def requested_layout(args) -> dict | str:
     """Explicit degrees from the flags, or "auto"."""
     degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None,
@@ -211,20 +141,19 @@ def requested_layout(args) -> dict | str:
     return {**degrees, **pipeline} if degrees else "auto"
 
 
+def sample_fields(args) -> dict:
+    """The request's wire fields from the ``sample`` flags: the schema's, and the layout's."""
+    return {**schema.flag_fields(args), "parallel": requested_layout(args)}
+
+
 def cmd_sample(args) -> int:
     import math
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    layout = requested_layout(args)
-    fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-              "seed": args.seed, "cfg": args.cfg, "batch": args.batch, "parallel": layout, "dtype": args.dtype,
-              "loras": [_lora_entry(text) for text in args.lora], "frames": args.frames,
-              "start_step": args.start_step, "add_noise": not args.no_add_noise,
-              "return_with_leftover_noise": args.leftover_noise, "compile": args.compile}
-    fields.update({k: v for k, v in (("guidance", args.guidance), ("shift", args.shift), ("end_step", args.end_step))
-                   if v is not None})
+    fields = sample_fields(args)
+    layout = fields["parallel"]
     tensors = load_file(args.embeds) if args.embeds else {}
     if args.latent:
         stored = load_file(args.latent)
@@ -234,10 +163,10 @@ def cmd_sample(args) -> int:
     client = Client(args.socket)
     ephemeral = client.hello_or_none() is None
     if ephemeral:
-        options = launch_options(args)
+        options = LaunchOptions.from_args(args)
         if isinstance(layout, dict) and args.nproc is None:  # as many ranks as the layout needs
             ranks = math.prod(layout.get(axis, 1) for axis in ("dp", "cfg", "pipefusion", "ring", "ulysses"))
-            options = launcher.LaunchOptions(**{**vars(options), "nproc": ranks})
+            options = LaunchOptions.from_args(args, nproc=ranks)
         print(f"no backend at {client.socket_path}: starting one for this request", file=sys.stderr)
         launcher.start(options)
     try:
@@ -252,6 +181,8 @@ def cmd_sample(args) -> int:
     save_file({"samples": samples}, str(args.out))
     print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
           f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
+    if "profile" in info:  # --profile: each rank's record, as JSON on stdout
+        print(json.dumps(info["profile"], indent=1))
     for report in info.get("loras", []):
         unmatched = (f"; {report['unmatched_keys']} keys matched nothing, e.g. {report['unmatched_examples']}"
                      if report["unmatched_keys"] else "")
@@ -293,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = globals()[f"cmd_{args.command}"]
     try:
         return handler(args)
-    except (BackendError, launcher.LaunchError, paths.UnsafeDirectoryError) as exc:
+    except (BackendError, LaunchError, paths.UnsafeDirectoryError) as exc:
         print(f"xdit-backend: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

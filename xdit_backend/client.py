@@ -1,6 +1,7 @@
 """The client: talk to a backend over its socket, start one when asked, stream progress, cancel.
 
-Used by the CLI and by the ComfyUI nodes; it imports nothing of torch.distributed.
+Used by the CLI and by the ComfyUI nodes. It starts no process group and imports no module that
+does (control, worker and the rest of the ranks' side): torch is loaded for its tensors only.
 """
 
 from __future__ import annotations
@@ -13,45 +14,13 @@ from pathlib import Path
 
 import torch
 
-from . import launcher, paths, protocol
+from . import endpoint, launcher, paths, protocol
+from .endpoint import BackendDied, BackendError, Cancelled, NoBackend  # noqa: F401  (the client's errors)
+from .launch_options import LaunchOptions, tcp_address
 from .protocol import Connection, Message
 
 POLL_S = 0.1  # how often a waiting client checks its cancel callback
 DEATH_REPORT_WAIT_S = 15.0  # how long to wait for the launcher to record which rank failed
-
-
-class BackendError(Exception):
-    """An error reported by (or about) the backend: ``kind``, ``message``, ``hint``, ``rank``."""
-
-    def __init__(self, kind: str, message: str, hint: str = "", rank: int | None = None, traceback: str = ""):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.hint = hint
-        self.rank = rank
-        self.traceback = traceback
-
-    def __str__(self) -> str:
-        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
-
-    @classmethod
-    def from_message(cls, reply: Message) -> BackendError:
-        f = reply.fields
-        kind = f.get("kind", "error")
-        error_cls = {"cancelled": Cancelled}.get(kind, cls)
-        return error_cls(kind, f.get("message", ""), f.get("hint", ""), f.get("rank"), f.get("traceback", ""))
-
-
-class NoBackend(BackendError):
-    """Nothing answers at the socket."""
-
-
-class BackendDied(BackendError):
-    """The backend went away during a request (a rank died or lost its peers)."""
-
-
-class Cancelled(BackendError):
-    """The request was cancelled; its partial result was dropped."""
 
 
 ProgressCallback = Callable[[int, int, float], None]
@@ -62,7 +31,7 @@ class Client:
     be shared between threads."""
 
     def __init__(self, socket_path: str | Path | None = None, *, auto_start: bool = False,
-                 launch: launcher.LaunchOptions | None = None, connect_timeout: float = 5.0,
+                 launch: LaunchOptions | None = None, connect_timeout: float = endpoint.PROBE_TIMEOUT_S,
                  tcp: str | None = None, token: str | None = None):
         self.socket_path = paths.resolve_socket(socket_path)
         self.tcp = tcp  # "127.0.0.1:PORT": connect over loopback TCP instead, proving ``token`` first
@@ -74,24 +43,11 @@ class Client:
     # ------------------------------------------------------------------ connections
 
     def _connect(self) -> Connection:
-        if self.tcp:
-            return self._connect_tcp()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.connect_timeout)
-        try:
-            sock.connect(str(self.socket_path))
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
-            raise NoBackend("no_backend", f"no backend answers at {self.socket_path} ({exc.strerror})",
-                            "start one with `xdit-backend start`, or let the client start it (auto_start)") from None
-        except OSError:
-            sock.close()
-            raise
-        return Connection(sock, direction="reply")
+        return self._connect_tcp() if self.tcp else endpoint.connect(self.socket_path, self.connect_timeout)
 
     def _connect_tcp(self) -> Connection:
         try:
-            sock = socket.create_connection(launcher.tcp_address(self.tcp), timeout=self.connect_timeout)
+            sock = socket.create_connection(tcp_address(self.tcp), timeout=self.connect_timeout)
         except OSError as exc:
             raise NoBackend("no_backend", f"no backend answers at tcp {self.tcp} ({exc})",
                             "start it with --tcp, or check the port") from None
@@ -112,30 +68,18 @@ class Client:
         launcher.start(self._launch_options())
         return self._connect()
 
-    def _launch_options(self) -> launcher.LaunchOptions:
+    def _launch_options(self) -> LaunchOptions:
         """What to start: the options given, else the last backend's at this socket, else defaults."""
         if self.launch is not None:
             return self.launch
         previous = launcher.read_state(self.socket_path)
         if previous and "options" in previous:
-            return launcher.LaunchOptions.from_json(previous["options"])
-        return launcher.LaunchOptions(socket=self.socket_path)
+            return LaunchOptions.from_json(previous["options"])
+        return LaunchOptions(socket=self.socket_path)
 
     def _call(self, message: Message, timeout: float = 60.0) -> Message:
         """Send one request and return its one reply (raising BackendError for an error reply)."""
-        message.fields.setdefault("id", uuid.uuid4().hex)
-        conn = self._connect_or_start()
-        try:
-            conn.send(message)
-            reply = conn.receive(idle_timeout=timeout)
-        except (protocol.ConnectionClosed, protocol.FrameError, OSError) as exc:
-            raise BackendError("connection", f"the backend at {self.socket_path} stopped answering ({exc})",
-                               "check `xdit-backend status`; the log is next to the socket") from None
-        finally:
-            conn.close()
-        if reply.type == "error":
-            raise BackendError.from_message(reply)
-        return reply
+        return endpoint.exchange(self._connect_or_start(), message, timeout, self.socket_path)
 
     # ------------------------------------------------------------------ calls
 
@@ -144,18 +88,7 @@ class Client:
 
     def hello_or_none(self) -> dict | None:
         """The backend's hello, or None when nothing (or nothing sane) answers; never starts one."""
-        try:
-            conn = self._connect()
-        except (NoBackend, OSError):
-            return None
-        try:
-            conn.send(Message("hello", {"id": "probe", "client": "xdit_backend.client"}))
-            reply = conn.receive(idle_timeout=self.connect_timeout)
-            return reply.fields if reply.type == "hello" else None
-        except (protocol.ConnectionClosed, protocol.FrameError, OSError):
-            return None
-        finally:
-            conn.close()
+        return endpoint.hello_or_none(self._connect, self.connect_timeout)
 
     def status(self) -> dict:
         return self._call(Message("status")).fields["status"]

@@ -14,10 +14,6 @@ import torch.distributed as dist
 
 from . import protocol
 
-# A rank that loses a peer inside a collective exits with this code; the launcher then looks for
-# the rank that failed first (see launcher.root_cause).
-EXIT_PEER_LOST = 75
-
 
 class PeerLost(Exception):
     """A collective failed because another rank stopped answering."""

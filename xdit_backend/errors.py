@@ -11,3 +11,9 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+# A rank that loses a peer inside a collective exits with this code; the launcher then looks for
+# the rank that failed first (launcher._root_cause). Here, not in control.py, so that the launcher
+# (and through it the client) reads it without importing torch.distributed's side of the backend.
+EXIT_PEER_LOST = 75

@@ -17,101 +17,12 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import paths
-from .control import EXIT_PEER_LOST
-
-
-class LaunchError(Exception):
-    """The backend could not be started; the message names the rank and what it said."""
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    socket: Path
-    nproc: int | None = None  # None: every visible GPU with --device cuda, 2 ranks on the CPU
-    device: str | None = None  # "cpu" or "cuda"; None: cuda when a GPU is visible
-    gpus: tuple[int, ...] | None = None
-    collective_timeout: float = 600.0
-    heartbeat: float = 30.0
-    max_payload_mb: int = 1024
-    model_roots: tuple[str, ...] = ()  # when given, model and LoRA paths must resolve inside one of them
-    tcp: str | None = None  # "127.0.0.1:PORT": also listen on loopback TCP, for clients holding the token
-    token_file: str | None = None  # the TCP token (default: <socket>.token, written 0600 at start)
-    nnodes: int = 1  # machines; with more than one, every node runs its own launcher with the same endpoint
-    node_rank: int = 0  # this machine's place: node 0 holds global rank 0, hence the socket and the queue
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0 (needed when nnodes > 1)
-
-    def resolved(self) -> LaunchOptions:
-        """Fill in the device and the number of ranks from what this machine has."""
-        device = self.device or ("cuda" if _cuda_device_count() else "cpu")
-        nproc = self.nproc
-        if nproc is None:
-            nproc = len(self.gpus) if self.gpus else (_cuda_device_count() if device == "cuda" else 2)
-        if self.gpus and len(self.gpus) != nproc:
-            raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
-        if nproc < 1:
-            raise LaunchError(f"--nproc must be at least 1, got {nproc}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise LaunchError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address, "
-                              "the same on every node)")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise LaunchError(f"--node-rank {self.node_rank} must lie in 0..{self.nnodes - 1} for --nnodes {self.nnodes}")
-        if self.tcp:
-            host = tcp_address(self.tcp)[0]
-            if host not in LOOPBACK:
-                raise LaunchError(f"--tcp {self.tcp}: the backend listens on loopback only ({', '.join(LOOPBACK)}); "
-                                  "reach it from other machines through an SSH tunnel, never an open port")
-        if not 0 < self.heartbeat * 2 <= self.collective_timeout:
-            raise LaunchError(f"--heartbeat {self.heartbeat:g} must be positive and at most half of "
-                              f"--collective-timeout {self.collective_timeout:g}, so idle ranks never time out")
-        return LaunchOptions(**{**asdict(self), "device": device, "nproc": nproc})
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "socket": str(self.socket), "gpus": list(self.gpus) if self.gpus else None,
-                "model_roots": list(self.model_roots)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> LaunchOptions:
-        gpus = tuple(data["gpus"]) if data.get("gpus") else None
-        return cls(**{**data, "socket": Path(data["socket"]), "gpus": gpus,
-                      "model_roots": tuple(data.get("model_roots", ()))})
-
-    def cli_args(self) -> list[str]:
-        args = ["--socket", str(self.socket), "--collective-timeout", str(self.collective_timeout),
-                "--heartbeat", str(self.heartbeat), "--max-payload-mb", str(self.max_payload_mb)]
-        if self.nproc is not None:
-            args += ["--nproc", str(self.nproc)]
-        if self.device is not None:
-            args += ["--device", self.device]
-        if self.gpus:
-            args += ["--gpus", ",".join(map(str, self.gpus))]
-        for root in self.model_roots:
-            args += ["--model-root", root]
-        if self.tcp:
-            args += ["--tcp", self.tcp, "--token-file", self.token_file or str(token_path(self.socket))]
-        if self.nnodes > 1:
-            args += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
-                     "--rdzv-endpoint", self.rdzv_endpoint]
-        return args
-
-
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def tcp_address(text: str) -> tuple[str, int]:
-    """"127.0.0.1:8765" → ("127.0.0.1", 8765); "[::1]:8765" works too."""
-    host, _, port = text.rpartition(":")
-    try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise LaunchError(f"--tcp {text!r} is not HOST:PORT, e.g. --tcp 127.0.0.1:8765") from None
-
-
-def token_path(sock: Path) -> Path:
-    return sock.with_name(sock.name + ".token")
+from . import endpoint, paths
+from .errors import EXIT_PEER_LOST
+from .launch_options import LaunchError, LaunchOptions  # noqa: F401  (what start and serve take and raise)
+from .protocol import Message
 
 
 def ensure_token(path: Path) -> str:
@@ -123,12 +34,6 @@ def ensure_token(path: Path) -> str:
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_urlsafe(32))
     return path.read_text().strip()
-
-
-def _cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # --------------------------------------------------------------------------- state file
@@ -201,18 +106,16 @@ def serve(options: LaunchOptions) -> int:
     options = options.resolved()
     sock = options.socket
     paths.ensure_private_dir(sock.parent)
-    from .client import Client  # the client asks whether a backend already answers here
-
-    live = Client(sock).hello_or_none()
+    live = endpoint.answers(sock)
     if live is not None:
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}; stop it with "
                           f"`xdit-backend stop --socket {sock}` or choose another --socket")
     if options.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, options.gpus))
-    os.environ["XDIT_LAUNCHER_PID"] = str(os.getpid())
+    os.environ[paths.LAUNCHER_PID_ENV] = str(os.getpid())
     if options.tcp:
-        ensure_token(Path(options.token_file) if options.token_file else token_path(sock))
-    rank_logs = sock.with_name(sock.name + ".ranks")
+        ensure_token(Path(options.token_file))  # resolved() named it
+    rank_logs = paths.rank_logs(sock)
     shutil.rmtree(rank_logs, ignore_errors=True)
     state = {"pid": os.getpid(), "options": options.to_json(), "log": str(paths.log_file(sock)),
              "started": time.time()}
@@ -233,12 +136,7 @@ def serve(options: LaunchOptions) -> int:
         monitor_interval=0.2,
         logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
     )
-    worker_args = ["-m", "xdit_backend.worker", "--socket", str(sock), "--device", options.device,
-                   "--collective-timeout", str(options.collective_timeout), "--heartbeat", str(options.heartbeat),
-                   "--max-payload-mb", str(options.max_payload_mb),
-                   *(arg for root in options.model_roots for arg in ("--model-root", root)),
-                   *(("--tcp", options.tcp, "--token-file", options.token_file or str(token_path(options.socket)))
-                     if options.tcp else ())]
+    worker_args = ["-m", "xdit_backend.worker", *options.to_argv()]  # each rank reads the same options
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except ChildFailedError as exc:
@@ -251,7 +149,7 @@ def serve(options: LaunchOptions) -> int:
         _write_state(sock, status="stopped", signal=exc.sigval.name, **state)
         return 128 + int(exc.sigval)
     finally:
-        if sock.exists() and Client(sock).hello_or_none() is None:
+        if sock.exists() and endpoint.answers(sock) is None:
             sock.unlink(missing_ok=True)
     _write_state(sock, status="stopped", **state)
     return 0
@@ -262,20 +160,17 @@ def serve(options: LaunchOptions) -> int:
 
 def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
     """Start ``serve`` in the background and return the backend's status once every rank is ready."""
-    from .client import Client
-
     options = options.resolved()
     sock = options.socket
     paths.ensure_private_dir(sock.parent)
-    client = Client(sock)
-    live = client.hello_or_none()
+    live = endpoint.answers(sock)
     if live is not None:
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}")
     log_path = paths.log_file(sock)
     paths.state_file(sock).unlink(missing_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "xdit_backend.cli", "serve", *options.cli_args()],
+            [sys.executable, "-m", "xdit_backend.cli", "serve", *options.to_argv()],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: `stop` can end it and every rank together
         )
@@ -287,8 +182,8 @@ def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
                 "waiting_for": f"node 0 at {options.rdzv_endpoint}; its socket serves the whole backend"}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if client.hello_or_none() is not None:
-            return client.status()
+        if endpoint.answers(sock) is not None:
+            return endpoint.ask(sock, Message("status")).fields["status"]
         if process.poll() is not None:
             summary = failure_summary(read_state(sock)) or _last_line(log_path) or (
                 f"the launcher exited with code {process.returncode}")
@@ -320,14 +215,12 @@ def _last_line(log_path: Path) -> str:
 
 def stop(socket_path: Path, timeout: float = 30.0) -> bool:
     """Ask the backend to shut down, wait for its launcher to exit; returns False if none was running."""
-    from .client import BackendError, Client, NoBackend
-
     state = read_state(socket_path) or {}
     pid = state.get("pid")
     try:
-        Client(socket_path).shutdown()
+        endpoint.ask(socket_path, Message("shutdown"), timeout=60.0)
         asked = True
-    except (NoBackend, BackendError, OSError):
+    except (endpoint.BackendError, OSError):
         asked = False
     if pid is None or not _alive(pid):
         return asked

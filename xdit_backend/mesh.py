@@ -5,7 +5,8 @@ because it talks most (an all-to-all per attention layer), so its ranks are adja
 fastest links). Rank r sits at mesh coordinates given by that order in row-major layout, e.g.
 world 4 with cfg=2 × ulysses=2: ranks (0, 1) are the cond half, (2, 3) the uncond half.
 
-Meshes live in a MeshCache owned by the worker; nothing here keeps a group in a module global.
+Meshes live in a MeshCache owned by each rank's Executor (executor.py); nothing here keeps a group
+in a module global.
 """
 
 from __future__ import annotations

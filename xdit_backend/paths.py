@@ -1,4 +1,4 @@
-"""Where a backend lives on disk: its socket, its private directory, its state file and log."""
+"""Where a backend lives on disk: its socket, its private directory, its state file, log and token."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 SOCKET_ENV = "XDIT_SOCKET"
+LAUNCHER_PID_ENV = "XDIT_LAUNCHER_PID"  # set by the launcher for its ranks: rank 0's status reports it
 
 
 def inside_roots(path: str, roots) -> bool:
@@ -40,6 +41,16 @@ def state_file(socket_path: Path) -> Path:
 def log_file(socket_path: Path) -> Path:
     """Where a background backend's output (launcher and every rank) goes."""
     return socket_path.with_name(socket_path.name + ".log")
+
+
+def token_path(socket_path: Path) -> Path:
+    """The TCP token's default file (``--token-file``)."""
+    return socket_path.with_name(socket_path.name + ".token")
+
+
+def rank_logs(socket_path: Path) -> Path:
+    """The launcher's per-rank error files (torch.distributed.elastic writes them)."""
+    return socket_path.with_name(socket_path.name + ".ranks")
 
 
 class UnsafeDirectoryError(Exception):

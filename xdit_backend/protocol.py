@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import schema
+
 MAGIC = b"XDIT"
 PROTOCOL_VERSION = 1
 
@@ -64,34 +66,11 @@ DEFAULT_LIMITS = Limits()
 
 # Field types per message type: what a request may carry, and what a reply may carry.
 # Unknown types and unknown fields are errors; semantic checks live in request.py.
-_NUM = (int, float)
+_NUM = schema.NUMBER
 REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
     "hello": {"client": str, "token": str},  # the token: required as the first frame over TCP
     "status": {},
-    "sample": {
-        "model": str,
-        "width": int,
-        "height": int,
-        "batch": int,
-        "steps": int,
-        "seed": int,
-        "cfg": _NUM,
-        "guidance": _NUM,
-        "shift": _NUM,
-        "parallel": (dict, str),  # {"ulysses": 2, …} or "auto"
-        "profile": bool,  # report step times, traffic and memory per rank (the bench asks for it)
-        "dtype": str,  # weights and compute: auto, float32, bfloat16, float16
-        "loras": list,  # [{"path": "…", "strength": 1.0}, …], merged into the weights at load
-        "frames": int,  # video models: frames of the video (1 + a multiple of 4 for Wan)
-        "start_step": int,  # KSamplerAdvanced's step range of the `steps`-step schedule
-        "end_step": int,
-        "add_noise": bool,  # False: the latent already holds its noise (a second expert's run)
-        "return_with_leftover_noise": bool,  # True: stop at end_step's σ instead of denoising fully
-        "sampler": str,  # ComfyUI's sampler names (sampling/samplers.py)
-        "scheduler": str,  # ComfyUI's scheduler names (sampling/schedulers.py); a "sigmas" tensor overrides it
-        "denoise": _NUM,  # < 1: img2img, the tail of a longer schedule, as KSampler does it
-        "compile": bool,  # torch.compile the transformer's blocks (cached with the model, reused)
-    },
+    "sample": schema.wire_types(),  # the request's fields, declared in schema.py
     "cancel": {"target": str},
     "unload": {"model": str},
     "shutdown": {},

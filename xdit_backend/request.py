@@ -1,102 +1,67 @@
-"""A ``sample`` request, checked field by field before any work is scheduled for it."""
+"""A ``sample`` request, checked field by field before any work is scheduled for it.
+
+Its fields are schema.SAMPLE's: the attributes below are made from that declaration, ``parse``
+reads them from a message and ``to_fields`` writes them back, which is what rank 0 broadcasts
+and every other rank parses (so a field cannot reach rank 0 alone).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 
 import torch
 
-from . import protocol
+from . import protocol, schema
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
-MAX_SIDE = 16384
-MAX_STEPS = 10000
-MAX_BATCH = 64
-SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
-MAX_FRAMES = 1025
 CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
 TENSOR_NAMES = ("latent", "sigmas", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
+CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
 
 
 class RequestError(UserError):
     """A request the backend will not run; the message names the field, the value and the rule."""
 
 
-@dataclass(frozen=True)
-class SampleRequest:
-    model: str
-    width: int
-    height: int
-    batch: int
-    steps: int
-    seed: int
-    cfg: float
-    guidance: float | None
-    shift: float | None
-    parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
-    profile: bool
-    dtype: str  # "auto" (float32 on the CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16"
-    loras: tuple  # lora.LoraSpec, in order
-    frames: int
-    start_step: int
-    end_step: int | None  # None: to the end of the schedule
-    add_noise: bool
-    leftover_noise: bool
-    sampler: str
-    scheduler: str
-    denoise: float
-    compile: bool  # run the model with torch.compile'd blocks (compile.py)
-    tensors: dict[str, torch.Tensor]
+# The attributes, in schema order: each field under its attribute name (return_with_leftover_noise
+# is ``leftover_noise``), then the message's tensors by name.
+_Fields = make_dataclass("_Fields", [*((f.attribute, f.type) for f in schema.SAMPLE),
+                                     ("tensors", "dict[str, torch.Tensor]")], frozen=True)
+
+
+class SampleRequest(_Fields):
+    """A checked ``sample`` request. ``parallel`` None: pick a layout for the backend's world size
+    (auto); ``loras``: lora.LoraSpec, in order; ``end_step`` None: to the end of the schedule."""
 
     def latent_shape(self, spec) -> tuple[int, ...]:
         return spec.latent_shape(self.batch, self.width, self.height, self.frames)
 
     @classmethod
     def parse(cls, message: protocol.Message) -> SampleRequest:
-        f = message.fields
-        if "model" not in f:
-            raise RequestError("a sample request needs a 'model' (a built-in name such as flux-tiny)")
-        request = cls(
-            model=f["model"],
-            width=_int_in(f, "width", 1024, 16, MAX_SIDE),
-            height=_int_in(f, "height", 1024, 16, MAX_SIDE),
-            batch=_int_in(f, "batch", 1, 1, MAX_BATCH),
-            steps=_int_in(f, "steps", 20, 1, MAX_STEPS),
-            seed=_int_in(f, "seed", 0, *SEED_RANGE),
-            cfg=float(f.get("cfg", 1.0)),
-            guidance=float(f["guidance"]) if "guidance" in f else None,
-            shift=float(f["shift"]) if "shift" in f else None,
-            parallel=_parallel(f.get("parallel", "auto")),
-            profile=f.get("profile", False),
-            dtype=_dtype_name(f.get("dtype", "auto")),
-            loras=_loras(f.get("loras", [])),
-            frames=_int_in(f, "frames", 1, 1, MAX_FRAMES),
-            start_step=_int_in(f, "start_step", 0, 0, MAX_STEPS),
-            end_step=_int_in(f, "end_step", 0, 0, MAX_STEPS) if "end_step" in f else None,
-            add_noise=f.get("add_noise", True),
-            leftover_noise=f.get("return_with_leftover_noise", False),
-            sampler=_name_in(f, "sampler", "euler", samplers.SAMPLERS),
-            scheduler=_name_in(f, "scheduler", "simple", schedulers.SCHEDULERS),
-            denoise=float(f.get("denoise", 1.0)),
-            compile=f.get("compile", False),
-            tensors=dict(message.tensors),
-        )
+        values = {field.attribute: _read(field, message.fields) for field in schema.SAMPLE}
+        request = cls(**values, tensors=dict(message.tensors))
         request._check_ranges()
         request._check_tensors()
         return request
+
+    def to_fields(self) -> dict:
+        """The wire fields that ``parse`` reads back into this request: what rank 0 broadcasts."""
+        fields = {field.name: _write(field, getattr(self, field.attribute)) for field in schema.SAMPLE}
+        return {name: value for name, value in fields.items() if value is not None}
 
     def _check_ranges(self) -> None:
         if self.end_step is not None and self.end_step <= self.start_step:
             raise RequestError(f"end_step {self.end_step} must be after start_step {self.start_step}",
                                "leave end_step out to run to the end of the schedule")
-        for name, value, low, high in (("denoise", self.denoise, 0.0, 1.0), ("cfg", self.cfg, 0.0, 100.0), ("guidance", self.guidance, 0.0, 100.0),
-                                       ("shift", self.shift, 1e-3, 100.0)):
-            if value is not None and not low <= value <= high:
-                raise RequestError(f"{name} {value} is out of range: it must lie in {low:g}..{high:g}")
+        for field in schema.SAMPLE:
+            value = getattr(self, field.attribute)
+            if field.kind == "float" and value is not None and not field.low <= value <= field.high:
+                raise RequestError(f"{field.name} {value} is out of range: "
+                                   f"it must lie in {field.low:g}..{field.high:g}")
 
     def _check_tensors(self) -> None:
         unknown = sorted(set(self.tensors) - set(TENSOR_NAMES))
@@ -202,13 +167,7 @@ class SampleRequest:
         )
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype_name(value: str) -> str:
-    if value != "auto" and value not in DTYPES:
-        raise RequestError(f"dtype {value!r} is not supported", f"use auto, {', '.join(DTYPES)}")
-    return value
+DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -216,6 +175,39 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def _read(field: schema.Field, fields: dict):
+    """One field's value in the request, from the message's fields (its default when absent)."""
+    if field.name not in fields:
+        if field.required:
+            raise RequestError(field.required)
+        if field.default is None:
+            return None
+    value = fields.get(field.name, field.default)
+    if field.kind == "int" and not field.low <= value <= field.high:
+        raise RequestError(f"{field.name} {value} is out of range: it must lie in {field.low}..{field.high}")
+    if field.kind == "float":
+        return float(value)  # its range: _check_ranges
+    if field.kind == "choice" and value not in CHOICES[field.choices]:
+        raise RequestError(f"{field.name} {value!r} is not supported",
+                           f"use one of: {', '.join(CHOICES[field.choices])}")
+    if field.kind == "dtype" and value not in field.choices:
+        raise RequestError(f"dtype {value!r} is not supported", f"use {', '.join(field.choices)}")
+    if field.kind == "layout":
+        return _parallel(value)
+    if field.kind == "loras":
+        return _loras(value)
+    return value
+
+
+def _write(field: schema.Field, value):
+    """One attribute as its wire value (None: left out)."""
+    if field.kind == "layout":
+        return "auto" if value is None else value.to_json()
+    if field.kind == "loras":
+        return [{"path": spec.path, "strength": spec.strength} for spec in value]
+    return value
 
 
 def _loras(entries) -> tuple:
@@ -236,17 +228,3 @@ def _parallel(value) -> ParallelConfig | None:
         raise RequestError(exc.message, exc.hint) from None
     except TypeError as exc:
         raise RequestError(f"parallel: {exc}") from None
-
-
-def _name_in(fields: dict, name: str, default: str, names: tuple[str, ...]) -> str:
-    value = fields.get(name, default)
-    if value not in names:
-        raise RequestError(f"{name} {value!r} is not supported", f"use one of: {', '.join(names)}")
-    return value
-
-
-def _int_in(fields: dict, name: str, default: int, low: int, high: int) -> int:
-    value = fields.get(name, default)
-    if not low <= value <= high:
-        raise RequestError(f"{name} {value} is out of range: it must lie in {low}..{high}")
-    return value

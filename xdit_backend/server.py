@@ -2,7 +2,7 @@
 
 One thread accepts connections and one thread reads each connection. Requests that need the
 ranks (``sample``, ``unload``, ``shutdown``) are queued and executed one at a time, in order, by
-rank 0's main thread (worker.Leader). Everything else (``hello``, ``status``, ``echo``,
+rank 0's main thread (leader.Leader). Everything else (``hello``, ``status``, ``echo``,
 ``cancel``) is answered by the connection's own thread at once, even while a sample runs.
 """
 

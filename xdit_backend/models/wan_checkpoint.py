@@ -7,9 +7,9 @@ the Conv3d patch embedding is the same kernel), so no rows are cut and nothing i
 works at any width and infers the config from the shapes.
 
 Loading note: diffusers' rope tables (``rope.freqs_cos`` / ``freqs_sin``) are non-persistent
-buffers, so they are not in the state dict; a model built on the meta device keeps them on meta
-after ``load_state_dict(assign=True)``. Whoever builds on meta must then re-create ``model.rope``
-(``WanRotaryPosEmbed(attention_head_dim, patch_size, rope_max_seq_len)``) outside the meta device.
+buffers, so they are not in the state dict. Nothing re-creates them: the registry builds under
+checkpoint.empty_weights, which puts only parameters on the meta device, so the buffers are
+computed for real at construction.
 """
 
 from __future__ import annotations

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import samplers
-
-
-class GenerationStopped(Exception):
-    """The step callback asked to stop (a cancel, a client that went away)."""
+from .stop import GenerationStopped  # noqa: F401  (callers import it from here)
 
 
 @dataclass

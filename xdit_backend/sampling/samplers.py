@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model_sampling import FlowSampling
+from .stop import GenerationStopped
 
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc")
 
@@ -327,9 +328,6 @@ def sample(name: str, denoise_fn: Denoise, x: torch.Tensor, sigmas: torch.Tensor
 
     def step(done: int) -> None:
         if after_step is not None and not after_step(done, total):
-            # imported here: generate may import this module
-            from .generate import GenerationStopped
-
             raise GenerationStopped()
 
     return _SAMPLE[name](denoise_fn, x, sigmas, sampling, noise, step)

@@ -1,0 +1,54 @@
+"""Every field set on rank 0 arrives unchanged on every rank: a world-2 backend runs requests with every
+schema field away from its default, and each rank's profile record reports the request it parsed.
+
+No single request can pass the model checks with every field set (guidance is Flux.1-dev's, frames
+are Wan's), so two requests share the fields; ``test_the_two_requests_set_every_field`` keeps them
+complete. denoise 0 makes both end before the first step (ComfyUI returns the input latent), so
+the test costs model loading only, compile=True included (the blocks compile at their first call).
+"""
+
+import pytest
+from safetensors.torch import save_file
+
+from xdit_backend import schema
+from xdit_backend.config import ParallelConfig
+from xdit_backend.protocol import Message
+from xdit_backend.request import SampleRequest
+
+
+def common(lora: str) -> dict:
+    """The fields both requests set away from their defaults."""
+    return {"width": 64, "height": 48, "batch": 2, "steps": 5, "seed": 2**63 + 11, "cfg": 2.5, "shift": 2.75,
+            "profile": True, "dtype": "float32", "loras": [{"path": lora, "strength": 0.5}], "start_step": 1,
+            "end_step": 4, "add_noise": False, "return_with_leftover_noise": True, "sampler": "heun",
+            "scheduler": "karras", "denoise": 0.0, "compile": True}
+
+
+@pytest.fixture
+def requests(tmp_path) -> list[dict]:
+    """Flux (guidance, ulysses) and Wan (frames, cfg parallel): together, every field away from its default."""
+    lora = tmp_path / "empty-lora.safetensors"
+    save_file({}, str(lora))  # a LoRA file that matches nothing: merged as zero modules
+    path = str(lora.resolve())
+    flux = {"model": "flux-tiny", **common(path), "guidance": 4.25, "parallel": ParallelConfig(ulysses=2).to_json()}
+    wan = {"model": "wan-tiny", **common(path), "frames": 5, "parallel": ParallelConfig(cfg=2).to_json()}
+    return [flux, wan]
+
+
+def test_the_two_requests_set_every_field(requests):
+    """A new schema field must be set in one of them (and then reach every rank)."""
+    away = {name for fields in requests for name, value in fields.items() if value != schema.FIELDS[name].default}
+    assert sorted(set(schema.FIELDS) - away) == []
+
+
+@pytest.mark.timeout(600)
+def test_every_rank_parses_what_rank_0_was_sent(backends, requests):
+    client = backends.start(2)
+    for sent in requests:
+        _, info = client.sample(sent)
+        expected = SampleRequest.parse(Message("sample", sent)).to_fields()  # the sent fields, defaults filled in
+        assert {name: expected[name] for name in sent} == sent  # nothing sent is changed by parsing it
+        ran = [record["request"] for record in info["profile"]]
+        assert [record["rank"] for record in info["profile"]] == [0, 1]
+        for rank, fields in enumerate(ran):
+            assert fields == expected, f"{sent['model']}: rank {rank} ran {fields}, not {expected}"

@@ -1,0 +1,161 @@
+"""What every rank holds and does for a request: loaded models, meshes per layout, one generation."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .compile import compile_blocks
+from .mesh import MeshCache
+from .models import lora, registry
+from .parallel import traffic
+from .parallel.denoiser import Denoiser
+from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
+from .request import SampleRequest, compute_dtype
+from .runtime import Runtime
+from .sampling.generate import generate
+
+FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
+
+
+class Executor:
+    """What every rank holds and does: loaded models, meshes per layout, and one generation."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled) → model
+        self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
+        # The layouts' data collectives wait half as long as the control group: after a rank raises,
+        # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
+        self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
+        self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
+        self.computing = None  # the model (or stage) the last request ran on
+
+    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False):
+        """The loaded model, cached by identity, dtype, LoRAs and compilation: a changed file (new mtime)
+        is loaded again. A compiled model is a separate entry (its own weights), reused by later requests."""
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        path, version = registry.identity(name)
+        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled)
+        if key not in self.models:
+            self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
+            model = registry.build(name, self.rt.device, torch_dtype, loras)
+            self.models[key] = compile_blocks(model) if compiled else model
+        return self.models[key]
+
+    def loaded(self) -> list[str]:
+        def describe(key):
+            loras = f", {len(key[3])} LoRA" if key[3] else ""
+            compiled = ", compiled" if key[4] else ""
+            return f"{key[0]} ({key[2]}{loras}{compiled})"
+
+        return sorted({describe(key) for key in [*self.models, *self.stages]})
+
+    def unload(self, model: str | None) -> list[str]:
+        """Drop a model (every version, dtype and stage of it), or all of them; returns what was loaded."""
+        names = {key[0] for key in [*self.models, *self.stages]}
+        if model:
+            wanted = {model, str(Path(model).expanduser().resolve())}
+            names &= wanted
+        self.models = {k: v for k, v in self.models.items() if k[0] not in names}
+        self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
+        return sorted(names)
+
+    def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
+                    compiled: bool = False) -> tuple[object, list]:
+        """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
+        config = layout.config
+        bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
+        start, end = bounds[layout.index("pipefusion")]
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
+               start, end)
+        if key not in self.stages:
+            # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
+            # moved: the other stages' weights are never read from disk nor copied to the device.
+            model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
+            blocks = keep_stage(model.transformer, start, end)
+            model.transformer.to(self.rt.device)
+            self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
+        return self.stages[key]
+
+    def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
+        """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
+        layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
+        spec = registry.spec(request.model)
+        gen = request.generation(spec, *request.conditioning(spec))
+        if layout is None or layout.config.pipefusion == 1:
+            self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
+            _inject_fault(self.computing, self.rt.rank)
+            return generate(Denoiser(self.computing, layout), gen, after_step)
+        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
+        self.computing = stage
+        denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
+        pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
+        self.last_trace = pipeline.trace
+        latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+        return denoiser.gather_rows(latent).cpu()
+
+    def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
+        """``generate`` plus this rank's record: seconds per step, bytes sent, peak memory."""
+        if not request.profile:
+            return self.generate(request, after_step), {}
+        cuda = self.rt.device.type == "cuda"
+        # Step ends: CUDA events on a GPU (recorded in the stream, read after the generation: no
+        # synchronisation inside the loop that production does not have), wall time on the CPU.
+        clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else time.perf_counter
+        marks = [clock()]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
+            marks[0].record()
+
+        def timed(done: int, total: int) -> bool:
+            marks.append(clock())
+            if cuda:
+                marks[-1].record()
+            return after_step(done, total)
+
+        groups_before = _process_groups()
+        started = time.perf_counter()
+        with traffic.counting() as sent:
+            latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
+        denoise_s = time.perf_counter() - started
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.rt.device)
+            steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+            steps = [b - a for a, b in zip(marks, marks[1:])]
+        return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s, "sent_bytes": dict(sent),
+                        "peak_memory_bytes": peak,
+                        "memory_kind": "cuda allocated" if cuda else "process peak RSS",
+                        "process_groups_created": _process_groups() - groups_before,
+                        "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
+                        "pipeline_trace": self.last_trace}
+
+
+def _inject_fault(model, rank: int) -> None:
+    """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
+    as an out-of-memory inside the model would."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
+        return
+    calls, target = [0], int(spec.split(":")[1])
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == target:
+            raise MemoryError(f"CUDA out of memory (simulated by {FAULT_ENV} on rank {rank})")
+
+    model.transformer.register_forward_pre_hook(hook)
+    model.fault_injected = True
+
+
+def _process_groups() -> int:
+    """Process groups this rank has created so far (a warm layout must create none per request)."""
+    return len(dist.distributed_c10d._world.pg_map)

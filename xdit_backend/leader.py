@@ -1,0 +1,165 @@
+"""Rank 0's loop: take jobs from the socket server, resolve and broadcast them, run them, reply.
+
+A ``sample`` is resolved here (its layout fixed, its conditioning checked) so that every rank runs
+exactly the same request: rank 0 broadcasts ``SampleRequest.to_fields()``, which the other ranks
+parse (follower.py), and every rank runs it through agreement.run_request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+
+from . import __version__, paths, protocol
+from .agreement import run_request
+from .attention import kernel_name
+from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
+from .control import StepGate, broadcast_message
+from .errors import UserError
+from .executor import Executor
+from .models import registry
+from .protocol import Message
+from .request import RequestError, SampleRequest
+from .runtime import Runtime
+from .server import Job, SocketServer
+
+log = logging.getLogger("xdit_backend.leader")
+
+
+class Leader:
+    """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
+
+    def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
+                 model_roots: tuple[str, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None):
+        self.rt = rt
+        self.model_roots = model_roots  # where model and LoRA files may come from (empty: anywhere)
+        self.server = SocketServer(socket_path, self.status, limits, tcp, token)
+        self.ranks = ranks
+        self.heartbeat = heartbeat
+        self.gate = StepGate(rt.control)
+        self.executor = Executor(rt)
+
+    def status(self) -> dict:
+        return {
+            "pid": int(os.environ.get(paths.LAUNCHER_PID_ENV, os.getppid())),
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": __version__,
+            "world_size": self.rt.world_size,
+            "ranks": self.ranks,
+            "attention_kernel": kernel_name(self.rt.device),
+            "models": self.executor.loaded(),
+            "uptime_s": round(time.time() - self.rt.started, 3),
+            "socket": str(self.server.path),
+        }
+
+    def serve(self) -> None:
+        while True:
+            job = self.server.next_job(timeout=self.heartbeat)
+            if job is None:
+                broadcast_message(None, self.rt.control)  # heartbeat: the others' wait stays bounded
+                continue
+            try:
+                if job.type == "shutdown":
+                    broadcast_message(job.message, self.rt.control)
+                    self.server.fail_all("shutdown", "the backend is shutting down", spare=job)
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"stopped": True}}))
+                    return
+                if job.type == "unload":
+                    broadcast_message(job.message, self.rt.control)
+                    unloaded = self.executor.unload(job.message.fields.get("model"))
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
+                elif job.type == "sample":
+                    self.sample(job)
+            finally:
+                self.server.finish(job)
+
+    def resolve(self, job: Job) -> tuple[SampleRequest, str]:
+        """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
+        request = SampleRequest.parse(job.message)
+        self.check_roots(request)
+        spec = registry.spec(request.model)  # validation needs no weights
+        request.check_model(spec)
+        positive, negative = request.conditioning(spec)
+        if positive is None and request.model not in registry.BUILTINS:
+            keys = ", ".join(spec.conditioning_shapes(1, 1))
+            raise RequestError(f"model {request.model} needs text conditioning: send {keys} "
+                               "(and the same with a negative_ prefix for cfg > 1)",
+                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
+        if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
+            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
+        tokens, rows = spec.token_grid(request.width, request.height, request.frames)
+        text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks)
+        if request.parallel is None:
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)
+            why = f"auto: {why}"
+        else:
+            config, why = request.parallel, "as requested"
+            config.validate(self.rt.world_size, model_facts, facts, self.devices())
+        if config.pipefusion > 1 and request.sampler != "euler":
+            raise RequestError(f"PipeFusion steps patches with Euler; sampler {request.sampler!r} needs whole steps",
+                               "use sampler euler with PipeFusion, or a layout without pipefusion")
+        tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
+        fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
+        return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
+
+    def check_roots(self, request: SampleRequest) -> None:
+        """Model and LoRA files only from the configured roots, symlinks and '..' resolved first."""
+        files = ([("model", request.model)] if request.model not in registry.BUILTINS else []) + \
+            [("LoRA", spec.path) for spec in request.loras]
+        for what, path in files:
+            if not paths.inside_roots(path, self.model_roots):
+                raise RequestError(f"{what} {path} is outside the model roots this backend serves "
+                                   f"({', '.join(map(str, self.model_roots))})",
+                                   "put the file under one of them, or start the backend with another --model-root")
+
+    def devices(self) -> str:
+        kinds = sorted({r["device_name"] for r in self.ranks})
+        return f"{self.rt.world_size} ranks on {', '.join(kinds)}"
+
+    def sample(self, job: Job) -> None:
+        try:
+            request, layout = self.resolve(job)
+        except UserError as exc:
+            kind = "config" if isinstance(exc, ConfigError) else "bad_request"
+            job.fail(kind, exc.message, exc.hint)
+            return
+        except Exception as exc:  # e.g. out of memory while building the model
+            log.exception("request %s could not be prepared", job.id)
+            job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
+                     rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
+            return
+        broadcast_message(Message("sample", request.to_fields(), request.tensors), self.rt.control)  # follower.py
+
+        def after_step(done: int, total: int) -> bool:
+            job.progress(done, total)
+            return self.gate.passes(stop=job.cancelled)
+
+        outcome = run_request(self.rt, self.gate, self.executor, request, after_step)
+        if outcome.failures is not None:
+            self.report_failure(job, outcome.failures)
+            return
+        if outcome.stopped:
+            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
+            return
+        info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
+                "order": {"arrival": job.arrival, "execution": job.execution}}
+        if outcome.profile is not None:
+            info["profile"] = outcome.profile
+        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
+                          {"samples": outcome.latent}))
+
+    def report_failure(self, job: Job, failures: list) -> None:
+        """Name the rank whose own work failed (not one that only timed out waiting for it)."""
+        raised = [f for f in failures if f]
+        cause = next((f for f in raised if not f["waiting"]), raised[0] if raised else None)
+        if cause is None:
+            job.fail("model_error", "the request failed on a rank that reported no error", "see the backend log")
+            return
+        job.fail("model_error", f"rank {cause['rank']}: {cause['error']}",
+                 "the other ranks left their collectives and the backend keeps serving; see the backend log "
+                 "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])

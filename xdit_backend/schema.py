@@ -1,0 +1,156 @@
+"""The ``sample`` request's fields, declared once.
+
+Everything else is derived from ``SAMPLE``:
+- the JSON types the wire accepts (``protocol.REQUEST_FIELDS["sample"]``, checked before anything else);
+- the request object, its reading and range checks (``request.SampleRequest`` and ``parse``);
+- what rank 0 broadcasts to the other ranks (``SampleRequest.to_fields``, read back by ``parse``);
+- the ``xdit-backend sample`` flags (``add_flags`` / ``flag_fields``);
+- the nodes' names, defaults and ranges (``fields``, the constants below).
+
+Light on purpose: protocol.py and the ComfyUI nodes import it, so it imports no torch. The
+names a ``choice`` may take live with their code (sampling/samplers.py, sampling/schedulers.py);
+request.py looks them up by the registry name given here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+MAX_SIDE = 16384
+MAX_STEPS = 10000
+MAX_BATCH = 64
+SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
+MAX_FRAMES = 1025
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on the CPU, bfloat16 on CUDA
+NUMBER = (int, float)
+
+# How request.py reads a field's wire value into the request (and writes it back for the ranks):
+KINDS = ("text", "int", "float", "bool", "choice", "dtype", "layout", "loras")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a ``sample`` request."""
+
+    name: str  # on the wire (JSON), and ``--name-with-dashes`` on the command line
+    wire: type | tuple  # the JSON types accepted
+    kind: str  # one of KINDS
+    type: str  # the request attribute's annotation
+    default: object = None  # the value when the field is absent; None: absent means "not given"
+    low: float | None = None  # a number's inclusive range
+    high: float | None = None
+    choices: tuple | str = ()  # a choice's names, or the registry that holds them ("samplers", "schedulers")
+    attr: str = ""  # the request attribute, when it differs from ``name``
+    required: str = ""  # the error when the field is missing ("": optional)
+    help: str = ""
+    flag: str = ""  # the command-line flag, when it differs from --name (booleans: the one that sets it)
+    cli: bool = True  # False: the CLI builds the field from its own flags (the layout's degrees)
+
+    @property
+    def attribute(self) -> str:
+        return self.attr or self.name
+
+    @property
+    def option(self) -> str:
+        if self.flag:
+            return self.flag
+        return ("--no-" if self.default is True else "--") + self.name.replace("_", "-")
+
+
+SAMPLE: tuple[Field, ...] = (
+    Field("model", str, "text", "str", required="a sample request needs a 'model' (a built-in name such as flux-tiny)",
+          help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder"),
+    Field("width", int, "int", "int", 1024, 16, MAX_SIDE, help="pixels"),
+    Field("height", int, "int", "int", 1024, 16, MAX_SIDE, help="pixels"),
+    Field("batch", int, "int", "int", 1, 1, MAX_BATCH, help="images (or videos) generated together"),
+    Field("steps", int, "int", "int", 20, 1, MAX_STEPS, help="steps of the schedule"),
+    Field("seed", int, "int", "int", 0, *SEED_RANGE, help="the noise seed (ComfyUI's: the same seed, the same noise)"),
+    Field("cfg", NUMBER, "float", "float", 1.0, 0.0, 100.0, help="true CFG scale (uses the negative when > 1)"),
+    Field("guidance", NUMBER, "float", "float | None", None, 0.0, 100.0,
+          help="Flux guidance embedding (default: the model's, 3.5; only Flux.1-dev-style models take one)"),
+    Field("shift", NUMBER, "float", "float | None", None, 1e-3, 100.0,
+          help="flow shift (default: the model's, Flux 1.15)"),
+    Field("parallel", (dict, str), "layout", "ParallelConfig | None", "auto", cli=False,
+          help='the layout: degrees such as {"ulysses": 2}, or "auto" (the backend picks one for its world size)'),
+    Field("profile", bool, "bool", "bool", False,
+          help="report step times, traffic, memory and the request each rank ran (the bench asks for it)"),
+    Field("dtype", str, "dtype", "str", "auto", choices=DTYPE_NAMES,
+          help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)"),
+    Field("loras", list, "loras", "tuple", [], flag="--lora",
+          help="LoRA files merged into the weights at load, in order: [{path, strength}, ...]; on the command "
+               "line PATH[:STRENGTH], repeated (strength 1 by default)"),
+    Field("frames", int, "int", "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
+    Field("start_step", int, "int", "int", 0, 0, MAX_STEPS,
+          help="first step of the --steps schedule to run (KSamplerAdvanced; Wan 2.2's two experts are two runs)"),
+    Field("end_step", int, "int", "int | None", None, 0, MAX_STEPS, help="step to stop at (default: the last)"),
+    Field("add_noise", bool, "bool", "bool", True,
+          help="False / --no-add-noise: the input latent already holds its noise (a second expert's run)"),
+    Field("return_with_leftover_noise", bool, "bool", "bool", False, attr="leftover_noise", flag="--leftover-noise",
+          help="stop at --end-step's noise level instead of denoising fully (for a second run)"),
+    Field("sampler", str, "choice", "str", "euler", choices="samplers", help="ComfyUI's sampler names"),
+    Field("scheduler", str, "choice", "str", "simple", choices="schedulers",
+          help='ComfyUI\'s scheduler names; a "sigmas" tensor overrides it'),
+    Field("denoise", NUMBER, "float", "float", 1.0, 0.0, 1.0,
+          help="< 1: img2img, the tail of a longer schedule, as KSampler does it"),
+    Field("compile", bool, "bool", "bool", False,
+          help="torch.compile the transformer's blocks (the first request compiles; the backend keeps the "
+               "compiled model for later requests, at any size)"),
+)
+FIELDS = {field.name: field for field in SAMPLE}
+
+
+def wire_types() -> dict[str, type | tuple]:
+    """The JSON types of a ``sample`` message's fields, for protocol.py."""
+    return {field.name: field.wire for field in SAMPLE}
+
+
+def fields(**values) -> dict:
+    """A request's wire fields from keyword values (the nodes build theirs with it): every name
+    must be a field of SAMPLE, and None leaves an optional field out."""
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise KeyError(f"{', '.join(unknown)}: not a field of a sample request (fields: {', '.join(FIELDS)})")
+    return {name: value for name, value in values.items() if value is not None}
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def lora_entry(text: str) -> dict:
+    """PATH or PATH:STRENGTH → {"path", "strength"}."""
+    path, _, strength = text.rpartition(":") if ":" in text else (text, "", "1")
+    try:
+        return {"path": path, "strength": float(strength)}
+    except ValueError:
+        return {"path": text, "strength": 1.0}
+
+
+_ARG_TYPES = {"int": int, "float": float, "text": str, "choice": str, "dtype": str}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field the CLI takes as it is (``cli``). Every flag defaults to None (absent):
+    the backend applies the field's default, so the defaults live in SAMPLE only."""
+    for field in SAMPLE:
+        if not field.cli:
+            continue
+        shown = "" if field.default is None or field.kind in ("bool", "loras") else f" (default {field.default})"
+        kwargs = {"dest": field.name, "default": None, "help": field.help + shown}
+        if field.kind == "bool":
+            kwargs.update(action="store_const", const=not field.default)
+        elif field.kind == "loras":
+            kwargs.update(action="append", type=lora_entry, metavar="PATH[:STRENGTH]")
+        else:
+            kwargs["type"] = _ARG_TYPES[field.kind]
+            if isinstance(field.choices, tuple) and field.choices:
+                kwargs["choices"] = field.choices
+        if field.required:
+            kwargs["required"] = True
+        parser.add_argument(field.option, **kwargs)
+
+
+def flag_fields(args: argparse.Namespace) -> dict:
+    """The wire fields the flags of ``add_flags`` gave (absent flags are left out)."""
+    return {field.name: getattr(args, field.name) for field in SAMPLE
+            if field.cli and getattr(args, field.name, None) is not None}
