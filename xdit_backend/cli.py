@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     scaling = bench_kinds.add_parser("scaling", help="MODELED step times on 2/4/8 GPUs, NVLink and PCIe (no GPU needed)")
     scaling.add_argument("--t1", type=float, default=None,
                          help="one GPU's step time in seconds (default: xDiT's published Flux.1-dev 1024² figure)")
+    versus = bench_kinds.add_parser("versus-diffusers", help="one Flux forward on the CPU: our sequence "
+                                    "parallelism against diffusers' context parallelism, same model and inputs")
+    versus.add_argument("--width", type=int, default=1024)
+    versus.add_argument("--height", type=int, default=1024)
+    versus.add_argument("--text-tokens", type=int, default=256)
+    versus.add_argument("--repeats", type=int, default=3)
+    versus.add_argument("--layouts", nargs="+", default=["ulysses=2", "ring=2"])
     error = bench_kinds.add_parser("pipefusion-error", help="PipeFusion's distance to serial by patches, warm-up, steps")
     error.add_argument("--stages", type=int, default=2)
     error.add_argument("--width", type=int, default=512)
@@ -209,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         from .scaling import run_scaling_model
 
         handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
+    elif args.command == "bench" and args.bench == "versus-diffusers":
+        from .versus import run_versus_diffusers_bench
+
+        handler = lambda a: run_versus_diffusers_bench(a.width, a.height, a.text_tokens, a.repeats,  # noqa: E731
+                                                       tuple(a.layouts))
     elif args.command == "bench" and args.bench == "pipefusion-error":
         from .bench import run_pipefusion_error_bench
 
