@@ -39,6 +39,7 @@ from .parallel import traffic
 from .parallel.denoiser import Denoiser
 from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from .sampling.generate import GenerationStopped, generate
+from .sampling.samplers import ONE_CALL_PER_STEP
 from .server import Job, SocketServer
 
 log = logging.getLogger("xdit_backend.worker")
@@ -168,7 +169,7 @@ class Executor:
             # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
             # moved: the other stages' weights are never read from disk nor copied to the device.
             model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
-            blocks = keep_stage(model.transformer, start, end)
+            blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
             model.transformer.to(self.rt.device)
             self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]
@@ -320,9 +321,12 @@ class Leader:
         else:
             config, why = request.parallel, "as requested"
             config.validate(self.rt.world_size, model_facts, facts, self.devices())
-        if config.pipefusion > 1 and request.sampler != "euler":
-            raise RequestError(f"PipeFusion steps patches with Euler; sampler {request.sampler!r} needs whole steps",
-                               "use sampler euler with PipeFusion, or a layout without pipefusion")
+        if config.pipefusion > 1 and request.sampler not in ONE_CALL_PER_STEP:
+            raise RequestError(f"sampler {request.sampler!r} cannot run with PipeFusion: it calls the model twice in "
+                               "a step, the second time at a point the first call produces, so a patch would have to "
+                               "pass through every stage twice per step with the other patches waiting",
+                               f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
+                               "pipefusion")
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"

@@ -13,7 +13,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import DiffusionModel, FamilySpec
+from .base import DiffusionModel, FamilySpec, StagePlan
 
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
@@ -58,6 +58,8 @@ class FluxSpec(FamilySpec):
     attention = "joint"  # text and image tokens in one attention (MM-DiT)
     positions = "rope-2d"
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
+    stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
+                           attention=(("attn", "flux", True),), joint_text=True)
 
     @property
     def default_guidance(self) -> float | None:
@@ -108,6 +110,43 @@ class FluxModel(DiffusionModel):
         if slices is not None:
             velocity = slices.gather(velocity)  # [B, N/P, 64] → [B, N, 64]
         return unpack(velocity, h, w)  # [B, 16, h, w]
+
+    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
+
+    def positions(self, shape):
+        return image_ids(shape[-2], shape[-1]).to(self.device)  # [N, 3]
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time (and guidance) embedding, as diffusers' forward computes it."""
+        t = self.transformer
+        timestep = timestep.to(self.device, self.dtype).to(self.dtype) * 1000  # [B]
+        pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]
+        if self.has_guidance:
+            scale = torch.full(timestep.shape, guidance, device=self.device).to(self.dtype) * 1000
+            temb = t.time_text_embed(timestep, scale, pooled)
+        else:
+            temb = t.time_text_embed(timestep, pooled)
+        return {"temb": temb, "context": cond["context"]}  # temb [B, D]
+
+    def embed(self, x, tokens, inputs, positions):
+        return self.transformer.x_embedder(pack(x))  # [B, C, rows, w] → [B, n, 64] → [B, n, D]
+
+    def embed_text(self, inputs):
+        return self.transformer.context_embedder(inputs["context"].to(self.device, self.dtype))  # [B, L, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        ids = torch.cat([positions.new_zeros(text_tokens, 3), positions[tokens]])  # [L + n, 3]
+        return {"temb": inputs["temb"], "image_rotary_emb": self.transformer.pos_embed(ids)}
+
+    def run_block(self, block, image, text, kwargs):
+        text, image = block(hidden_states=image, encoder_hidden_states=text, **kwargs)
+        return image, text
+
+    def head(self, image, inputs):
+        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
+
+    def unpatchify(self, tokens, shape):
+        return unpack(tokens, shape[-2], shape[-1])  # [B, n, 64] → [B, 16, rows, w]
 
 
 def attention_inputs(attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None):
