@@ -7,7 +7,7 @@ import torch
 
 from test_families import FAMILIES, bound, serial_latent
 from test_families import fields as family_fields
-from xdit_backend.client import BackendError
+from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
@@ -157,3 +157,17 @@ def test_family_stale_kv_is_a_small_perturbation(model, backend2):
     staleness = (result["samples"] - reference).norm()
     assert torch.isfinite(result["samples"]).all() and staleness > 0
     assert 10 * staleness < (other - reference).norm()
+
+
+def test_cancel_stops_every_stage_and_the_next_request_is_right(backend2):
+    """A cancel after step 3 of 200 (4 patches, pipelined steps): the request ends within a few steps
+    (the gate stops every rank within two of its own steps), and the next request is exact again."""
+    layout = {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 1}
+    first, _ = backend2.sample({**FIELDS, "parallel": layout}, conditioning())
+    seen = []
+    with pytest.raises(Cancelled):
+        backend2.sample({**FIELDS, "steps": 200, "parallel": layout}, conditioning(),
+                        on_progress=lambda step, total, elapsed: seen.append(step), should_cancel=lambda: len(seen) >= 3)
+    assert max(seen) < 20, seen
+    again, _ = backend2.sample({**FIELDS, "parallel": layout}, conditioning())
+    assert torch.equal(first["samples"], again["samples"])

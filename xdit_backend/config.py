@@ -49,7 +49,7 @@ class ParallelConfig:
 
     dp:          data parallel: the batch is split into ``dp`` slices, one per group of ranks.
     cfg:         1 or 2: with 2, the conditional and unconditional passes run on the two halves.
-    pipefusion:  pipeline stages over the transformer blocks (PipeFusion; not in this version).
+    pipefusion:  pipeline stages over the transformer blocks (PipeFusion, parallel/pipefusion.py).
     ring:        sequence parallel: image tokens split ``ring`` ways, K/V passed around a ring.
     ulysses:     sequence parallel: image tokens split ``ulysses`` ways, heads exchanged all-to-all.
     num_pipeline_patch: PipeFusion's patches per step (default: the number of stages; more overlaps better).

@@ -132,7 +132,8 @@ class PipeFusion:
         self.sides = self._sides(begin)
         self.batch = self.sides["context"].shape[0]
         self.text = self.sides["context"].shape[1] if self.plan.joint_text else 0
-        self.width = self.model.transformer.config.num_attention_heads * self.model.transformer.config.attention_head_dim
+        config = self.model.transformer.config
+        self.width = config.num_attention_heads * config.attention_head_dim  # the blocks' hidden size D
         pt, ph, pw = self.model.spec.patch
         frames = shape[2] // pt if len(shape) == 5 else 1
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
@@ -196,7 +197,7 @@ class PipeFusion:
         return self.bands[item.first][0] * self.latent_rows, self.bands[item.end - 1][1] * self.latent_rows
 
     def _tokens(self, item) -> tuple[torch.Tensor, torch.Tensor]:
-        """The item's image tokens in the whole sequence [n] (frames × band rows × columns), and this rank's slice."""
+        """The item's tokens in the whole image sequence [n] (frames × band rows × columns), and this rank's slice."""
         band = self.grid[:, self.bands[item.first][0]:self.bands[item.end - 1][1]].reshape(-1)
         per = band.numel() // self.sp_parts
         return band, band[self.sp_index * per:(self.sp_index + 1) * per]
@@ -210,7 +211,7 @@ class PipeFusion:
             for index in schedule.window(gates[self.stages - 1], gate):
                 item = self.work[index]
                 a, b = self._rows(item)
-                buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)  # [B, C, (T,) rows, w]
+                buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)
                 self.returns.append((item, a, b, buffer, _irecv(buffer, self._peer(self.stages - 1))))
                 self.trace.append(("post", item.step, item.first))
             return
@@ -273,7 +274,7 @@ class PipeFusion:
     def _sample(self, item, out: torch.Tensor, sigma: torch.Tensor) -> None:
         """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""
         if self.sp_group is not None:
-            out = stale_kv._gather(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
+            out = stale_kv.gather_tokens(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
         a, b = self._rows(item)
         shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
         raw = self.model.unpatchify(out, shape).float()  # [batch, C, (T,) b − a, w]

@@ -71,14 +71,15 @@ class StaleKV:
             self.buffer.write(chunk.text, key[:, :L], value[:, :L], chunk.total)
         fresh_k, fresh_v = key[:, L:], value[:, L:]  # [B, n/P, H, D]
         if self.sp_group is not None:
-            fresh_k, fresh_v = (_gather(t, self.sp_group) for t in (fresh_k, fresh_v))  # [B, n, H, D]
+            fresh_k, fresh_v = (gather_tokens(t, self.sp_group) for t in (fresh_k, fresh_v))  # [B, n, H, D]
         self.buffer.write(chunk.image, fresh_k, fresh_v, chunk.total)
         k_all, v_all = self.buffer.read()  # [B, written, H, D]
         out, _ = self.kernel(query, k_all, v_all)  # [B, S, H, D]
         return out.to(query.dtype)
 
 
-def _gather(local: torch.Tensor, group) -> torch.Tensor:
+def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
+    """[B, n/P, ...] on each rank of the sequence group → [B, n, ...] on every rank."""
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)  # P × [B, n/P, H, D]
     return torch.cat(parts, dim=1)  # [B, n, H, D], in sequence-index order

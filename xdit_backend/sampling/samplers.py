@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .model_sampling import FlowSampling
-from .noise import NoiseFn, StepNoise  # noqa: F401  (StepNoise: the samplers' noise, imported from here by callers)
+from .noise import StepNoise
 
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc")
 ONE_CALL_PER_STEP = ("euler", "euler_ancestral", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc")
