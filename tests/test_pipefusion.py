@@ -1,14 +1,19 @@
 """PipeFusion: exact with full warm-up, a small perturbation with stale K/V, 1/N of the blocks per
-rank, and receives posted ahead of use."""
+rank, and receives posted ahead of use; for every family (the parity matrix as data), in each
+hybrid, with every sampler that makes one model call per step."""
 
 import pytest
 import torch
 
+from test_families import FAMILIES, bound, serial_latent
+from test_families import fields as family_fields
+from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.sampling.samplers import ONE_CALL_PER_STEP
 
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 21, "cfg": 3.5, "batch": 2}
 
@@ -101,3 +106,68 @@ def test_stages_are_balanced_by_parameters():
     assert stage_bounds([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
     assert stage_bounds([1, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert stage_bounds([1, 1, 1, 1], 2, counts=(3, 1)) == [(0, 3), (3, 4)]
+
+
+# -- every family, every hybrid, every one-call sampler --------------------------------------------
+# Full warm-up: the model runs on the whole latent at every step, so the result is exact; the
+# sampler still walks each patch separately (its own history, its band of the shared noise).
+
+FAMILY_LAYOUTS = [(2, {"pipefusion": 2, "num_pipeline_patch": 4}), (4, {"pipefusion": 2, "ulysses": 2}),
+                  (4, {"pipefusion": 2, "cfg": 2})]
+
+
+def family_case_id(case):
+    model, (world, degrees) = case
+    return f"{model}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
+
+
+@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in FAMILY_LAYOUTS], ids=family_case_id)
+def test_family_full_warmup_equals_serial(case, request):
+    model, (world, degrees) = case
+    client = request.getfixturevalue(f"backend{world}")
+    message = family_fields(model)
+    result, _ = client.sample({**message, "parallel": {**degrees, "warmup_steps": message["steps"]}})
+    reference = serial_latent(message)
+    difference = (result["samples"] - reference).abs().max().item()
+    assert difference <= bound(reference), f"{family_case_id(case)}: max |pipefusion − serial| = {difference:.3g}"
+
+
+@pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])
+def test_multistep_samplers_keep_a_history_per_patch(sampler, backend2):
+    """4 patches, full warm-up: each patch's walk equals its band of the serial walk."""
+    message = family_fields("sd3-tiny", sampler=sampler, steps=4)
+    result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
+                                                         "warmup_steps": 4}})
+    reference = serial_latent(message)
+    assert (result["samples"] - reference).abs().max() <= bound(reference), sampler
+
+
+def test_a_sampler_with_two_calls_per_step_is_refused_by_name(backend2):
+    with pytest.raises(BackendError, match="sampler 'heun' cannot run with PipeFusion: it calls the model twice"):
+        backend2.sample({**family_fields("sd3-tiny", sampler="heun"), "parallel": {"pipefusion": 2}})
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_family_stale_kv_is_a_small_perturbation(model, backend2):
+    """warm-up 1, 4 patches: finite, inexact, and far closer to serial than another seed is."""
+    message = family_fields(model, steps=6)
+    result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
+                                                         "warmup_steps": 1}})
+    reference, other = serial_latent(message), serial_latent({**message, "seed": 8})
+    staleness = (result["samples"] - reference).norm()
+    assert torch.isfinite(result["samples"]).all() and staleness > 0
+    assert 10 * staleness < (other - reference).norm()
+
+
+def test_cancel_stops_every_stage_and_the_next_request_is_right(backend2):
+    """A cancel after step 3 of 200 (4 patches, pipelined steps): the request ends within a few steps
+    (the gate stops every rank within two of its own steps), and the next request is exact again."""
+    layout = {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 1}
+    first, _ = backend2.sample({**FIELDS, "parallel": layout}, conditioning())
+    seen = []
+    with pytest.raises(Cancelled):
+        backend2.sample({**FIELDS, "steps": 200, "parallel": layout}, conditioning(),
+                        on_progress=lambda step, total, elapsed: seen.append(step), should_cancel=lambda: len(seen) >= 3)
+    assert max(seen) < 20, seen
+    again, _ = backend2.sample({**FIELDS, "parallel": layout}, conditioning())
+    assert torch.equal(first["samples"], again["samples"])

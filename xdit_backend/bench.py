@@ -258,8 +258,9 @@ def plot(summaries: list[dict], path: Path, title: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def run_pipefusion_error_bench(stages: int, width: int, height: int) -> int:
-    """Relative L2 distance to serial for patches ∈ {N, 2N}, warm-up ∈ {0, 1, 2}, steps ∈ {4, 8, 20}."""
+def run_pipefusion_error_bench(stages: int, width: int, height: int, models: tuple[str, ...] = ("flux-tiny",),
+                               frames: int = 1) -> int:
+    """Per model: relative L2 distance to serial for patches ∈ {N, 2N}, warm-up ∈ {0, 1, 2}, steps ∈ {4, 8, 20}."""
     import torch
 
     from .models import registry
@@ -268,34 +269,38 @@ def run_pipefusion_error_bench(stages: int, width: int, height: int) -> int:
     from .request import SampleRequest
     from .sampling.generate import generate
 
-    fields = {"model": "flux-tiny", "width": width, "height": height, "seed": 3, "cfg": 3.5, "batch": 1}
-    spec = registry.spec("flux-tiny")
-    positive, negative = registry.random_conditioning("flux-tiny", 1, 3, spec)
-    tensors = {**positive, **{f"negative_{k}": v for k, v in negative.items()}}
-    model = registry.build("flux-tiny", torch.device("cpu"))
-    rows = []
     with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
         options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=stages, device="cpu")
         launcher.start(options)
         try:
             client = Client(options.socket)
-            for steps in (4, 8, 20):
-                request = SampleRequest.parse(Message("sample", {**fields, "steps": steps}, tensors))
-                with torch.no_grad():
-                    serial = generate(Denoiser(model), request.generation(spec, *request.conditioning(spec)))
-                cells = []
-                for patches in (stages, 2 * stages):
-                    for warmup in (0, 1, 2):
-                        layout = {"pipefusion": stages, "num_pipeline_patch": patches, "warmup_steps": warmup}
-                        result, _ = client.sample({**fields, "steps": steps, "parallel": layout}, tensors)
-                        error = (result["samples"] - serial).norm() / serial.norm()
-                        cells.append(f"{error.item():.2e}")
-                rows.append(f"| {steps} | " + " | ".join(cells) + " |")
+            for model in models:
+                spec = registry.spec(model)
+                size = {"width": width, "height": height, "frames": frames if spec.video else 1}
+                fields = {"model": model, **size, "seed": 3, "cfg": 3.5, "batch": 1}
+                positive, negative = registry.random_conditioning(model, 1, 3, spec)
+                tensors = {**positive, **{f"negative_{k}": v for k, v in negative.items()}}
+                weights = registry.build(model, torch.device("cpu"))
+                rows = []
+                for steps in (4, 8, 20):
+                    request = SampleRequest.parse(Message("sample", {**fields, "steps": steps}, tensors))
+                    with torch.no_grad():
+                        serial = generate(Denoiser(weights), request.generation(spec, *request.conditioning(spec)))
+                    cells = []
+                    for patches in (stages, 2 * stages):
+                        for warmup in (0, 1, 2):
+                            layout = {"pipefusion": stages, "num_pipeline_patch": patches, "warmup_steps": warmup}
+                            result, _ = client.sample({**fields, "steps": steps, "parallel": layout}, tensors)
+                            error = (result["samples"] - serial).norm() / serial.norm()
+                            cells.append(f"{error.item():.2e}")
+                    rows.append(f"| {steps} | " + " | ".join(cells) + " |")
+                head = " | ".join(f"M={m}, warm-up {w}" for m in (stages, 2 * stages) for w in (0, 1, 2))
+                frames_text = f"×{size['frames']} frames" if spec.video else ""
+                print(f"PipeFusion {stages} stages, {model} {width}×{height}{frames_text}, cfg 3.5: "
+                      "relative L2 distance to serial\n")
+                print(f"| steps | {head} |\n|---|" + "---|" * 6 + "\n" + "\n".join(rows) + "\n")
         finally:
             launcher.stop(options.socket)
-    head = " | ".join(f"M={m}, warm-up {w}" for m in (stages, 2 * stages) for w in (0, 1, 2))
-    print(f"PipeFusion {stages} stages, flux-tiny {width}×{height}, cfg 3.5: relative L2 distance to serial\n")
-    print(f"| steps | {head} |\n|---|" + "---|" * 6 + "\n" + "\n".join(rows))
     return 0
 
 

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     error.add_argument("--stages", type=int, default=2)
     error.add_argument("--width", type=int, default=512)
     error.add_argument("--height", type=int, default=512)
+    error.add_argument("--frames", type=int, default=5, help="video frames, for a video model")
+    error.add_argument("--model", nargs="+", default=["flux-tiny"],
+                       help="built-in models, one table each (e.g. flux-tiny sd3-tiny pixart-tiny wan-tiny)")
     return parser
 
 
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.bench == "pipefusion-error":
         from .bench import run_pipefusion_error_bench
 
-        handler = lambda a: run_pipefusion_error_bench(a.stages, a.width, a.height)  # noqa: E731
+        handler = lambda a: run_pipefusion_error_bench(a.stages, a.width, a.height, tuple(a.model), a.frames)  # noqa: E731
     elif args.command == "bench":
         from .bench import DEFAULT_LAYOUTS, run_layout_bench
 

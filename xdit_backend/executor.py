@@ -79,7 +79,7 @@ class Executor:
             # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
             # moved: the other stages' weights are never read from disk nor copied to the device.
             model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
-            blocks = keep_stage(model.transformer, start, end)
+            blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
             model.transformer.to(self.rt.device)
             self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]

@@ -24,6 +24,7 @@ from .models import registry
 from .protocol import Message
 from .request import RequestError, SampleRequest
 from .runtime import Runtime
+from .sampling.samplers import ONE_CALL_PER_STEP
 from .server import Job, SocketServer
 
 log = logging.getLogger("xdit_backend.leader")
@@ -100,9 +101,12 @@ class Leader:
         else:
             config, why = request.parallel, "as requested"
             config.validate(self.rt.world_size, model_facts, facts, self.devices())
-        if config.pipefusion > 1 and request.sampler != "euler":
-            raise RequestError(f"PipeFusion steps patches with Euler; sampler {request.sampler!r} needs whole steps",
-                               "use sampler euler with PipeFusion, or a layout without pipefusion")
+        if config.pipefusion > 1 and request.sampler not in ONE_CALL_PER_STEP:
+            raise RequestError(f"sampler {request.sampler!r} cannot run with PipeFusion: it calls the model twice in "
+                               "a step, the second time at a point the first call produces, so a patch would have to "
+                               "pass through every stage twice per step with the other patches waiting",
+                               f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
+                               "pipefusion")
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"

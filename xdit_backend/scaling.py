@@ -15,8 +15,8 @@ was replicated a rank held L + T/P: 1536 of Flux's 4608 tokens at P = 4, a 3.0×
 - Ring (K/V blocks passed while the previous block computes): the attention share α of the
   compute hides communication: T = C_N + max(0, V/W − α·C_N) + K·λ.
 - CFG parallel (N = 2: one all-gather of the output per step): T = t1/2 + V/W + λ.
-- PipeFusion (N stages, M patches; the step gate drains the pipeline every step): T = C_N·(M+N−1)/M,
-  activations sent during compute (assumed hidden).
+- PipeFusion (N stages, M patches; steps overlap, so the pipeline fills once per generation, not
+  at every step): T = C_N per step after warm-up, activations sent during compute (assumed hidden).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def compute_share(t1: float, degrees: dict) -> float:
     return t1 * share / (degrees.get("cfg", 1) * degrees.get("pipefusion", 1))
 
 
-def predict(t1: float, degrees: dict, link: Link, patches: int | None = None) -> float:
+def predict(t1: float, degrees: dict, link: Link) -> float:
     """Modeled step time (s) of one layout for Flux.1-dev at 1024² in bf16 (see the module doc)."""
     world = 1
     for name in ("ulysses", "ring", "cfg", "pipefusion"):
@@ -77,9 +77,8 @@ def predict(t1: float, degrees: dict, link: Link, patches: int | None = None) ->
     sent = sent / 2  # traffic_formula counts float32 elements; the GPU runs bf16
     lag = collectives(degrees, FLUX_DEV["attention_layers"]) * link.latency
     stages = degrees.get("pipefusion", 1)
-    if stages > 1:
-        m = patches or stages
-        return share * (m + stages - 1) / m
+    if stages > 1:  # the pipeline stays full from step to step (parallel/schedule.py)
+        return share
     if degrees.get("ring", 1) > 1:
         return share + max(0.0, sent / link.bandwidth - ATTENTION_SHARE * share) + lag
     return share + sent / link.bandwidth + lag
@@ -107,7 +106,7 @@ def run_scaling_model(t1: float | None = None) -> int:
         base = t1 * (2 if "cfg" in degrees else 1)  # true CFG: the single GPU runs both passes
         cells = []
         for link in (NVLINK, PCIE):
-            step = predict(base, degrees, link, patches=8 if "pipefusion" in degrees else None)
+            step = predict(base, degrees, link)
             cells.append(f"{step * 1e3:.0f} ({base / step:.2f}×)")
         published = PUBLISHED.get(name)
         note = f"{published * 28:.2f} s ({PUBLISHED['t1'] / published:.2f}×)" if published else ""

@@ -2,7 +2,9 @@
 
 A family module (flux.py, sd3.py, pixart.py, wan.py) declares, as data on its spec: the
 conditioning it takes, its latent format, its model sampling, how sequence parallelism cuts its
-tokens and positions (its SequencePlan), and the parallel methods it supports.
+tokens and positions (its SequencePlan), how PipeFusion cuts it into stages (its StagePlan), and
+the parallel methods it supports. Where PipeFusion needs code (a patch entering and leaving a
+stage), the family's model wrapper implements the few ``DiffusionModel`` stage methods below.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ class FamilySpec(ABC):
     latent_format:    models/latent_formats.py (ComfyUI's constants; a property where it depends on the model)
     parallel_methods: the degrees it can run with > 1 (config.DEGREES)
     sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
+    stage_plan:       how PipeFusion cuts its blocks into stages and keeps stale K/V (StagePlan)
     and the dataclass fields ``heads`` (attention heads: Ulysses splits them) and ``blocks``
     (transformer blocks: PipeFusion cuts them into stages).
     """
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan", "heads",
-                                           "blocks")
+    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan",
+                                           "stage_plan", "heads", "blocks")
 
     vae_factor = 8  # pixels per latent cell (Wan 2.2-5B's VAE: 16)
     patch = (1, 2, 2)  # latent cells per token: (frames, rows, columns)
@@ -137,6 +140,42 @@ class DiffusionModel(ABC):
         """The transformer's raw prediction for the whole latent ``x``, in latent shape. Under sequence
         parallelism the same call runs: the plan's hooks cut the tokens inside (parallel/sequence.py)."""
 
+    # PipeFusion (parallel/pipefusion.py): a patch is a band of token rows, [B, C, (T,) rows, w] in
+    # the latent; ``tokens`` [n] are its tokens' indices in the whole image sequence (frames × rows ×
+    # columns, row-major), so positions are always those of the whole latent.
+
+    def positions(self, shape: tuple[int, ...]):
+        """The position table of the whole latent ``shape`` (absolute embeddings or RoPE), once per generation."""
+        raise NotImplementedError
+
+    def step_inputs(self, shape: tuple[int, ...], timestep: torch.Tensor, cond: dict, guidance) -> dict:
+        """What every stage needs at this step besides the tokens (time embedding, projected text, masks)."""
+        raise NotImplementedError
+
+    def embed(self, x: torch.Tensor, tokens: torch.Tensor, inputs: dict, positions) -> torch.Tensor:
+        """Stage 0: the patch x [B, C, (T,) rows, w] (model input) → its tokens [B, n, D], positions added."""
+        raise NotImplementedError
+
+    def embed_text(self, inputs: dict) -> torch.Tensor | None:
+        """Stage 0: the text tokens [B, L, D] that travel through the blocks (StagePlan.joint_text), else None."""
+        return None
+
+    def block_kwargs(self, inputs: dict, positions, tokens: torch.Tensor, text_tokens: int) -> dict:
+        """Per patch and stage: the keyword inputs of its blocks (RoPE for [text (L = text_tokens); tokens])."""
+        raise NotImplementedError
+
+    def run_block(self, block, image: torch.Tensor, text: torch.Tensor | None, kwargs: dict):
+        """One block on [B, n, D] image tokens (and [B, L, D] text tokens or None) → (image, text)."""
+        raise NotImplementedError
+
+    def head(self, image: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """Last stage: the output layers, per token: [B, n, D] → [B, n, patch values]."""
+        raise NotImplementedError
+
+    def unpatchify(self, tokens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """[B, n, patch values] of a band → the raw output in latent shape ``shape`` [B, C, (T,) rows, w]."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -179,3 +218,27 @@ class SequencePlan:
     def cuts_text(self) -> bool:
         """Whether the text tokens are split across the sequence ranks (joint models)."""
         return any(cut.text for cut in self.cuts)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How PipeFusion (parallel/pipefusion.py) cuts a family into pipeline stages, by module name.
+
+    block_lists: the transformer's ModuleLists of blocks, in execution order; a stage is a
+                 contiguous run of their concatenation (Flux: double-, then single-stream blocks).
+    attention:   (attribute name, kind, sees_text): the attention modules that keep every token's
+                 K/V and let a patch attend to the other patches' one-step-stale K/V. ``kind`` picks
+                 the processor as in SequencePlan ("joint": diffusers Attention; "flux": FluxAttention;
+                 "wan": WanAttention with 3-D RoPE); ``sees_text``: the module also attends to the
+                 text tokens (MM-DiT joint attention). Cross-attention to the text is not listed: its
+                 keys are the whole text, the same at every step, so it needs no stale K/V.
+    joint_text:  the text's hidden states change from block to block (MM-DiT), so they travel
+                 between stages with the first patch of each step; otherwise every stage takes the
+                 projected text from ``step_inputs`` itself.
+    A patch enters a stage through the family's ``embed``/``embed_text`` (stage 0) or as the
+    previous stage's activations, and leaves through ``head``/``unpatchify`` (last stage).
+    """
+
+    block_lists: tuple[str, ...]
+    attention: tuple[tuple[str, str, bool], ...]
+    joint_text: bool = False

@@ -14,7 +14,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
@@ -61,6 +61,8 @@ class FluxSpec(FamilySpec):
         cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]
               Cut("", "encoder_hidden_states", 1, text=True), Cut("", "txt_ids", 0, text=True)),  # [B, L, C], [L, 3]
         attention=(("attn", "flux"),))  # double- and single-stream blocks alike
+    stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
+                           attention=(("attn", "flux", True),), joint_text=True)
 
     @property
     def default_guidance(self) -> float | None:
@@ -103,6 +105,43 @@ class FluxModel(DiffusionModel):
             return_dict=False,
         )[0]
         return unpack(velocity, h, w)  # [B, N, 64] → [B, 16, h, w]
+
+    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
+
+    def positions(self, shape):
+        return image_ids(shape[-2], shape[-1]).to(self.device)  # [N, 3]
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time (and guidance) embedding, as diffusers' forward computes it."""
+        t = self.transformer
+        timestep = timestep.to(self.device, self.dtype).to(self.dtype) * 1000  # [B]
+        pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]
+        if self.has_guidance:
+            scale = torch.full(timestep.shape, guidance, device=self.device).to(self.dtype) * 1000
+            temb = t.time_text_embed(timestep, scale, pooled)
+        else:
+            temb = t.time_text_embed(timestep, pooled)
+        return {"temb": temb, "context": cond["context"]}  # temb [B, D]
+
+    def embed(self, x, tokens, inputs, positions):
+        return self.transformer.x_embedder(pack(x))  # [B, C, rows, w] → [B, n, 64] → [B, n, D]
+
+    def embed_text(self, inputs):
+        return self.transformer.context_embedder(inputs["context"].to(self.device, self.dtype))  # [B, L, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        ids = torch.cat([positions.new_zeros(text_tokens, 3), positions[tokens]])  # [L + n, 3]
+        return {"temb": inputs["temb"], "image_rotary_emb": self.transformer.pos_embed(ids)}
+
+    def run_block(self, block, image, text, kwargs):
+        text, image = block(hidden_states=image, encoder_hidden_states=text, **kwargs)
+        return image, text
+
+    def head(self, image, inputs):
+        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
+
+    def unpatchify(self, tokens, shape):
+        return unpack(tokens, shape[-2], shape[-1])  # [B, n, 64] → [B, 16, rows, w]
 
 
 def attention_inputs(attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling.model_sampling import EpsSampling
-from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
+from . import latent_formats, patch_embed
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,12 @@ class PixArtSpec(FamilySpec):
     sigma: bool  # PixArt-Σ (SDXL's VAE); PixArt-α uses SD 1.5's
 
     family = "pixart"
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     optional_conditioning = ("context_mask",)  # [B, L] 1 for a real text token, 0 for padding
     takes_shift = False  # discrete EPS noise levels: no flow shift
     sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),),  # [B, N, C], positions already added
                                  attention=(("attn1", "joint"),))
+    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn1", "joint", False),))
 
     @property
     def latent_format(self):
@@ -59,17 +60,62 @@ class PixArtModel(DiffusionModel):
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """ε for x [B, 4, h, w] (already scaled by 1/√(σ²+1)) at the discrete timestep [B]."""
         b, c, h, w = x.shape
-        added = {"resolution": None, "aspect_ratio": None}
-        if self.spec.size_conditioning:  # pixels, as diffusers' pipeline and ComfyUI's c_size give them
-            added = {"resolution": torch.tensor([[h * 8.0, w * 8.0]] * b, device=self.device, dtype=self.dtype),
-                     "aspect_ratio": torch.tensor([[h / w]] * b, device=self.device, dtype=self.dtype)}
         mask = cond.get("context_mask")
         out = self.transformer(
             hidden_states=x,
             encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
             timestep=timestep.to(self.device),
-            added_cond_kwargs=added,
+            added_cond_kwargs=self._size_conditioning(b, h, w),
             encoder_attention_mask=None if mask is None else mask.to(self.device),  # [B, L]
             return_dict=False,
         )[0]  # [B, 2·C, h, w]: ε, then the learned variance
         return out[:, :c]
+
+    def _size_conditioning(self, b: int, h: int, w: int) -> dict:
+        """PixArt-α's resolution and aspect-ratio inputs for a [b, C, h, w] latent (None for Σ)."""
+        if not self.spec.size_conditioning:
+            return {"resolution": None, "aspect_ratio": None}
+        # pixels, as diffusers' pipeline and ComfyUI's c_size give them
+        return {"resolution": torch.tensor([[h * 8.0, w * 8.0]] * b, device=self.device, dtype=self.dtype),
+                "aspect_ratio": torch.tensor([[h / w]] * b, device=self.device, dtype=self.dtype)}
+
+    # PipeFusion stages (base.DiffusionModel): every stage embeds the time and projects the text
+    # itself (cross-attention only reads it); the size conditioning is the whole latent's.
+
+    def positions(self, shape):
+        return patch_embed.table(self.transformer.pos_embed, shape[-2], shape[-1])  # [1, N, D]
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """As diffusers' forward prepares them: adaLN-single time embedding, projected text, text mask."""
+        t, b = self.transformer, cond["context"].shape[0]
+        time, embedded = t.adaln_single(timestep.to(self.device), self._size_conditioning(b, shape[-2], shape[-1]),
+                                        batch_size=b, hidden_dtype=self.dtype)  # [B, 6·D], [B, D]
+        context = t.caption_projection(cond["context"].to(self.device, self.dtype)).view(b, -1, t.inner_dim)
+        mask = cond.get("context_mask")
+        if mask is not None:  # [B, L] → additive bias [B, 1, L]
+            mask = ((1 - mask.to(self.device).to(self.dtype)) * -10000.0).unsqueeze(1)
+        return {"timestep": time, "embedded": embedded, "context": context, "mask": mask}
+
+    def embed(self, x, tokens, inputs, positions):
+        return patch_embed.embed_rows(self.transformer.pos_embed, x, tokens, positions)  # [B, n, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        return {"attention_mask": None, "encoder_hidden_states": inputs["context"],
+                "encoder_attention_mask": inputs["mask"], "timestep": inputs["timestep"],
+                "cross_attention_kwargs": None, "class_labels": None}
+
+    def run_block(self, block, image, text, kwargs):
+        return block(image, **kwargs), text
+
+    def head(self, image, inputs):
+        t = self.transformer
+        shift, scale = (t.scale_shift_table[None] + inputs["embedded"][:, None]).chunk(2, dim=1)  # [B, 1, D] each
+        return t.proj_out(t.norm_out(image) * (1 + scale) + shift)  # [B, n, p·p·2C]
+
+    def unpatchify(self, tokens, shape):
+        """As diffusers' forward ends, for a band of rows; ε only (the learned variance dropped)."""
+        p, out = self.transformer.config.patch_size, self.transformer.out_channels
+        rows, columns = shape[-2] // p, shape[-1] // p
+        patches = tokens.reshape(-1, rows, columns, p, p, out)  # [B, rows, columns, p, p, 2C]
+        latent = torch.einsum("nhwpqc->nchpwq", patches).reshape(-1, out, rows * p, columns * p)
+        return latent[:, :shape[1]]

@@ -31,19 +31,19 @@ class Family:
     spec: Callable[[dict], object]  # config → spec
     model: type  # base.DiffusionModel subclass
     checkpoint: ModuleType  # detect_prefix, config_from_shapes, variant, sources
-    block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order
+    block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order (its StagePlan's)
     describes: str  # the variants, for messages
 
 
 FAMILIES = {
     "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
-                   ("transformer_blocks", "single_transformer_blocks"), "Flux.1 (dev, schnell)"),
+                   FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
     "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
-                  ("transformer_blocks",), "SD3 (medium), SD3.5 (medium, large)"),
+                  SD3Spec.stage_plan.block_lists, "SD3 (medium), SD3.5 (medium, large)"),
     "pixart": Family("pixart", "PixArtTransformer2DModel", PixArtSpec.from_config, PixArtModel, pixart_checkpoint,
-                     ("transformer_blocks",), "PixArt-α, PixArt-Σ"),
+                     PixArtSpec.stage_plan.block_lists, "PixArt-α, PixArt-Σ"),
     "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
-                  ("blocks",), "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+                  WanSpec.stage_plan.block_lists, "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling.model_sampling import FlowSampling
-from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
+from . import latent_formats, patch_embed
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 SD3_DEFAULT_SHIFT = 3.0  # ComfyUI's SD3 sampling_settings
 
@@ -29,11 +29,14 @@ class SD3Spec(FamilySpec):
 
     family = "sd3"
     latent_format = latent_formats.SD3
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
         cuts=(Cut("pos_embed", None, 1),  # [B, N, C], absolute positions already added
               Cut("", "encoder_hidden_states", 1, text=True)),  # [B, L, 4096]
         attention=(("attn", "joint"), ("attn2", "joint")))
+    # attn2: SD3.5-medium's extra image-only self-attention in its first blocks
+    stage_plan = StagePlan(block_lists=("transformer_blocks",),
+                           attention=(("attn", "joint", True), ("attn2", "joint", False)), joint_text=True)
 
     @classmethod
     def from_config(cls, config: dict) -> SD3Spec:
@@ -57,3 +60,37 @@ class SD3Model(DiffusionModel):
             timestep=timestep.to(self.device, self.dtype),
             return_dict=False,
         )[0]
+
+    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch; the last
+    # block (context_pre_only) drops it.
+
+    def positions(self, shape):
+        return patch_embed.table(self.transformer.pos_embed, shape[-2], shape[-1])  # [1, N, D]
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        pooled = cond["pooled"].to(self.device, self.dtype)  # [B, 2048]
+        temb = self.transformer.time_text_embed(timestep.to(self.device, self.dtype), pooled)  # [B, D]
+        return {"temb": temb, "context": cond["context"]}
+
+    def embed(self, x, tokens, inputs, positions):
+        return patch_embed.embed_rows(self.transformer.pos_embed, x, tokens, positions).contiguous()  # [B, n, D]
+
+    def embed_text(self, inputs):
+        return self.transformer.context_embedder(inputs["context"].to(self.device, self.dtype))  # [B, L, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        return {"temb": inputs["temb"]}
+
+    def run_block(self, block, image, text, kwargs):
+        text, image = block(hidden_states=image, encoder_hidden_states=text, **kwargs)
+        return image, text
+
+    def head(self, image, inputs):
+        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, p·p·C]
+
+    def unpatchify(self, tokens, shape):
+        """As diffusers' forward ends, for a band of rows."""
+        p, c = self.transformer.config.patch_size, self.transformer.out_channels
+        rows, columns = shape[-2] // p, shape[-1] // p
+        patches = tokens.reshape(tokens.shape[0], rows, columns, p, p, c)  # [B, rows, columns, p, p, C]
+        return torch.einsum("nhwpqc->nchpwq", patches).reshape(tokens.shape[0], c, rows * p, columns * p)

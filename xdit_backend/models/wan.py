@@ -16,7 +16,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
 
@@ -30,10 +30,11 @@ class WanSpec(FamilySpec):
 
     family = "wan"
     video = True
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
                                        Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]
                                  attention=(("attn1", "wan"),))
+    stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", "wan", False),))
 
     @property
     def latent_format(self):
@@ -63,3 +64,42 @@ class WanModel(DiffusionModel):
             encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
             return_dict=False,
         )[0]
+
+    # PipeFusion stages (base.DiffusionModel): a patch is the same band of rows in every frame, so
+    # it is a [B, C, T, rows, w] slice of the latent and its tokens are frames × rows × columns.
+
+    def positions(self, shape):
+        """The 3-D RoPE (cos, sin) [1, N, 1, D] of the whole latent (the module reads only the shape)."""
+        return self.transformer.rope(torch.empty(shape, device="meta"))
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        temb, projection, context, _ = self.transformer.condition_embedder(
+            timestep.to(self.device, self.dtype), cond["context"].to(self.device, self.dtype), None,
+            timestep_seq_len=None)
+        # temb [B, D]; projection [B, 6·D] → [B, 6, D]; context [B, L, D]
+        return {"temb": temb, "projection": projection.unflatten(1, (6, -1)), "context": context}
+
+    def embed(self, x, tokens, inputs, positions):
+        patches = self.transformer.patch_embedding(x)  # [B, D, T/pt, rows/ph, w/pw]
+        return patches.flatten(2).transpose(1, 2).contiguous()  # [B, n, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        cos, sin = positions
+        return {"encoder_hidden_states": inputs["context"], "temb": inputs["projection"],
+                "rotary_emb": (cos[:, tokens], sin[:, tokens])}  # [1, n, 1, D] each
+
+    def run_block(self, block, image, text, kwargs):
+        return block(image, **kwargs), text
+
+    def head(self, image, inputs):
+        t = self.transformer
+        shift, scale = (t.scale_shift_table + inputs["temb"].unsqueeze(1)).chunk(2, dim=1)  # [B, 1, D] each
+        image = (t.norm_out(image.float()) * (1 + scale) + shift).type_as(image)
+        return t.proj_out(image)  # [B, n, pt·ph·pw·C]
+
+    def unpatchify(self, tokens, shape):
+        """As diffusers' forward ends, for a band of rows in every frame."""
+        pt, ph, pw = self.transformer.config.patch_size
+        b, _, frames, rows, columns = shape
+        patches = tokens.reshape(b, frames // pt, rows // ph, columns // pw, pt, ph, pw, -1)
+        return patches.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)  # [B, C, T, rows, w]

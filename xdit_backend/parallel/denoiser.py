@@ -50,20 +50,13 @@ class Denoiser:
 
     def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None, gen) -> torch.Tensor:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B]."""
-        cfg = gen.cfg
         if self.cfg_group is not None:
             side = positive if self.layout.index("cfg") == 0 else negative
-            mine = self.model.predict_x0(x, sigma, side, gen)  # [B, C, (T,) h, w]
-            both = [torch.empty_like(mine) for _ in range(2)]
-            dist.all_gather(both, mine.contiguous(), group=self.cfg_group)  # [cond, uncond], by cfg index
-            cond, uncond = both
-            return uncond + (cond - uncond) * cfg
-        if negative is None or cfg == 1.0:
+            return guided(self.model.predict_x0(x, sigma, side, gen), gen.cfg, self.cfg_group)  # [B, C, (T,) h, w]
+        if negative is None or gen.cfg == 1.0:
             return self.model.predict_x0(x, sigma, positive, gen)
         both = {key: torch.cat([positive[key], negative[key]]) for key in positive}
-        x0 = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen)  # [2B, C, (T,) h, w]
-        cond, uncond = x0.chunk(2)
-        return uncond + (cond - uncond) * cfg
+        return guided(self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen), gen.cfg)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
         """[B/dp, C, ...] from each dp group → [B, C, ...] on every rank."""
@@ -72,3 +65,17 @@ class Denoiser:
         parts = [torch.empty_like(latent) for _ in range(self.layout.config.dp)]
         dist.all_gather(parts, latent.contiguous(), group=self.dp_group)  # dp × [B/dp, C, ...]
         return torch.cat(parts)
+
+
+def guided(mine: torch.Tensor, cfg: float, cfg_group=None) -> torch.Tensor:
+    """ComfyUI's CFG combine, uncond + (cond − uncond)·cfg, from this rank's prediction ``mine``: the
+    cond and uncond halves of a batched [2B, ...] prediction, or (cfg parallel) this rank's side
+    [B, ...], cond at cfg index 0, all-gathered with the other side. The normal path and PipeFusion
+    both guide here."""
+    if cfg_group is not None:
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine.contiguous(), group=cfg_group)  # [cond, uncond], by cfg index, [B, ...] each
+        cond, uncond = both
+    else:
+        cond, uncond = mine.chunk(2)  # [2B, ...] → [B, ...] twice
+    return uncond + (cond - uncond) * cfg

@@ -1,38 +1,41 @@
 """PipeFusion (arXiv 2405.14430): blocks in pipeline stages, the latent in patches, stale K/V.
 
-- Stages: the transformer's blocks, double-stream then single-stream, cut into ``pipefusion``
-  contiguous runs; a rank keeps only its run (plus the small embedding and output layers).
-- Patches: bands of token rows. The first ``warmup_steps`` steps send the whole latent as one
-  patch (exact); later steps send ``num_pipeline_patch`` patches. Text tokens travel with patch 0.
-- Stale K/V: every attention layer keeps a K/V buffer over all tokens. A patch writes its fresh
-  K/V there and attends to the whole buffer, so the other patches' K/V are the ones written one
-  step earlier (or earlier in this step, for patches ahead of it). Only written positions are read.
-- Schedule: receives for all patches of a step are posted before the first is waited on, so
-  transfers overlap compute; the last stage applies the sampler step to each patch and sends it
-  back to stage 0 for the next step.
-- Hybrids: sequence-parallel ranks split each patch and all-gather its fresh K/V (no all-to-all);
-  CFG halves exchange each patch's velocity at the last stage; dp groups run separate pipelines.
+For any family, from its StagePlan (models/base.py) and its model wrapper's stage methods:
+
+- Stages: the plan's block lists, concatenated, cut into ``pipefusion`` contiguous runs; a rank
+  keeps only its run (plus the small embedding and output layers).
+- Patches: bands of token rows. For video, a patch is the same band of rows in every frame, so
+  in the latent it is always the slice [..., rows, :] of dim −2, whatever the rank, and its tokens
+  are frames × band rows × columns (positions: those of the whole latent, cut to the patch). The
+  first ``warmup_steps`` steps send the whole latent as one chunk (exact); later steps send
+  ``num_pipeline_patch`` patches. Joint-text families' text travels with each step's first chunk.
+- Stale K/V: stale_kv.py. Schedule and step gate: schedule.py — patches of step k + 1 enter stage
+  0 while the last stage finishes step k; each stage meets the gate where it stands then.
+- Sampler: the one implementation (sampling/samplers.py). The last stage keeps one walk per
+  patch (its own history: dpmpp_2m's previous x0, uni_pc's predictions) and sends each patch's
+  next model input (or, after the last step, its final latent) back to stage 0. Whole-latent
+  noise is drawn once per step and cut to each patch (sampling/noise.py). A sampler with two model
+  calls in a step (heun) cannot be pipelined and is refused by the worker.
+- Guidance and latent format: the normal path's (denoiser.guided, generate.start/finish).
+- Hybrids: sequence-parallel ranks hold a slice of each chunk's tokens and all-gather its fresh
+  K/V and its output; CFG halves each run a pipeline and combine x0 at the last stage; dp groups
+  run separate pipelines over their batch rows.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import attention
-from ..models.flux import attention_inputs, attention_outputs, image_ids, pack, unpack
-from ..sampling.generate import GenerationStopped, comfy_noise
-
-
-def _isend(tensor: torch.Tensor, peer: int):
-    """Post a send (through batch_isend_irecv, the one point-to-point entry the traffic count sees)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])[0]
-
-
-def _irecv(tensor: torch.Tensor, peer: int):
-    """Post a receive into ``tensor``."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])[0]
+from ..sampling import samplers
+from ..sampling.generate import GenerationStopped, finish, start
+from ..sampling.noise import SharedDraws
+from . import schedule, stale_kv
+from .denoiser import guided
 
 
 def stage_bounds(sizes: list[int], stages: int, counts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
@@ -61,240 +64,250 @@ def _balanced_counts(sizes: list[int], stages: int) -> tuple[int, ...]:
     return best[stages][n][1]
 
 
-def keep_stage(transformer, start: int, end: int) -> list[nn.Module]:
-    """Drop every block outside [start, end) of the combined list; returns the kept blocks in order."""
-    double = len(transformer.transformer_blocks)
-    blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
-    transformer.transformer_blocks = nn.ModuleList(b for i, b in enumerate(blocks[:double]) if start <= i < end)
-    transformer.single_transformer_blocks = nn.ModuleList(
-        b for i, b in enumerate(blocks[double:], start=double) if start <= i < end)
-    return blocks[start:end]
+def keep_stage(transformer, plan, start: int, end: int) -> list[nn.Module]:
+    """Drop every block outside [start, end) of the plan's concatenated block lists; returns the kept blocks in order."""
+    kept, offset = [], 0
+    for name in plan.block_lists:
+        blocks = list(getattr(transformer, name))
+        mine = [b for i, b in enumerate(blocks, start=offset) if start <= i < end]
+        setattr(transformer, name, nn.ModuleList(mine))
+        kept.extend(mine)
+        offset += len(blocks)
+    return kept
 
 
-class KVBuffer:
-    """One attention layer's K and V over all tokens [B, L + N, H, D], and which positions hold data."""
-
-    def __init__(self):
-        self.k = self.v = self.filled = None
-
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int):
-        if self.k is None or self.k.shape[1] != total or self.k.shape[0] != k.shape[0]:
-            shape = (k.shape[0], total, *k.shape[2:])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-            self.filled = torch.zeros(total, dtype=torch.bool, device=k.device)
-        self.k[:, positions], self.v[:, positions] = k, v  # [B, n, H, D] into [B, L + N, H, D]
-        self.filled[positions] = True
-
-    def read(self):
-        if bool(self.filled.all()):
-            return self.k, self.v
-        return self.k[:, self.filled], self.v[:, self.filled]
+def _isend(tensor: torch.Tensor, peer: int):
+    """Post a send (through batch_isend_irecv, the one point-to-point entry the traffic count sees)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])[0]
 
 
-class Chunk:
-    """What the stage is processing now: the buffer positions of its tokens, text first."""
-
-    def __init__(self):
-        self.positions = None  # [n] long: this rank's tokens (text, then its image tokens)
-        self.patch_positions = None  # [n_patch] long: the whole patch across the SP group (image part)
-        self.text_tokens = 0
-        self.total = 0
+def _irecv(tensor: torch.Tensor, peer: int):
+    """Post a receive into ``tensor``."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])[0]
 
 
-class StaleKVProcessor:
-    """Flux attention against a per-layer K/V buffer; fresh K/V of the chunk shared in the SP group."""
-
-    def __init__(self, chunk: Chunk, sp_group, kernel):
-        self.chunk, self.sp_group, self.kernel = chunk, sp_group, kernel
-        self.buffer = KVBuffer()
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        # q, k, v: [B, n, H, D] for this rank's tokens of the chunk (text first when it carries text)
-        query, key, value = attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        chunk = self.chunk
-        L = chunk.text_tokens
-        if self.sp_group is None:
-            self.buffer.write(chunk.positions, key, value, chunk.total)
-        else:  # text is the same on every SP rank; the image part of the patch is gathered
-            if L:
-                self.buffer.write(chunk.positions[:L], key[:, :L], value[:, :L], chunk.total)
-            parts = dist.get_world_size(self.sp_group)
-            for name, fresh in (("k", key[:, L:]), ("v", value[:, L:])):
-                gathered = [torch.empty_like(fresh) for _ in range(parts)]
-                dist.all_gather(gathered, fresh.contiguous(), group=self.sp_group)  # P × [B, n/P, H, D]
-                setattr(self, f"_{name}", torch.cat(gathered, dim=1))  # [B, n, H, D]
-            self.buffer.write(chunk.patch_positions, self._k, self._v, chunk.total)
-        k_all, v_all = self.buffer.read()  # [B, written, H, D]
-        out, _ = self.kernel(query, k_all, v_all)  # [B, n, H, D]
-        return attention_outputs(attn, out.to(query.dtype), encoder_hidden_states)
+def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[torch.Tensor]:
+    """The σ of each step's model call, read off the sampler itself (dpmpp_2m_sde moves σ = 1 of a
+    flow model; uni_pc's times): its walk over a one-element latent with x0 = x."""
+    walk = samplers.walk(name, torch.zeros(1), sigmas.cpu(), sampling, samplers.StepNoise((1,), 0))
+    found, call = [], next(walk)
+    try:
+        while True:
+            found.append(call.sigma)
+            call = walk.send(call.x)
+    except StopIteration:
+        return found
 
 
 class PipeFusion:
-    """One rank's stage of a PipeFusion layout, and the sampler loop that drives the patches."""
+    """One rank's stage of a PipeFusion layout, and the loop that drives its chunks."""
 
     def __init__(self, model, layout, device, blocks: list[nn.Module]):
         config = layout.config
         self.model, self.layout, self.device = model, layout, device
-        self.stages = config.pipefusion
-        self.stage = layout.index("pipefusion")
-        self.pp_group = layout.group("pipefusion")
-        self.sp_group = layout.sequence_group
+        self.plan = model.spec.stage_plan
+        self.stages, self.stage = config.pipefusion, layout.index("pipefusion")
+        self.first, self.last = self.stage == 0, self.stage == config.pipefusion - 1
+        self.pp_group, self.sp_group = layout.group("pipefusion"), layout.sequence_group
         self.sp_index, self.sp_parts = layout.sequence_index, config.sequence
         self.cfg_group = layout.group("cfg")
         self.patches = config.num_pipeline_patch or config.pipefusion
         self.warmup = config.warmup_steps
         self.blocks = blocks  # this stage's blocks, in order
-        self.chunk = Chunk()
-        self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, patch): shows receives posted ahead
-        self.updates: list = []  # stage 0: (start, end, buffer, request) of patches the last stage will send back
+        self.chunk = stale_kv.Chunk()
+        self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, first patch): receives posted ahead
 
     def _peer(self, stage: int) -> int:
         """Global rank of the given stage at this rank's other coordinates."""
         return dist.get_global_rank(self.pp_group, stage)
 
     def run(self, gen, rows: slice, after_step) -> torch.Tensor:
+        """This rank's batch ``rows`` of the final latent in raw VAE space (stage 0 holds the result)."""
         if gen.steps == 0:  # start_step past the end: the input, as KSamplerAdvanced returns it
             return gen.latent.float()[rows]
-        t = self.model.transformer
-        full = gen.latent.float()
-        b, _, h, w = full.shape
-        fmt = self.model.latent_format
-        noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
-        start = (fmt.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows]
-        sigmas = gen.sigmas.to(self.device)
-        x = pack(gen.sampling.noise_scaling(sigmas[0], noise[rows].to(self.device), start.to(self.device)))  # [B, N, 64]
-        n_tokens = x.shape[1]
-        ids = image_ids(h, w).to(self.device)  # [N, 3]
-        sides = self._sides(gen, rows)
-        text = sides["context"].shape[1]
-        total = text + n_tokens
-        grid_rows = h // 2
-        processors = {name: StaleKVProcessor(self.chunk, self.sp_group, attention.local_attention(self.device))
-                      for name in t.attn_processors}
-        saved = t.attn_processors
-        t.set_attn_processor(processors)
+        self.gen = gen
+        begin = start(gen, self.model.latent_format, rows, self.device)
+        self.x = begin.x.clone()  # stage 0: each patch's next model input; at the end, the final latent
+        shape = tuple(begin.x.shape)  # [B, C, (T,) h, w]
+        self.sides = self._sides(begin)
+        self.batch = self.sides["context"].shape[0]
+        self.text = self.sides["context"].shape[1] if self.plan.joint_text else 0
+        config = self.model.transformer.config
+        self.width = config.num_attention_heads * config.attention_head_dim  # the blocks' hidden size D
+        pt, ph, pw = self.model.spec.patch
+        frames = shape[2] // pt if len(shape) == 5 else 1
+        token_rows, columns = shape[-2] // ph, shape[-1] // pw
+        # the image sequence is frames × rows × columns, row-major: token indices as that grid
+        self.grid = torch.arange(frames * token_rows * columns, device=self.device).view(frames, token_rows, columns)
+        self.image_tokens, self.latent_rows = self.grid.numel(), ph  # latent rows per token row
+        self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
+                      for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
+        self.positions = self.model.positions(shape)
+        self.sigmas = call_sigmas(gen.sampler, begin.sigmas, gen.sampling)
+        self.work = schedule.items(gen.steps, self.warmup, self.patches)
+        gates = schedule.gate_positions(self.work, self.stages, gen.steps)
+        self.walks, self.calls = self._walks(gen, begin)
+        transformer = self.model.transformer
+        saved = transformer.attn_processors
+        stale_kv.attach(transformer, self.plan, self.chunk, self.sp_group, attention.local_attention(self.device))
+        self.pending, self.returns, self.sends, self.inputs = {}, deque(), [], {}
         try:
-            for step in range(gen.steps):
-                n_patches = 1 if step < self.warmup else self.patches
-                bands = torch.tensor_split(torch.arange(grid_rows), n_patches)
-                spans = [(int(r[0]) * (w // 2), (int(r[-1]) + 1) * (w // 2)) for r in bands]  # token [start, end)
-                x = self._step(step, x, spans, sides, ids, text, total, sigmas, gen)
-                if not after_step(step + 1, gen.steps):
-                    raise GenerationStopped()
-            if self.stage == 0:
-                x = self._apply_updates(x, until=n_tokens)  # the final patches
+            self._post(gates, 0)
+            gate = 0
+            for index, item in enumerate(self.work):
+                self._run_item(index, item)
+                while gate < gen.steps and gates[self.stage][gate] == index:
+                    self._wait_sends()  # matched: the peers posted these receives after the gate before
+                    if not after_step(gate + 1, gen.steps):
+                        self._drain()
+                        raise GenerationStopped()
+                    gate += 1
+                    if gate < gen.steps:
+                        self._post(gates, gate)
+            self._drain()
         finally:
-            t.set_attn_processor(saved)
-            self.updates = []
-        x = gen.sampling.inverse_noise_scaling(sigmas[-1], unpack(x.float(), h, w))  # [B, 16, h, w]
-        return fmt.process_out(x)
+            transformer.set_attn_processor(saved)
+        return finish(gen, self.model.latent_format, self.x, begin.sigmas)
 
-    def _sides(self, gen, rows) -> dict:
+    def _sides(self, begin) -> dict:
         """The conditioning this pipeline carries: one side with cfg=2, else both batched (as serial)."""
-        positive = {k: v[rows] for k, v in gen.positive.items()}
-        negative = {k: v[rows] for k, v in gen.negative.items()} if gen.uses_cfg else None
         if self.cfg_group is not None:
-            return positive if self.layout.index("cfg") == 0 else negative
-        if negative is None:
-            return positive
-        return {k: torch.cat([positive[k], negative[k]]) for k in positive}
+            return begin.positive if self.layout.index("cfg") == 0 else begin.negative
+        if begin.negative is None:
+            return begin.positive
+        return {k: torch.cat([begin.positive[k], begin.negative[k]]) for k in begin.positive}
 
-    def _step(self, step, x, spans, sides, ids, text, total, sigmas, gen):
-        t, dtype = self.model.transformer, self.model.dtype
-        batch = sides["context"].shape[0]
-        sigma = sigmas[step]
-        timestep = torch.full((batch,), float(sigma), device=self.device, dtype=dtype) * 1000
-        guidance = torch.full((batch,), gen.guidance, device=self.device, dtype=dtype) * 1000
-        pooled = sides["pooled"].to(self.device, dtype)
-        temb = (t.time_text_embed(timestep, guidance, pooled) if self.model.has_guidance
-                else t.time_text_embed(timestep, pooled))
-        width = t.inner_dim
-        first, last = self.stage == 0, self.stage == self.stages - 1
+    def _walks(self, gen, begin):
+        """Stage 0 and the last stage: one sampler walk per patch over its band of rows, and its first call."""
+        if not (self.first or self.last):
+            return [], []
+        shared = SharedDraws(begin.noise, self.patches)
+        walks, calls = [], []
+        for r0, r1 in self.bands:
+            band = slice(r0 * self.latent_rows, r1 * self.latent_rows)
+            walk = samplers.walk(gen.sampler, begin.x[..., band, :], begin.sigmas, gen.sampling, shared.band(band))
+            walks.append(walk)
+            calls.append(next(walk))
+        if self.first:
+            self.x = torch.cat([call.x for call in calls], dim=-2)  # [B, C, (T,) h, w]
+        return walks, calls
 
-        # Receives for every patch of this step, posted before any is waited on: activations from the
-        # previous stage, or (stage 0) this step's patches coming back from the last stage's sampler step.
-        pending, posted = {}, []
-        for p, (a, b) in enumerate(spans):
-            if first:
-                update = torch.empty(x.shape[0], b - a, x.shape[2], device=self.device, dtype=x.dtype)
-                posted.append((a, b, update, _irecv(update, self._peer(self.stages - 1))))
-            else:
-                rows = (text if p == 0 else 0) + (b - a) // self.sp_parts
-                buffer = torch.empty(batch, rows, width, device=self.device, dtype=dtype)
-                pending[p] = (buffer, _irecv(buffer, self._peer(self.stage - 1)))
-            self.trace.append(("post", step, p))
-        sends = []
-        for p, (a, b) in enumerate(spans):
-            local_a = a + self.sp_index * ((b - a) // self.sp_parts)
-            local_b = local_a + (b - a) // self.sp_parts
-            self._describe_chunk(p, a, b, local_a, local_b, text, total)
-            rotary = t.pos_embed(torch.cat([torch.zeros(text if p == 0 else 0, 3, device=self.device),
-                                            ids[local_a:local_b]]))
-            if first:
-                x = self._apply_updates(x, until=b, step=step)  # the previous step's patches up to this one
-                image = t.x_embedder(x[:, local_a:local_b].to(dtype).repeat(batch // x.shape[0], 1, 1))
-                context = t.context_embedder(sides["context"].to(self.device, dtype)) if p == 0 else \
-                    image.new_zeros(batch, 0, image.shape[2])
-            else:
-                received, request = pending[p]
-                self.trace.append(("wait", step, p))
-                request.wait()
-                split = text if p == 0 else 0
-                context, image = received[:, :split], received[:, split:]
-            for block in self.blocks:
-                context, image = block(hidden_states=image, encoder_hidden_states=context, temb=temb,
-                                       image_rotary_emb=rotary)
-            if not last:
-                activation = torch.cat([context, image], dim=1).contiguous()
-                sends.append((activation, _isend(activation, self._peer(self.stage + 1))))
-                continue
-            velocity = t.proj_out(t.norm_out(image, temb)).float()  # [batch, n/P, 64]
-            x = self._sampler_step(x, velocity, a, b, sigmas, step, gen)
-            if not first:
-                patch = x[:, a:b].contiguous()
-                sends.append((patch, _isend(patch, self._peer(0))))
-        self.updates.extend(posted)
-        for _, request in sends:
+    def _rows(self, item) -> tuple[int, int]:
+        """Latent rows [a, b) of an item's patches."""
+        return self.bands[item.first][0] * self.latent_rows, self.bands[item.end - 1][1] * self.latent_rows
+
+    def _tokens(self, item) -> tuple[torch.Tensor, torch.Tensor]:
+        """The item's tokens in the whole image sequence [n] (frames × band rows × columns), and this rank's slice."""
+        band = self.grid[:, self.bands[item.first][0]:self.bands[item.end - 1][1]].reshape(-1)
+        per = band.numel() // self.sp_parts
+        return band, band[self.sp_index * per:(self.sp_index + 1) * per]
+
+    def _with_text(self, index: int) -> bool:
+        return bool(self.text) and (index == 0 or self.work[index - 1].step != self.work[index].step)
+
+    def _post(self, gates, gate: int) -> None:
+        """Post the receives of the messages the peer sends between gate − 1 and gate (schedule.window)."""
+        if self.first:  # the last stage's returns: next model inputs (or final latents) of its items
+            for index in schedule.window(gates[self.stages - 1], gate):
+                item = self.work[index]
+                a, b = self._rows(item)
+                buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)
+                self.returns.append((item, a, b, buffer, _irecv(buffer, self._peer(self.stages - 1))))
+                self.trace.append(("post", item.step, item.first))
+            return
+        for index in schedule.window(gates[self.stage - 1], gate):
+            item = self.work[index]
+            tokens = self._tokens(item)[1].numel() + (self.text if self._with_text(index) else 0)
+            buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
+            self.pending[index] = (buffer, _irecv(buffer, self._peer(self.stage - 1)))  # [B, L + n/P, D]
+            self.trace.append(("post", item.step, item.first))
+
+    def _apply_returns(self, step: int, until: int) -> None:
+        """Stage 0: wait for the returns of steps before ``step`` that start above latent row ``until``, in order."""
+        while self.returns and self.returns[0][0].step < step and self.returns[0][1] < until:
+            item, a, b, buffer, request = self.returns.popleft()
+            self.trace.append(("wait", item.step, item.first))
             request.wait()
-        return x
+            self.x[..., a:b, :] = buffer
 
-    def _apply_updates(self, x, until: int, step: int = -1):
-        """Stage 0: wait for the returned patches that start before token ``until``, in order, and apply them."""
-        while self.updates and self.updates[0][0] < until:
-            a, b, update, request = self.updates.pop(0)
-            self.trace.append(("wait", step, a))
-            request.wait()
-            x[:, a:b] = update
-        return x
-
-    def _describe_chunk(self, p, a, b, local_a, local_b, text, total):
-        image_positions = torch.arange(text + local_a, text + local_b, device=self.device)
-        with_text = p == 0 and text > 0
-        self.chunk.text_tokens = text if with_text else 0
-        self.chunk.positions = torch.cat([torch.arange(text, device=self.device), image_positions]) \
-            if with_text else image_positions
-        self.chunk.patch_positions = torch.arange(text + a, text + b, device=self.device)
-        self.chunk.total = total
-
-    def _sampler_step(self, x, velocity, a, b, sigmas, step, gen):
-        """Last stage: gather the patch's velocity (SP, CFG), then ComfyUI's Euler step for its tokens."""
-        if self.sp_group is not None:
-            parts = [torch.empty_like(velocity) for _ in range(self.sp_parts)]
-            dist.all_gather(parts, velocity.contiguous(), group=self.sp_group)
-            velocity = torch.cat(parts, dim=1)  # [batch, n, 64]
-        sigma, following = sigmas[step], sigmas[step + 1]
-        x_patch = x[:, a:b]
-        if self.cfg_group is not None:
-            both = [torch.empty_like(velocity) for _ in range(2)]
-            dist.all_gather(both, velocity.contiguous(), group=self.cfg_group)
-            cond_x0, uncond_x0 = (x_patch - v * sigma for v in both)
-            x0 = uncond_x0 + (cond_x0 - uncond_x0) * gen.cfg
-        elif velocity.shape[0] != x.shape[0]:  # cond and uncond batched together
-            cond_v, uncond_v = velocity.chunk(2)
-            cond_x0, uncond_x0 = x_patch - cond_v * sigma, x_patch - uncond_v * sigma
-            x0 = uncond_x0 + (cond_x0 - uncond_x0) * gen.cfg
+    def _run_item(self, index: int, item) -> None:
+        """Run one item through this stage: take it in (embed, or receive), run the blocks, pass it on."""
+        model, sampling = self.model, self.gen.sampling
+        sigma = self.sigmas[item.step].to(self.device) * self.x.new_ones([self.batch])  # [batch]
+        inputs = self._inputs(item.step, sigma)
+        band, local = self._tokens(item)
+        text = self.text if self._with_text(index) else 0
+        self.chunk.describe(text, self.text, band, self.image_tokens)
+        if self.first:
+            a, b = self._rows(item)
+            self._apply_returns(item.step, b)
+            x = self.x[..., a:b, :]
+            x = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))  # cond and uncond batched: [batch, ...]
+            image = model.embed(sampling.calculate_input(sigma, x).to(model.dtype), band, inputs, self.positions)
+            image = image[:, self.sp_index * local.numel():(self.sp_index + 1) * local.numel()]  # [batch, n/P, D]
+            context = model.embed_text(inputs) if text else None
+            if self.text and not text:
+                context = image.new_zeros(self.batch, 0, image.shape[2])  # joint blocks without the text this time
         else:
-            x0 = x_patch - velocity * sigma
-        x = x.clone()
-        x[:, a:b] = x_patch + (x_patch - x0) / sigma * (following - sigma)
-        return x
+            received, request = self.pending.pop(index)
+            self.trace.append(("wait", item.step, item.first))
+            request.wait()
+            context, image = received[:, :text], received[:, text:]  # [batch, L or 0, D], [batch, n/P, D]
+            if not self.text:
+                context = None
+        kwargs = model.block_kwargs(inputs, self.positions, local, text)
+        for block in self.blocks:
+            image, context = model.run_block(block, image, context, kwargs)
+        if not self.last:
+            activation = (torch.cat([context, image], dim=1) if self.text else image).contiguous()
+            self.sends.append((activation, _isend(activation, self._peer(self.stage + 1))))  # [batch, L + n/P, D]
+            return
+        self._sample(item, model.head(image, inputs), sigma)
+
+    def _inputs(self, step: int, sigma: torch.Tensor) -> dict:
+        """The family's per-step inputs (time embedding, projected text), computed once per step."""
+        if step not in self.inputs:
+            timestep = self.gen.sampling.timestep(sigma)  # [batch]
+            self.inputs = {step: self.model.step_inputs(tuple(self.x.shape), timestep, self.sides, self.gen.guidance)}
+        return self.inputs[step]
+
+    def _sample(self, item, out: torch.Tensor, sigma: torch.Tensor) -> None:
+        """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""
+        if self.sp_group is not None:
+            out = stale_kv.gather_tokens(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
+        a, b = self._rows(item)
+        shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
+        raw = self.model.unpatchify(out, shape).float()  # [batch, C, (T,) b − a, w]
+        x = torch.cat([self.calls[p].x for p in range(item.first, item.end)], dim=-2)  # [B, C, (T,) b − a, w]
+        batched = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))
+        x0 = self.gen.sampling.calculate_denoised(sigma, raw, batched)
+        if self.cfg_group is not None:
+            x0 = guided(x0, self.gen.cfg, self.cfg_group)
+        elif self.batch != x.shape[0]:
+            x0 = guided(x0, self.gen.cfg)  # [B, ...]
+        following = []
+        for p in range(item.first, item.end):
+            r0, r1 = (r * self.latent_rows - a for r in self.bands[p])
+            if self.calls[p].step != item.step:
+                raise RuntimeError(f"PipeFusion: sampler {self.gen.sampler!r} asked for a second model call in "
+                                   f"step {item.step}; only samplers in {samplers.ONE_CALL_PER_STEP} can be pipelined")
+            try:
+                self.calls[p] = self.walks[p].send(x0[..., r0:r1, :])
+                following.append(self.calls[p].x)
+            except StopIteration as end:  # the patch's last step: its final latent
+                following.append(end.value)
+        self.x[..., a:b, :] = update = torch.cat(following, dim=-2)  # [B, C, (T,) b − a, w]
+        self.sends.append((update, _isend(update, self._peer(0))))
+
+    def _wait_sends(self) -> None:
+        for _, request in self.sends:  # (tensor kept alive until sent, request)
+            request.wait()
+        self.sends = []
+
+    def _drain(self) -> None:
+        """Complete every posted receive and send (each has its peer by the schedule's windows)."""
+        self._apply_returns(len(self.sigmas), self.x.shape[-2])
+        for _, request in self.pending.values():
+            request.wait()
+        self.pending = {}
+        self._wait_sends()

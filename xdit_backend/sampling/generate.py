@@ -58,32 +58,55 @@ def comfy_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
+@dataclass
+class Start:
+    """Where this rank's sampler loop starts, on its device: the noised latent of its batch rows in
+    model space, the σ it walks, its rows of the conditioning, and its rows of the per-step noise."""
+
+    x: torch.Tensor  # [rows, C, (T,) h, w]
+    sigmas: torch.Tensor  # [steps + 1]
+    positive: dict[str, torch.Tensor]
+    negative: dict[str, torch.Tensor] | None
+    noise: samplers.StepNoise
+
+
+def start(gen: Generation, latent_format, rows: slice, device) -> Start:
+    """ComfyUI's prologue: noise drawn for the whole batch (as ComfyUI draws it) and cut to ``rows``,
+    the input latent shifted into model space (an empty latent is not), then noise-scaled at σ₀."""
+    full = gen.latent.float()
+    noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
+    noise = noise[rows].to(device)
+    latent = (latent_format.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)
+    positive = {key: t[rows] for key, t in gen.positive.items()}
+    negative = {key: t[rows] for key, t in gen.negative.items()} if gen.uses_cfg else None
+    sigmas = gen.sigmas.to(device)
+    x = gen.sampling.noise_scaling(sigmas[0], noise, latent)
+    # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it) on
+    # the latent's device, this rank's rows kept
+    step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device)
+    return Start(x, sigmas, positive, negative, step_noise)
+
+
+def finish(gen: Generation, latent_format, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's epilogue: the sampler's model-space latent back to raw VAE space."""
+    x = gen.sampling.inverse_noise_scaling(samplers.final_sigma(gen.sampler, sigmas), x)
+    return latent_format.process_out(x)
+
+
 def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] = lambda i, n: True) -> torch.Tensor:
-    """Run the Euler loop; ``after_step(done, total)`` returning False raises GenerationStopped.
+    """Run the sampler loop; ``after_step(done, total)`` returning False raises GenerationStopped.
 
     ``denoiser`` (parallel/denoiser.py) gives the guided x0 and says which batch rows this rank
     generates. Returns the final latent of the whole batch in raw VAE space, float32, on the CPU.
     """
     if gen.steps <= 0:  # start_at_step past the end, or denoise 0: ComfyUI returns the input
         return gen.latent.float()
-    fmt, device, ms = denoiser.latent_format, denoiser.device, gen.sampling
-    full = gen.latent.float()
-    rows = denoiser.rows(full.shape[0])
-    noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
-    noise = noise[rows].to(device)  # drawn whole, as ComfyUI draws it
-    latent = (fmt.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)  # empty: unshifted
-    positive = {key: t[rows] for key, t in gen.positive.items()}
-    negative = {key: t[rows] for key, t in gen.negative.items()} if gen.uses_cfg else None
-    sigmas = gen.sigmas.to(device)
-    x = ms.noise_scaling(sigmas[0], noise, latent)
-    # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it) on
-    # the latent's device, this rank's rows kept
-    step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device)
+    fmt = denoiser.latent_format
+    begin = start(gen, fmt, denoiser.rows(gen.latent.shape[0]), denoiser.device)
 
     def x0(x, sigma):  # sigma [B]
-        return denoiser.x0(x, sigma, positive, negative, gen)
+        return denoiser.x0(x, sigma, begin.positive, begin.negative, gen)
 
     with denoiser.attached():
-        x = samplers.sample(gen.sampler, x0, x, sigmas, ms, step_noise, after_step)
-    x = ms.inverse_noise_scaling(samplers.final_sigma(gen.sampler, sigmas), x)
-    return denoiser.gather_rows(fmt.process_out(x)).cpu()
+        x = samplers.sample(gen.sampler, x0, begin.x, begin.sigmas, gen.sampling, begin.noise, after_step)
+    return denoiser.gather_rows(finish(gen, fmt, x, begin.sigmas)).cpu()

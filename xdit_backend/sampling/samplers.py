@@ -3,86 +3,51 @@ sampling.py; uni_pc from comfy/extra_samplers/uni_pc.py, variant bh1), in the sa
 
 A sampler walks ``sigmas`` from the noised latent ``x`` (``sampling.noise_scaling`` already applied,
 as ComfyUI's KSAMPLER hands it over) and returns the model-space latent before
-``sampling.inverse_noise_scaling(final_sigma(name, sigmas), ·)``. ``denoise_fn(x, σ[B]) -> x0`` is
-the guided denoiser on this rank's batch rows; every sampler is row-wise, so a rank holding some rows
-gets exactly those rows of the whole batch, provided its noise comes from ``StepNoise`` with ``rows``.
+``sampling.inverse_noise_scaling(final_sigma(name, sigmas), ·)``.
+
+Each sampler is written as a generator, ``walk(name, x, sigmas, sampling, noise)``: it yields a
+``Call`` (the point x and the σ at which it needs the guided denoised estimate x0, and the step
+the call belongs to), is sent that x0, and returns the final latent. ``sample`` drives it with a
+``denoise_fn(x, σ[B]) -> x0``: the normal path. Every update is elementwise in the latent (its
+coefficients depend on σ only), so a walk over any part of the latent — a rank's batch rows, a
+PipeFusion patch's band of rows — gives exactly that part of the whole walk, provided the model's
+x0 for that part and its noise (noise.py: ``StepNoise.rows``, ``SharedDraws``) are the whole
+one's. Each walk keeps its own history (dpmpp_2m's previous x0, uni_pc's last predictions), so
+PipeFusion keeps one walk per patch. ``ONE_CALL_PER_STEP`` names the samplers whose every step is
+one model call; heun's second call evaluates the model at a point its first call produces, within
+the same step, which a pipeline of patches cannot schedule (see parallel/pipefusion.py).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
+from typing import NamedTuple
 
 import torch
 
 from .model_sampling import FlowSampling
+from .noise import StepNoise
 from .stop import GenerationStopped
 
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc")
+ONE_CALL_PER_STEP = ("euler", "euler_ancestral", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc")
 
 Denoise = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, C, ...], σ [B]) -> x0 [B, C, ...]
-NoiseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (σ, σ_next) -> noise [rows, C, ...]
+
+
+class Call(NamedTuple):
+    """A model evaluation a sampler asks for: the guided x0 at ``x`` [B, C, ...] and noise level ``sigma`` (0-d)."""
+
+    x: torch.Tensor
+    sigma: torch.Tensor
+    step: int  # the step it belongs to (heun asks twice per step)
+
+
+Walk = Generator[Call, torch.Tensor, torch.Tensor]  # yields calls, is sent their x0, returns the final x
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-step noise
-
-
-@dataclass(frozen=True)
-class StepNoise:
-    """The noise the ancestral and SDE samplers add, drawn for the WHOLE batch as ComfyUI draws it
-    and cut to this rank's ``rows``, so every rank adds exactly its rows of ComfyUI's draw.
-
-    ``default()`` is ComfyUI's default_noise_sampler: a generator seeded with the sample's seed on
-    the latent's device, one ``randn(whole shape)`` per call. ``device`` is where that generator
-    lives: CPU and CUDA generators give different numbers for one seed, so it must be the device
-    ComfyUI's latent would be on — "cpu" (default) reproduces ComfyUI run with --cpu (the tests), a
-    CUDA device a ComfyUI run on a GPU (CUDA's draws can also differ between GPU models, as they do
-    for ComfyUI itself). ``brownian()`` is BrownianTreeNoiseSampler as
-    dpmpp_2m_sde builds it: always on the CPU (cpu=True), so it does not depend on ``device``.
-    Each call of these returns a fresh sampler, as each ComfyUI sampler call builds its own.
-    """
-
-    shape: tuple[int, ...]  # the whole batch's latent shape [B, C, ...]
-    seed: int
-    rows: slice = field(default_factory=lambda: slice(None))  # this rank's batch rows
-    device: str | torch.device = "cpu"
-    dtype: torch.dtype = torch.float32
-
-    def default(self) -> NoiseFn:
-        generator = torch.Generator(device=self.device).manual_seed(self.seed)
-
-        def draw(sigma, sigma_next):
-            whole = torch.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator)
-            return whole[self.rows].to(sigma.device)
-
-        return draw
-
-    def brownian(self, sigma_min: torch.Tensor, sigma_max: torch.Tensor) -> NoiseFn:
-        """Brownian-tree noise over [σ_min, σ_max]: W(σ_next) − W(σ) scaled to unit variance."""
-        import torchsde
-
-        def ordered(a, b):  # (low, high, +1) or (high, low, −1), as ComfyUI orders an interval
-            return (a, b, 1) if a < b else (b, a, -1)
-
-        lo, hi, tree_sign = ordered(torch.as_tensor(sigma_min), torch.as_tensor(sigma_max))
-        w0 = torch.zeros(self.shape, dtype=self.dtype)
-        tree = torchsde.BrownianTree(lo.detach().cpu(), w0, hi.detach().cpu(), entropy=self.seed)
-
-        def draw(sigma, sigma_next):
-            a, b, sign = ordered(torch.as_tensor(sigma), torch.as_tensor(sigma_next))
-            with warnings.catch_warnings():  # torchsde warns when float32 ends miss its float64 ones by an ulp
-                warnings.simplefilter("ignore", UserWarning)
-                w = tree(a.detach().cpu().float(), b.detach().cpu().float())  # [whole shape] W(b) − W(a)
-            w = w[self.rows].to(device=a.device, dtype=a.dtype) * (tree_sign * sign)  # −1: walking down in σ
-            return w / (sigma_next - sigma).abs().sqrt()
-
-        return draw
-
-
-# ---------------------------------------------------------------------------------------------
-# The samplers: (denoise, x [B, C, ...], sigmas [n + 1], sampling, noise, step) -> x
+# The samplers: (x [B, C, ...], sigmas [n + 1], sampling, noise) -> Walk
 
 
 def _to_d(x, sigma, denoised):
@@ -90,39 +55,36 @@ def _to_d(x, sigma, denoised):
     return (x - denoised) / sigma
 
 
-def sample_euler(denoise, x, sigmas, sampling, noise, step):
-    ones = x.new_ones([x.shape[0]])
+def sample_euler(x, sigmas, sampling, noise) -> Walk:
     for i in range(len(sigmas) - 1):
-        d = _to_d(x, sigmas[i], denoise(x, sigmas[i] * ones))
+        d = _to_d(x, sigmas[i], (yield Call(x, sigmas[i], i)))
         x = x + d * (sigmas[i + 1] - sigmas[i])
-        step(i + 1)
     return x
 
 
-def sample_euler_ancestral(denoise, x, sigmas, sampling, noise, step):
+def sample_euler_ancestral(x, sigmas, sampling, noise) -> Walk:
     """Euler down to σ_down, then noise back up by σ_up (eta 1); flow models take the RF variant."""
     if isinstance(sampling, FlowSampling):
-        return sample_euler_ancestral_RF(denoise, x, sigmas, sampling, noise, step)
-    draw, ones = noise.default(), x.new_ones([x.shape[0]])
+        return (yield from sample_euler_ancestral_RF(x, sigmas, sampling, noise))
+    draw = noise.default()
     for i in range(len(sigmas) - 1):
         s, s_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, s * ones)
+        denoised = yield Call(x, s, i)
         sigma_up = min(s_next, (s_next ** 2 * (s ** 2 - s_next ** 2) / s ** 2) ** 0.5)
         sigma_down = (s_next ** 2 - sigma_up ** 2) ** 0.5
         if sigma_down == 0:
             x = denoised
         else:
             x = x + _to_d(x, s, denoised) * (sigma_down - s) + draw(s, s_next) * sigma_up
-        step(i + 1)
     return x
 
 
-def sample_euler_ancestral_RF(denoise, x, sigmas, sampling, noise, step):
+def sample_euler_ancestral_RF(x, sigmas, sampling, noise) -> Walk:
     """Ancestral Euler for rectified flow (CONST): step to σ_down, rescale, re-noise (eta 1)."""
-    draw, ones = noise.default(), x.new_ones([x.shape[0]])
+    draw = noise.default()
     for i in range(len(sigmas) - 1):
         s, s_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, s * ones)
+        denoised = yield Call(x, s, i)
         if s_next == 0:
             x = denoised
         else:
@@ -132,32 +94,29 @@ def sample_euler_ancestral_RF(denoise, x, sigmas, sampling, noise, step):
             ratio = sigma_down / s
             x = ratio * x + (1 - ratio) * denoised
             x = (alpha_next / alpha_down) * x + draw(s, s_next) * renoise
-        step(i + 1)
     return x
 
 
-def sample_heun(denoise, x, sigmas, sampling, noise, step):
+def sample_heun(x, sigmas, sampling, noise) -> Walk:
     """Heun's second-order method; a plain Euler step onto σ = 0."""
-    ones = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         s, s_next = sigmas[i], sigmas[i + 1]
-        d = _to_d(x, s, denoise(x, s * ones))
+        d = _to_d(x, s, (yield Call(x, s, i)))
         dt = s_next - s
         if s_next == 0:
             x = x + d * dt
         else:
             x_2 = x + d * dt
-            d_2 = _to_d(x_2, s_next, denoise(x_2, s_next * ones))
+            d_2 = _to_d(x_2, s_next, (yield Call(x_2, s_next, i)))
             x = x + (d + d_2) / 2 * dt
-        step(i + 1)
     return x
 
 
-def sample_dpmpp_2m(denoise, x, sigmas, sampling, noise, step):
+def sample_dpmpp_2m(x, sigmas, sampling, noise) -> Walk:
     """DPM-Solver++(2M) in t = −log σ."""
-    ones, old_denoised = x.new_ones([x.shape[0]]), None
+    old_denoised = None
     for i in range(len(sigmas) - 1):
-        denoised = denoise(x, sigmas[i] * ones)
+        denoised = yield Call(x, sigmas[i], i)
         t, t_next = sigmas[i].log().neg(), sigmas[i + 1].log().neg()
         h = t_next - t
         scale = t_next.neg().exp() / t.neg().exp()  # σ_next/σ, as exp(−t) ratios
@@ -167,11 +126,10 @@ def sample_dpmpp_2m(denoise, x, sigmas, sampling, noise, step):
             r = (t - sigmas[i - 1].log().neg()) / h
             x = scale * x - (-h).expm1() * ((1 + 1 / (2 * r)) * denoised - (1 / (2 * r)) * old_denoised)
         old_denoised = denoised
-        step(i + 1)
     return x
 
 
-def sample_dpmpp_2m_sde(denoise, x, sigmas, sampling, noise, step):
+def sample_dpmpp_2m_sde(x, sigmas, sampling, noise) -> Walk:
     """DPM-Solver++(2M) SDE, midpoint, eta 1, with Brownian-tree noise; in half-logSNR λ."""
     if len(sigmas) <= 1:
         return x
@@ -181,10 +139,10 @@ def sample_dpmpp_2m_sde(denoise, x, sigmas, sampling, noise, step):
         sigmas = sigmas.clone()
         sigmas[0] = sampling.percent_to_sigma(1e-4)
     lam = (lambda s: s.logit().neg()) if flow else (lambda s: s.log().neg())  # λ = log(α/σ)
-    ones, old_denoised, h, h_last = x.new_ones([x.shape[0]]), None, None, None
+    old_denoised, h, h_last = None, None, None
     for i in range(len(sigmas) - 1):
         s, s_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, s * ones)
+        denoised = yield Call(x, s, i)
         if s_next == 0:
             x = denoised
         else:
@@ -196,7 +154,6 @@ def sample_dpmpp_2m_sde(denoise, x, sigmas, sampling, noise, step):
                 x = x + 0.5 * alpha_t * (-h * 2.0).expm1().neg() * (1 / (h_last / h)) * (denoised - old_denoised)
             x = x + draw(s, s_next) * s_next * (-2 * h).expm1().neg().sqrt()
         old_denoised, h_last = denoised, h
-        step(i + 1)
     return x
 
 
@@ -224,15 +181,15 @@ def _rows(v, x):
     return v[(...,) + (None,) * (x.dim() - 1)]
 
 
-def _unipc_x0(denoise, x, t):
+def _unipc_x0(x, t, step: int):
     """The data prediction at VP time t [B]: the model's ε from its x0 in σ space, then back."""
     sigma = _rows(t, x)
     x_in = x * ((sigma ** 2 + 1.0) ** 0.5)
-    eps = (x_in - denoise(x_in, t)) / sigma
+    eps = (x_in - (yield Call(x_in, t[0], step))) / sigma
     return (x - _rows(_std(t), x) * eps) / _rows(_alpha(t), x)
 
 
-def _unipc_bh1_update(denoise, x, x0s, ts, t, order, use_corrector):
+def _unipc_bh1_update(x, x0s, ts, t, order, use_corrector, step: int):
     """One UniPC step (B(h) = h) from ts[-1] to t [B], with ``order`` past predictions x0s (oldest
     first); returns (x at t, the prediction at the predictor's x, or None without corrector)."""
     lam_prev, lam_t, x0_prev = _lambda(ts[-1]), _lambda(t), x0s[-1]
@@ -256,22 +213,22 @@ def _unipc_bh1_update(denoise, x, x0s, ts, t, order, use_corrector):
     D1s = torch.stack(diffs, dim=1) if diffs else None  # [B, order − 1, C, ...]
 
     x_base = _rows(_std(t) / _std(ts[-1]), x) * x - _rows(alpha_t * h_phi_1, x) * x0_prev
-    step = _rows(alpha_t * hh, x)
+    step_size = _rows(alpha_t * hh, x)
     x_t = x_base
     if D1s is not None:
         rhos_p = torch.tensor([0.5], device=x.device) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
-        x_t = x_base - step * torch.tensordot(D1s, rhos_p, dims=([1], [0]))
+        x_t = x_base - step_size * torch.tensordot(D1s, rhos_p, dims=([1], [0]))
     if not use_corrector:
         return x_t, None
     rhos_c = torch.tensor([0.5], device=x.device) if order == 1 else torch.linalg.solve(R, b)
-    x0_t = _unipc_x0(denoise, x_t, t)
+    x0_t = yield from _unipc_x0(x_t, t, step)
     correction = rhos_c[-1] * (x0_t - x0_prev)
     if D1s is not None:
         correction = torch.tensordot(D1s, rhos_c[:-1], dims=([1], [0])) + correction
-    return x_base - step * correction, x0_t
+    return x_base - step_size * correction, x0_t
 
 
-def sample_unipc(denoise, x, sigmas, sampling, noise, step):
+def sample_unipc(x, sigmas, sampling, noise) -> Walk:
     """UniPC (bh1, multistep, data prediction, lower orders at the start and the end) with
     VP time t = σ; a final σ = 0 becomes t = 0.001, and the result is divided by α(t_last)."""
     ts = sigmas.clone()
@@ -284,19 +241,17 @@ def sample_unipc(denoise, x, sigmas, sampling, noise, step):
         return ts[i].expand(x.shape[0])
 
     x = x / torch.sqrt(1.0 + ts[0] ** 2.0)
-    x0s, times = [_unipc_x0(denoise, x, vec(0))], [vec(0)]
-    step(1)
+    x0s, times = [(yield from _unipc_x0(x, vec(0), 0))], [vec(0)]
     for i in range(1, steps):
         if i < order:  # warm-up: order i from the i predictions so far
-            x, x0 = _unipc_bh1_update(denoise, x, x0s, times, vec(i), i, True)
+            x, x0 = yield from _unipc_bh1_update(x, x0s, times, vec(i), i, True, i)
             x0s.append(x0)
             times.append(vec(i))
         else:  # the last step also takes the final one, without corrector
             for j in range(i, i + 2 if i == steps - 1 else i + 1):
-                x, x0 = _unipc_bh1_update(denoise, x, x0s, times, vec(j), min(order, steps + 1 - j), j != steps)
+                x, x0 = yield from _unipc_bh1_update(x, x0s, times, vec(j), min(order, steps + 1 - j), j != steps, i)
                 if j < steps:
                     x0s, times = x0s[1:] + [x0], times[1:] + [vec(j)]
-        step(i + 1)
     return x / _alpha(ts[-1])
 
 
@@ -313,15 +268,22 @@ def final_sigma(name: str, sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas[-1]
 
 
+def walk(name: str, x: torch.Tensor, sigmas: torch.Tensor, sampling, noise) -> Walk:
+    """Sampler ``name`` over ``sigmas`` [n + 1] from x [B, C, ...], as a generator of model calls.
+    ``noise`` (StepNoise, or a patch's PatchNoise) is needed by euler_ancestral and dpmpp_2m_sde only."""
+    if name not in _SAMPLE:
+        raise ValueError(f"unknown sampler {name!r}; valid: {', '.join(SAMPLERS)}")
+    if noise is None and name in ("euler_ancestral", "dpmpp_2m_sde"):
+        raise ValueError(f"{name} adds noise: pass a StepNoise")
+    return _SAMPLE[name](x, sigmas, sampling, noise)
+
+
 def sample(name: str, denoise_fn: Denoise, x: torch.Tensor, sigmas: torch.Tensor, sampling,
            noise: StepNoise | None, after_step: Callable[[int, int], bool] | None = None) -> torch.Tensor:
     """Run sampler ``name`` over ``sigmas`` [n + 1] from the noised latent x [B, C, ...] (this rank's
     rows); ``after_step(done, n)`` returning False raises GenerationStopped. ``noise`` is needed by
     euler_ancestral and dpmpp_2m_sde only. Fewer than two σ: no step, x comes back as it is."""
-    if name not in _SAMPLE:
-        raise ValueError(f"unknown sampler {name!r}; valid: {', '.join(SAMPLERS)}")
-    if noise is None and name in ("euler_ancestral", "dpmpp_2m_sde"):
-        raise ValueError(f"{name} adds noise: pass a StepNoise")
+    steps = walk(name, x, sigmas, sampling, noise)
     total = len(sigmas) - 1
     if total < 1:
         return x
@@ -330,4 +292,15 @@ def sample(name: str, denoise_fn: Denoise, x: torch.Tensor, sigmas: torch.Tensor
         if after_step is not None and not after_step(done, total):
             raise GenerationStopped()
 
-    return _SAMPLE[name](denoise_fn, x, sigmas, sampling, noise, step)
+    ones = x.new_ones([x.shape[0]])
+    call = next(steps)
+    while True:
+        denoised = denoise_fn(call.x, call.sigma * ones)  # σ [B]
+        try:
+            following = steps.send(denoised)
+        except StopIteration as end:
+            step(total)
+            return end.value
+        if following.step != call.step:
+            step(call.step + 1)
+        call = following

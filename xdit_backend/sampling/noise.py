@@ -1,0 +1,116 @@
+"""The noise the ancestral and SDE samplers add at each step, drawn as ComfyUI draws it.
+
+ComfyUI draws each step's noise for the WHOLE latent batch. A rank that holds some batch rows
+(dp) takes its rows of that draw (``StepNoise.rows``); a PipeFusion patch, which holds a band of
+latent rows, takes its band of it (``SharedDraws``): one whole draw per step, shared by the
+patches, so every token gets exactly the noise it gets in the serial run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+NoiseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (σ, σ_next) -> noise [rows, C, ...]
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """The noise the ancestral and SDE samplers add, drawn for the WHOLE batch as ComfyUI draws it
+    and cut to this rank's ``rows``, so every rank adds exactly its rows of ComfyUI's draw.
+
+    ``default()`` is ComfyUI's default_noise_sampler: a generator seeded with the sample's seed on
+    the latent's device, one ``randn(whole shape)`` per call. ``device`` is where that generator
+    lives: CPU and CUDA generators give different numbers for one seed, so it must be the device
+    ComfyUI's latent would be on — "cpu" (default) reproduces ComfyUI run with --cpu (the tests), a
+    CUDA device a ComfyUI run on a GPU (CUDA's draws can also differ between GPU models, as they do
+    for ComfyUI itself). ``brownian()`` is BrownianTreeNoiseSampler as
+    dpmpp_2m_sde builds it: always on the CPU (cpu=True), so it does not depend on ``device``.
+    Each call of these returns a fresh sampler, as each ComfyUI sampler call builds its own.
+    """
+
+    shape: tuple[int, ...]  # the whole batch's latent shape [B, C, ...]
+    seed: int
+    rows: slice = field(default_factory=lambda: slice(None))  # this rank's batch rows
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def default(self) -> NoiseFn:
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+
+        def draw(sigma, sigma_next):
+            whole = torch.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator)
+            return whole[self.rows].to(sigma.device)
+
+        return draw
+
+    def brownian(self, sigma_min: torch.Tensor, sigma_max: torch.Tensor) -> NoiseFn:
+        """Brownian-tree noise over [σ_min, σ_max]: W(σ_next) − W(σ) scaled to unit variance."""
+        import torchsde
+
+        def ordered(a, b):  # (low, high, +1) or (high, low, −1), as ComfyUI orders an interval
+            return (a, b, 1) if a < b else (b, a, -1)
+
+        lo, hi, tree_sign = ordered(torch.as_tensor(sigma_min), torch.as_tensor(sigma_max))
+        w0 = torch.zeros(self.shape, dtype=self.dtype)
+        tree = torchsde.BrownianTree(lo.detach().cpu(), w0, hi.detach().cpu(), entropy=self.seed)
+
+        def draw(sigma, sigma_next):
+            a, b, sign = ordered(torch.as_tensor(sigma), torch.as_tensor(sigma_next))
+            with warnings.catch_warnings():  # torchsde warns when float32 ends miss its float64 ones by an ulp
+                warnings.simplefilter("ignore", UserWarning)
+                w = tree(a.detach().cpu().float(), b.detach().cpu().float())  # [whole shape] W(b) − W(a)
+            w = w[self.rows].to(device=a.device, dtype=a.dtype) * (tree_sign * sign)  # −1: walking down in σ
+            return w / (sigma_next - sigma).abs().sqrt()
+
+        return draw
+
+
+class SharedDraws:
+    """One ``StepNoise`` shared by the patches of a latent (bands of latent rows, dim −2): the k-th
+    draw of each kind is made once, when the first patch asks for it, and each patch gets its band of
+    it; the draw is dropped once every patch has had it."""
+
+    def __init__(self, noise: StepNoise, patches: int):
+        self.noise, self.patches = noise, patches
+        self._kinds: dict[str, tuple[NoiseFn, dict[int, list]]] = {}  # kind → (whole draw, {k: [noise, left]})
+
+    def band(self, rows: slice) -> PatchNoise:
+        """The noise source a patch's sampler uses (StepNoise's interface)."""
+        return PatchNoise(self, rows)
+
+    def draws(self, kind: str, make: Callable[[], NoiseFn], rows: slice) -> NoiseFn:
+        if kind not in self._kinds:
+            self._kinds[kind] = (make(), {})
+        whole, made = self._kinds[kind]
+        count = itertools.count()
+
+        def draw(sigma, sigma_next):
+            k = next(count)
+            if k not in made:
+                made[k] = [whole(sigma, sigma_next), self.patches]  # [rows, C, ..., h, w]
+            entry = made[k]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del made[k]
+            return entry[0][..., rows, :]  # [rows, C, ..., band, w]
+
+        return draw
+
+
+@dataclass(frozen=True)
+class PatchNoise:
+    """StepNoise's interface for one patch: its band of the shared whole draws."""
+
+    shared: SharedDraws
+    rows: slice  # latent rows (dim −2) of the patch
+
+    def default(self) -> NoiseFn:
+        return self.shared.draws("default", self.shared.noise.default, self.rows)
+
+    def brownian(self, sigma_min: torch.Tensor, sigma_max: torch.Tensor) -> NoiseFn:
+        return self.shared.draws("brownian", lambda: self.shared.noise.brownian(sigma_min, sigma_max), self.rows)
