@@ -138,3 +138,28 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
     reference = Client(client.socket_path)  # and its answer is the right one
     again, _ = reference.sample({**fields, "parallel": {"ring": 2}})
     assert (result["samples"] - again["samples"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backend_keeps_serving(
+        backends, monkeypatch, failing_rank):
+    """A simulated out-of-memory in one PipeFusion stage mid-pipeline (a patch of step 1, with sends
+    and receives posted ahead): the error names that rank, and the same backend serves the next
+    request, whose latent equals the serial one."""
+    monkeypatch.setenv("XDIT_TEST_FAULT", f"{failing_rank}:4")
+    client = backends.start(2, collective_timeout=10.0, heartbeat=4.0)
+    before = client.status()
+    fields = {**SMALL, "steps": 4, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 1}}
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        client.sample(fields)  # calls: step 0 whole (warm-up), then 4 patches a step: the 4th is step 1's 3rd
+    took = time.monotonic() - started
+    assert info.value.kind == "model_error" and info.value.rank == failing_rank
+    assert f"rank {failing_rank}: MemoryError: CUDA out of memory (simulated" in info.value.message
+    assert took < 10 + 20, f"took {took:.1f} s"
+    fields["parallel"]["warmup_steps"] = 4  # the fault fires once; warm-up over every step: exact
+    result, _ = client.sample(fields)
+    assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
+    monkeypatch.delenv("XDIT_TEST_FAULT")  # the reference: a serial backend without the fault
+    serial, _ = backends.start(1).sample({**fields, "parallel": {}})
+    assert (result["samples"] - serial["samples"]).abs().max() <= 1e-4

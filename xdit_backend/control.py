@@ -86,7 +86,8 @@ class StepGate:
     """Once per denoising step, every rank learns whether to go on: rank 0 may stop (a cancel, a
     client that went away), and any rank may report that it failed.
 
-    This is how a cancel or a failure anywhere stops every rank within one step, and it bounds how
+    This is how a cancel or a failure anywhere stops every rank within one step (two under
+    PipeFusion, whose stages meet a step's gate where they stand when it ends), and it bounds how
     long any rank waits. A request always ends with one closed gate: ranks other than 0 loop
     ``while gate.passes()`` without knowing the step count, rank 0 calls ``close()`` however its
     work ended, and a rank that raised calls ``fail()`` (the others see ``failed`` at the gate).

@@ -91,10 +91,12 @@ class Executor:
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
             self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
-            _inject_fault(self.computing, self.rt.rank)
+            first = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
+            _inject_fault(self.computing, first, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
         stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
         self.computing = stage
+        _inject_fault(stage, blocks[0], self.rt.rank)
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
         self.last_trace = pipeline.trace
@@ -139,9 +141,10 @@ class Executor:
                         "pipeline_trace": self.last_trace}
 
 
-def _inject_fault(model, rank: int) -> None:
+def _inject_fault(model, first_block, rank: int) -> None:
     """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
-    as an out-of-memory inside the model would."""
+    as an out-of-memory inside the model would. A model call is a pass through the first block this
+    rank holds: once per forward on the normal path, once per patch and step in a PipeFusion stage."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
         return
@@ -152,7 +155,7 @@ def _inject_fault(model, rank: int) -> None:
         if calls[0] == target:
             raise MemoryError(f"CUDA out of memory (simulated by {FAULT_ENV} on rank {rank})")
 
-    model.transformer.register_forward_pre_hook(hook)
+    first_block.register_forward_pre_hook(hook)
     model.fault_injected = True
 
 

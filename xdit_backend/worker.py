@@ -9,7 +9,8 @@ the launch options as flags (LaunchOptions.to_argv). The parts:
 - follower.py: the other ranks' loop: what rank 0 broadcasts;
 - agreement.py: how every rank ends a request the same way (finished, stopped, failed), used by both.
 
-Every step ends at the step gate, so a cancel or a failure stops all ranks within one step.
+Every step ends at the step gate, so a cancel or a failure stops all ranks within one step (within
+two under PipeFusion, whose stages meet each step's gate where they stand: parallel/schedule.py).
 """
 
 from __future__ import annotations

@@ -76,14 +76,17 @@ def keep_stage(transformer, plan, start: int, end: int) -> list[nn.Module]:
     return kept
 
 
-def _isend(tensor: torch.Tensor, peer: int):
-    """Post a send (through batch_isend_irecv, the one point-to-point entry the traffic count sees)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])[0]
+def _isend(tensor: torch.Tensor, peer: int, group):
+    """Post a send to global rank ``peer`` in the stage ``group`` (through batch_isend_irecv, the one
+    point-to-point entry the traffic count sees). The layout's group, not the default one: its
+    timeout is half the control group's, so after a stage raises, a peer stuck waiting for it times
+    out and reaches the step gate while the failed rank still waits there (agreement.py)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, group)])[0]
 
 
-def _irecv(tensor: torch.Tensor, peer: int):
-    """Post a receive into ``tensor``."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])[0]
+def _irecv(tensor: torch.Tensor, peer: int, group):
+    """Post a receive into ``tensor`` from global rank ``peer`` in the stage ``group``."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer, group)])[0]
 
 
 def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[torch.Tensor]:
@@ -212,14 +215,16 @@ class PipeFusion:
                 item = self.work[index]
                 a, b = self._rows(item)
                 buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)
-                self.returns.append((item, a, b, buffer, _irecv(buffer, self._peer(self.stages - 1))))
+                request = _irecv(buffer, self._peer(self.stages - 1), self.pp_group)  # a patch back from the last stage
+                self.returns.append((item, a, b, buffer, request))
                 self.trace.append(("post", item.step, item.first))
             return
         for index in schedule.window(gates[self.stage - 1], gate):
             item = self.work[index]
             tokens = self._tokens(item)[1].numel() + (self.text if self._with_text(index) else 0)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
-            self.pending[index] = (buffer, _irecv(buffer, self._peer(self.stage - 1)))  # [B, L + n/P, D]
+            # [B, L + n/P, D] from the previous stage
+            self.pending[index] = (buffer, _irecv(buffer, self._peer(self.stage - 1), self.pp_group))
             self.trace.append(("post", item.step, item.first))
 
     def _apply_returns(self, step: int, until: int) -> None:
@@ -260,7 +265,8 @@ class PipeFusion:
             image, context = model.run_block(block, image, context, kwargs)
         if not self.last:
             activation = (torch.cat([context, image], dim=1) if self.text else image).contiguous()
-            self.sends.append((activation, _isend(activation, self._peer(self.stage + 1))))  # [batch, L + n/P, D]
+            # [batch, L + n/P, D] to the next stage
+            self.sends.append((activation, _isend(activation, self._peer(self.stage + 1), self.pp_group)))
             return
         self._sample(item, model.head(image, inputs), sigma)
 
@@ -297,7 +303,7 @@ class PipeFusion:
             except StopIteration as end:  # the patch's last step: its final latent
                 following.append(end.value)
         self.x[..., a:b, :] = update = torch.cat(following, dim=-2)  # [B, C, (T,) b − a, w]
-        self.sends.append((update, _isend(update, self._peer(0))))
+        self.sends.append((update, _isend(update, self._peer(0), self.pp_group)))
 
     def _wait_sends(self) -> None:
         for _, request in self.sends:  # (tensor kept alive until sent, request)
