@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xdit_backend.models import registry
-from xdit_backend.models.base import Cut, FamilySpec, SequencePlan
+from xdit_backend.models.base import Cut, FamilySpec, SequencePlan, StagePlan
 from xdit_backend.parallel import sequence
 
 TINY = {family: name for name, builtin in registry.BUILTINS.items()
@@ -31,8 +31,8 @@ def test_spec_implements_the_interface(family):
 
 
 @pytest.mark.parametrize("family", sorted(registry.FAMILIES))
-def test_the_plan_names_modules_the_model_has(family):
-    """Every cut, the gather and at least one attention module of the plan exist in the built model."""
+def test_the_plans_name_modules_the_model_has(family):
+    """Every cut, the gather, the stage plan's block lists and each attention name exist in the built model."""
     model = registry.build(TINY[family], torch.device("cpu"))
     plan = model.spec.sequence_plan
     modules = dict(model.transformer.named_modules())
@@ -41,6 +41,10 @@ def test_the_plan_names_modules_the_model_has(family):
     assert plan.gather in modules
     attention_names = {name.rsplit(".", 1)[-1] for name in modules}
     for name, _ in plan.attention:
+        assert name in attention_names, name
+    stages = model.spec.stage_plan
+    assert sum(len(getattr(model.transformer, name)) for name in stages.block_lists) == model.spec.blocks
+    for name, _, _ in stages.attention:
         assert name in attention_names, name
 
 
@@ -72,6 +76,7 @@ def test_a_family_without_its_methods_cannot_be_built():
         latent_format = None
         parallel_methods = frozenset()
         sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),), attention=())
+        stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=())
 
     with pytest.raises(TypeError, match="abstract"):
         NoMethods(4, 2)
