@@ -95,6 +95,6 @@ def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
     kinds = {name: (kind, sees_text) for name, kind, sees_text in plan.attention}
     for name, module in transformer.named_modules():
         entry = kinds.get(name.rsplit(".", 1)[-1])
-        if entry is not None and hasattr(module, "set_processor"):
+        if entry is not None:
             kind, sees_text = entry
             module.set_processor(PROCESSORS[kind](StaleKV(chunk, sp_group, kernel, sees_text)))
