@@ -66,7 +66,7 @@ def test_auto_keeps_the_sequence_degree_within_what_the_text_allows():
     assert (config.ulysses, config.ring, config.dp) == (2, 1, 2), why
     with pytest.raises(ConfigError) as error:
         ParallelConfig.auto(4, FLUX_TINY, RequestFacts(1, 4096, 1.0, False, text_tokens=154))
-    assert "154 text tokens" in error.value.message
+    assert "154 text tokens" in error.value.message and "a prompt of a length that 4 divides" in error.value.hint
 
 
 def test_batch_must_divide_by_dp():

@@ -215,9 +215,14 @@ class ParallelConfig:
             why.append(f"data parallel over the batch of {request.batch}")
         if remaining > 1:
             text = f"{request.text_tokens} text tokens, " if request.text_tokens else ""
+            sequence = picked.get("ulysses", 1) * picked.get("ring", 1) * remaining  # had the rest gone to SP
+            prompt = (f"; the prompt's {request.text_tokens} tokens are split too (this model attends to text and "
+                      f"image together), so a prompt of a length that {sequence} divides also works"
+                      if request.text_tokens % sequence else "")
             raise ConfigError(f"no layout of {world_size} ranks fits this request ({request.image_tokens} image tokens, "
                               f"{text}{model.heads} heads, batch {request.batch})",
-                              "change the resolution so the image tokens divide by the ranks, or start fewer ranks")
+                              f"change the resolution so the image tokens divide by the ranks, or start fewer ranks"
+                              f"{prompt}")
         return cls(**picked), ", ".join(why) or "world size 1"
 
 
