@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from .models import registry
-
 RECOMPILE_LIMIT = 64  # cached graphs per code object (a block class's forward), all layouts and batches
 
 
 def compile_blocks(model):
-    """Compile each block of ``model``'s transformer in place (registry.FAMILIES' block lists);
+    """Compile each block of ``model``'s transformer in place (its family's StagePlan block lists);
     returns the model. Compilation itself happens on the first call of each block."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     transformer = model.transformer
-    for name in registry.FAMILIES[model.spec.family].block_lists:
+    for name in model.spec.stage_plan.block_lists:
         for block in getattr(transformer, name):
             block.forward = _dynamic(torch.compile(block.forward))
     return model

@@ -91,12 +91,11 @@ class Executor:
         gen = request.generation(spec, *request.conditioning(spec))
         if layout is None or layout.config.pipefusion == 1:
             self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
-            first = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
-            _inject_fault(self.computing, first, self.rt.rank)
+            _inject_fault(self.computing, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
         stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
         self.computing = stage
-        _inject_fault(stage, blocks[0], self.rt.rank)
+        _inject_fault(stage, self.rt.rank, blocks[0])
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
         self.last_trace = pipeline.trace
@@ -141,7 +140,7 @@ class Executor:
                         "pipeline_trace": self.last_trace}
 
 
-def _inject_fault(model, first_block, rank: int) -> None:
+def _inject_fault(model, rank: int, first_block=None) -> None:
     """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
     as an out-of-memory inside the model would. A model call is a pass through the first block this
     rank holds: once per forward on the normal path, once per patch and step in a PipeFusion stage."""
@@ -149,6 +148,8 @@ def _inject_fault(model, first_block, rank: int) -> None:
     if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
         return
     calls, target = [0], int(spec.split(":")[1])
+    if first_block is None:  # the whole model: its first block
+        first_block = getattr(model.transformer, model.spec.stage_plan.block_lists[0])[0]
 
     def hook(module, args):
         calls[0] += 1
