@@ -21,7 +21,8 @@ from pathlib import Path
 
 from . import endpoint, paths
 from .errors import EXIT_PEER_LOST
-from .launch_options import LaunchError, LaunchOptions  # noqa: F401  (what start and serve take and raise)
+from .gpus import VISIBLE_ENV, chosen_gpus
+from .launch_options import LaunchError, LaunchOptions, cuda_device_count  # noqa: F401  (what start and serve take and raise)
 from .protocol import Message
 
 
@@ -110,8 +111,8 @@ def serve(options: LaunchOptions) -> int:
     if live is not None:
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}; stop it with "
                           f"`xdit-backend stop --socket {sock}` or choose another --socket")
-    if options.gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, options.gpus))
+    if options.gpus and options.device == "cuda":  # positions in this process's CUDA_VISIBLE_DEVICES
+        os.environ[VISIBLE_ENV] = ",".join(chosen_gpus(os.environ, options.gpus, cuda_device_count()))
     os.environ[paths.LAUNCHER_PID_ENV] = str(os.getpid())
     if options.tcp:
         ensure_token(Path(options.token_file))  # resolved() named it

@@ -1,0 +1,54 @@
+"""Which GPUs: the ones a process may use, and the ones ``--gpus`` picks.
+
+CUDA numbers the GPUs a process sees from 0, in the order of ``CUDA_VISIBLE_DEVICES`` when it is
+set (ComfyUI's ``--cuda-device N`` sets it to ``N``). ``--gpus`` counts within that list, so a
+backend started from such a process stays on the GPUs the process was given. A GPU's *physical*
+id is the list's entry (nvidia-smi's index, or a ``GPU-…`` UUID if the list holds those). Light on
+purpose (no torch): the launcher options use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .errors import LaunchError
+
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_list(env: Mapping[str, str]) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` in ``env``; None when it is unset (every GPU visible)."""
+    text = env.get(VISIBLE_ENV)
+    if text is None:
+        return None
+    return [entry.strip() for entry in text.split(",") if entry.strip()]
+
+
+def available_gpus(env: Mapping[str, str], device_count: int) -> list[str]:
+    """The physical ids of the ``device_count`` GPUs a process with ``env`` sees, in CUDA's order.
+
+    CUDA hides every entry from the first one it cannot use, so only the first ``device_count``
+    entries count (ComfyUI's ``--default-device 2`` lists 32 indices on a 4-GPU machine: 2,0,1,3
+    are the GPUs).
+    """
+    visible = visible_list(env)
+    if visible is None:
+        return [str(index) for index in range(device_count)]
+    return visible[:device_count]
+
+
+def chosen_gpus(env: Mapping[str, str], indices: Sequence[int], device_count: int) -> list[str]:
+    """The physical ids ``--gpus indices`` names: positions in the GPUs a process with ``env`` sees."""
+    available = available_gpus(env, device_count)
+    outside = [index for index in indices if not 0 <= index < len(available)]
+    if outside:
+        visible = env.get(VISIBLE_ENV)
+        seen = (f"{len(available)} GPU(s): {VISIBLE_ENV}={visible} in the environment the backend is started from "
+                "(ComfyUI's --cuda-device sets it), and --gpus counts within that list"
+                if visible is not None else f"{len(available)} GPU(s)")
+        fix = f"use indices 0..{len(available) - 1}" if available else "check that torch sees the GPUs"
+        if visible is not None:
+            fix += f", or start ComfyUI (or the backend) without {VISIBLE_ENV} restricting it"
+        raise LaunchError(f"--gpus {','.join(map(str, indices))}: no GPU {','.join(map(str, outside))} "
+                          f"among the {seen}; {fix}")
+    return [available[index] for index in indices]
