@@ -8,6 +8,7 @@ import pytest
 from xdit_backend import gpus
 from xdit_backend.errors import LaunchError
 from xdit_backend.launch_options import LaunchOptions
+from xdit_backend.worker_env import worker_environment
 
 SOCKET = Path("/tmp/xdit-env/b.sock")
 
@@ -52,3 +53,87 @@ def test_resolved_takes_gpus_within_the_parents_list(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert LaunchOptions(socket=SOCKET, gpus=(1,)).resolved().nproc == 1
     assert LaunchOptions(socket=SOCKET).resolved().nproc == 2
+
+
+# ------------------------------------------------------------------ the ranks' environment (worker_env.py)
+
+
+def options(**values) -> LaunchOptions:
+    return LaunchOptions(**{"socket": SOCKET, "device": "cuda", "nproc": 2, **values})
+
+
+def ranks_env(parent: dict, cpu_count=16, gpu_count=8, **values) -> dict:
+    return worker_environment(parent, options(**values), cpu_count=cpu_count, gpu_count=gpu_count).env
+
+
+def test_gpus_count_within_the_parents_visible_devices():
+    """ComfyUI's --cuda-device sets CUDA_VISIBLE_DEVICES; --gpus are positions in that list."""
+    assert ranks_env({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, gpus=(1, 3))["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert ranks_env({}, gpus=(0, 2))["CUDA_VISIBLE_DEVICES"] == "0,2"  # no list: nvidia-smi's numbers
+
+
+def test_without_gpus_the_parents_list_is_kept_and_none_is_made_up():
+    assert ranks_env({"CUDA_VISIBLE_DEVICES": "3"}, nproc=1)["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "CUDA_VISIBLE_DEVICES" not in ranks_env({})
+
+
+def test_device_order_is_the_pci_bus_unless_the_user_chose_one():
+    assert ranks_env({})["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert ranks_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_a_cpu_backend_leaves_the_gpu_variables_alone():
+    env = worker_environment({"CUDA_VISIBLE_DEVICES": "3"}, options(device="cpu", gpus=(0, 1)), cpu_count=4,
+                             gpu_count=0).env
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and "CUDA_DEVICE_ORDER" not in env
+
+
+@pytest.mark.parametrize("inherited,expected", [
+    ("backend:cudaMallocAsync", "expandable_segments:True"),  # ComfyUI's default
+    ("max_split_size_mb:128,backend:cudaMallocAsync", "max_split_size_mb:128,expandable_segments:True"),
+    ("backend: cudaMallocAsync , garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6,expandable_segments:True"),
+    ("backend:cudaMallocAsync,expandable_segments:False", "expandable_segments:False"),  # the user's choice stays
+])
+def test_the_async_allocator_is_replaced_and_other_settings_kept(inherited, expected):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        built = worker_environment({name: inherited}, options(), cpu_count=4, gpu_count=2)
+        assert built.env[name] == expected
+        assert len(built.notes) == 1 and inherited in built.notes[0] and expected in built.notes[0]
+
+
+def test_an_allocator_setting_without_the_async_backend_is_untouched():
+    built = worker_environment({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:64"}, options(),
+                               cpu_count=4, gpu_count=2)
+    assert built.env["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native,max_split_size_mb:64" and built.notes == []
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in ranks_env({})
+
+
+def test_nccl_errors_abort_the_communicator_and_dump_unless_the_user_chose():
+    env = ranks_env({})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    env = ranks_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+def test_a_timeout_dump_has_a_buffer_to_dump_and_lands_beside_the_socket():
+    """TORCH_NCCL_DUMP_ON_TIMEOUT dumps nothing without a flight-recorder buffer; the dump must
+    outlive the restart that clears the per-rank error files."""
+    env = ranks_env({})
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert Path(env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent == SOCKET.parent
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in ranks_env({"TORCH_FR_BUFFER_SIZE": "50"})  # the user's, newer name
+    assert ranks_env({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"})["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/t_"
+
+
+@pytest.mark.parametrize("cpus,nproc,threads", [(16, 4, "4"), (16, 3, "5"), (2, 8, "1")])
+def test_gpu_ranks_share_the_cores_for_compute_and_compile_threads(cpus, nproc, threads):
+    env = ranks_env({}, cpu_count=cpus, nproc=nproc)
+    assert env["OMP_NUM_THREADS"] == threads and env["TORCHINDUCTOR_COMPILE_THREADS"] == threads
+
+
+def test_the_users_thread_settings_stay_and_the_parent_env_is_not_changed():
+    parent = {"OMP_NUM_THREADS": "7", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    before = dict(parent)
+    env = ranks_env(parent, gpus=(0, 1))
+    assert env["OMP_NUM_THREADS"] == "7" and env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert parent == before

@@ -37,7 +37,6 @@ class Runtime:
 def start_runtime(options: LaunchOptions) -> Runtime:
     """Join the process group (gloo on CPU, NCCL on CUDA) and pin this rank to its device."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if options.device == "cuda":
         if not torch.cuda.is_available():
             raise StartupError(
@@ -55,8 +54,6 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     timeout = timedelta(seconds=options.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
