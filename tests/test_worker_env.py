@@ -1,11 +1,14 @@
 """The environment the ranks start with, and how GPUs are named: pure functions over fake
 environments (no GPU needed), and torch.cuda's queries replaced where a rank describes itself."""
 
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from xdit_backend import gpus
+from xdit_backend import gpus, runtime
 from xdit_backend.errors import LaunchError
 from xdit_backend.launch_options import LaunchOptions
 from xdit_backend.worker_env import worker_environment
@@ -137,3 +140,25 @@ def test_the_users_thread_settings_stay_and_the_parent_env_is_not_changed():
     env = ranks_env(parent, gpus=(0, 1))
     assert env["OMP_NUM_THREADS"] == "7" and env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
     assert parent == before
+
+
+# ------------------------------------------------------------------ a rank names its GPU
+
+
+def test_a_gpu_rank_reports_its_physical_gpu_and_uuid(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(uuid=f"0000000{torch.device(device).index}-aaaa-bbbb-cccc-dddddddddddd"))
+    rt = runtime.Runtime(rank=1, world_size=2, local_rank=1, device=torch.device("cuda", 1), control=None,
+                         started=0.0, timeout=timedelta(seconds=1))
+    described = runtime.describe_rank(rt)
+    assert described["device"] == "cuda:1" and described["gpu"] == "6"
+    assert described["uuid"] == "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
+
+
+def test_a_cpu_rank_reports_no_gpu():
+    rt = runtime.Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), control=None,
+                         started=0.0, timeout=timedelta(seconds=1))
+    described = runtime.describe_rank(rt)
+    assert described["gpu"] is None and described["uuid"] is None

@@ -1,10 +1,11 @@
-"""Which GPUs: the ones a process may use, and the ones ``--gpus`` picks.
+"""Which GPUs: the ones a process may use, the ones ``--gpus`` picks, and how a rank names its own.
 
 CUDA numbers the GPUs a process sees from 0, in the order of ``CUDA_VISIBLE_DEVICES`` when it is
 set (ComfyUI's ``--cuda-device N`` sets it to ``N``). ``--gpus`` counts within that list, so a
-backend started from such a process stays on the GPUs the process was given. A GPU's *physical*
-id is the list's entry (nvidia-smi's index, or a ``GPU-…`` UUID if the list holds those). Light on
-purpose (no torch): the launcher options use it.
+backend started from such a process stays on the GPUs the process was given. A rank reports the
+list's entry it runs on (its *physical* id: nvidia-smi's index, or a ``GPU-…`` UUID if the list
+holds those) and its device's UUID, next to its local ``cuda:i``. Light on purpose (torch only
+inside ``device_uuid``): the launcher options and the ranks use it.
 """
 
 from __future__ import annotations
@@ -52,3 +53,20 @@ def chosen_gpus(env: Mapping[str, str], indices: Sequence[int], device_count: in
         raise LaunchError(f"--gpus {','.join(map(str, indices))}: no GPU {','.join(map(str, outside))} "
                           f"among the {seen}; {fix}")
     return [available[index] for index in indices]
+
+
+def physical_id(env: Mapping[str, str], local_index: int) -> str:
+    """The physical id of the GPU this process calls ``cuda:local_index``."""
+    visible = visible_list(env)
+    return visible[local_index] if visible is not None else str(local_index)
+
+
+def device_uuid(device) -> str | None:
+    """``GPU-…``, as nvidia-smi -L and CUDA_VISIBLE_DEVICES write it; None when torch cannot tell."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"

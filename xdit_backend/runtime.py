@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import gpus
 from .control import barrier
 from .launch_options import LaunchOptions
 
@@ -61,9 +62,15 @@ def start_runtime(options: LaunchOptions) -> Runtime:
 
 
 def describe_rank(rt: Runtime) -> dict:
-    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+    """Who this rank is: its local device, and on a GPU the physical id (the CUDA_VISIBLE_DEVICES
+    entry it runs on, or nvidia-smi's index) and its UUID, which names the card in every process.
+    ``threads``: its CPU threads, the node's cores shared between its ranks (worker_env.py)."""
+    cuda = rt.device.type == "cuda"
     return {"rank": rt.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(rt.device),
-            "device_name": name, "threads": torch.get_num_threads()}
+            "device_name": torch.cuda.get_device_name(rt.device) if cuda else "cpu",
+            "gpu": gpus.physical_id(os.environ, rt.device.index) if cuda else None,
+            "uuid": gpus.device_uuid(rt.device) if cuda else None,
+            "threads": torch.get_num_threads()}
 
 
 def leave_together(rt: Runtime) -> None:
