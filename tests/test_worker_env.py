@@ -162,3 +162,29 @@ def test_a_cpu_rank_reports_no_gpu():
                          started=0.0, timeout=timedelta(seconds=1))
     described = runtime.describe_rank(rt)
     assert described["gpu"] is None and described["uuid"] is None
+
+
+# ------------------------------------------------------------------ the ComfyUI node's checks
+
+
+def rank(gpu, uuid=None, host="box"):
+    return {"rank": 0, "device": "cuda:0", "gpu": gpu, "uuid": uuid, "host": host}
+
+
+def test_a_running_backend_is_compared_by_physical_gpus():
+    """ComfyUI started with CUDA_VISIBLE_DEVICES=2,3 asks for its GPU 1: physical GPU 3."""
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert gpus.running_elsewhere([rank("3")], env, (1,), 2, "box") is None
+    said = gpus.running_elsewhere([rank("1")], env, (1,), 2, "box")
+    assert "runs on GPUs 1" in said and "asks for GPUs 3" in said and "CUDA_VISIBLE_DEVICES=2,3" in said
+    assert gpus.running_elsewhere([rank("0"), rank("1"), rank("0", host="other")], {}, (1, 0), 4, "box") is None
+
+
+def test_comfyuis_gpu_is_freed_only_when_the_backend_may_use_it():
+    ranks = [rank("1", "GPU-b"), rank("2", "GPU-c")]
+    assert not gpus.uses_gpu(ranks, "GPU-a", "box")
+    assert gpus.uses_gpu(ranks, "GPU-b", "box")
+    assert gpus.uses_gpu(ranks, None, "box")  # ComfyUI's own UUID unknown
+    assert gpus.uses_gpu([rank("1", None)], "GPU-a", "box")  # a rank's UUID unknown
+    assert not gpus.uses_gpu([rank("1", "GPU-a", host="other")], "GPU-a", "box")  # another node's GPU
+    assert not gpus.uses_gpu([{"rank": 0, "device": "cpu", "gpu": None, "uuid": None, "host": "box"}], "GPU-a", "box")

@@ -5,7 +5,8 @@ set (ComfyUI's ``--cuda-device N`` sets it to ``N``). ``--gpus`` counts within t
 backend started from such a process stays on the GPUs the process was given. A rank reports the
 list's entry it runs on (its *physical* id: nvidia-smi's index, or a ``GPU-…`` UUID if the list
 holds those) and its device's UUID, next to its local ``cuda:i``. Light on purpose (torch only
-inside ``device_uuid``): the launcher options and the ranks use it.
+inside ``device_uuid``): the launcher options, the ranks and the
+ComfyUI nodes use it.
 """
 
 from __future__ import annotations
@@ -70,3 +71,34 @@ def device_uuid(device) -> str | None:
         return None
     text = str(uuid)
     return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def local_ranks(ranks: list[dict], host: str) -> list[dict]:
+    """The ranks of a backend's status that run on ``host`` (a multi-node backend has others)."""
+    return [rank for rank in ranks if rank.get("host") == host]
+
+
+def rank_gpus(ranks: list[dict], host: str) -> list[str]:
+    """The physical ids of the GPUs a backend's ranks on ``host`` run on (CPU ranks have none)."""
+    return [rank["gpu"] for rank in local_ranks(ranks, host) if rank.get("gpu") is not None]
+
+
+def running_elsewhere(ranks: list[dict], env: Mapping[str, str], indices: Sequence[int], device_count: int,
+                      host: str) -> str | None:
+    """Why a running backend's ranks on ``host`` are not on the GPUs ``--gpus indices`` would give
+    a backend started from ``env``; None when they are. Both sides as physical ids."""
+    wanted = chosen_gpus(env, indices, device_count)
+    running = rank_gpus(ranks, host)
+    if sorted(running) == sorted(wanted):
+        return None
+    within = f" (GPUs {','.join(map(str, indices))} of {VISIBLE_ENV}={env[VISIBLE_ENV]})" if VISIBLE_ENV in env else ""
+    return f"the backend runs on GPUs {','.join(running) or 'none'}, this workflow asks for GPUs {','.join(wanted)}{within}"
+
+
+def uses_gpu(ranks: list[dict], uuid: str | None, host: str) -> bool:
+    """Whether a backend's ranks on ``host`` may run on the GPU with ``uuid``: True unless every
+    GPU rank reports a UUID and none is this one (an unknown UUID might be any GPU)."""
+    uuids = {rank.get("uuid") for rank in local_ranks(ranks, host) if rank.get("gpu") is not None}
+    if not uuids:  # no GPU rank here
+        return False
+    return uuid is None or None in uuids or uuid in uuids
