@@ -40,6 +40,31 @@ def test_a_collective_that_lost_its_peer_is_told_from_a_model_error():
     assert not is_peer_failure(MemoryError("out of memory"))
 
 
+def test_an_nccl_failure_is_a_peers_only_when_nccl_says_so():
+    """PyTorch raises every NCCL failure as a DistBackendError: this rank's own CUDA out-of-memory
+    inside NCCL is this rank's failure; a remote error or a watchdog timeout is a peer's."""
+    import torch
+    import torch.distributed as dist
+
+    from xdit_backend.control import is_peer_failure
+
+    own_oom = dist.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+        "Last error:\nCuda failure 2 'out of memory'")
+    remote = dist.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or "
+        "there was a network error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network "
+        "error or a remote process exiting prematurely.")
+    timeout = dist.DistBackendError(
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLTOALL_BASE, "
+        "NumelIn=4096, NumelOut=4096, Timeout(ms)=300000) ran for 300007 milliseconds before timing out.")
+    assert not is_peer_failure(own_oom) and not is_peer_failure(RuntimeError("NCCL_P2P_DISABLE is set"))
+    assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_peer_failure(remote) and is_peer_failure(timeout)
+    assert is_peer_failure(dist.DistNetworkError("Connection reset by peer"))
+
+
 def test_the_ranks_run_in_the_environment_the_launcher_built(backends, monkeypatch):
     """ComfyUI's cudaMallocAsync setting reaches the ranks replaced, with the NCCL and thread settings
     (read from each rank's /proc/PID/environ: what the process really started with)."""
