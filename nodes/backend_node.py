@@ -48,8 +48,17 @@ class XDiTBackend(io.ComfyNode):
 
 def describe(status: dict) -> str:
     ranks = status.get("ranks", [])
-    devices = ", ".join(f"rank {r['rank']}: {r['device']} ({r['device_name']})" for r in ranks)
+    devices = ", ".join(f"rank {r['rank']}: {_device(r)}" for r in ranks)
     models = "\n  ".join(status.get("models", [])) or "none"
     return (f"xDiT backend {status.get('version')} (pid {status.get('pid')}), world size {status.get('world_size')}, "
             f"attention {status.get('attention_kernel')}, up {status.get('uptime_s', 0):.0f} s\n"
             f"{devices}\nmodels loaded:\n  {models}")
+
+
+def _device(rank: dict) -> str:
+    """``cuda:0 = GPU 3 (NVIDIA H100 …, GPU-8f1…)``: the rank's local device and the physical GPU
+    (nvidia-smi's number or CUDA_VISIBLE_DEVICES's entry) it is."""
+    if rank.get("gpu") is None:
+        return f"{rank['device']} ({rank['device_name']})"
+    uuid = f", {rank['uuid']}" if rank.get("uuid") else ""
+    return f"{rank['device']} = GPU {rank['gpu']} ({rank['device_name']}{uuid})"

@@ -6,7 +6,9 @@ ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend ca
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from socket import gethostname
 
 from comfy_api.latest import io
 from xdit_backend import schema
@@ -151,10 +153,10 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
                **schema.fields(width=geometry.width, height=geometry.height, frames=geometry.frames,
                                batch=geometry.batch, parallel=(parallel or ParallelChoice()).request_value(),
                                guidance=guidance)}
-    if mm.get_torch_device().type == "cuda":  # ComfyUI's text encoders and VAE share GPU 0 with rank 0
+    client, running = backend_client(parallel)
+    if _shares_comfyui_gpu(mm.get_torch_device(), running):  # then ComfyUI's models make room for the backend's
         mm.unload_all_models()
         mm.soft_empty_cache()
-    client = backend_client(parallel)
     progress = comfy.utils.ProgressBar(fields.get("steps", 1))
     try:
         result, _ = client.sample(request, tensors, on_progress=lambda step, total, _: progress.update_absolute(step, total),
@@ -169,10 +171,12 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
 
 
 def backend_client(parallel: ParallelChoice | None):
-    """The client of the backend at the default socket, started on the chosen GPUs when none runs;
-    a running backend on other GPUs is an error that says how to restart it."""
+    """The client of the backend at the default socket, and the running backend's status (None when
+    none runs: the first request starts one on the chosen GPUs). A running backend on other GPUs is
+    an error that says how to restart it."""
     from xdit_backend.client import Client
-    from xdit_backend.launch_options import LaunchOptions
+    from xdit_backend.gpus import running_elsewhere
+    from xdit_backend.launch_options import LaunchError, LaunchOptions, cuda_device_count
     from xdit_backend.paths import default_socket
 
     import folder_paths
@@ -184,15 +188,28 @@ def backend_client(parallel: ParallelChoice | None):
                           for p in folder_paths.get_folder_paths(kind)}))
     client = Client(socket, auto_start=True,
                     launch=LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
-    running = client.hello_or_none()
-    if running and gpus:
-        devices = [rank["device"] for rank in client.status()["ranks"]]
-        wanted = [f"cuda:{gpu}" for gpu in gpus]
-        if sorted(devices) != sorted(wanted):
-            raise RuntimeError(f"xDiT: the backend runs on {', '.join(devices)}, this workflow asks for GPUs "
-                               f"{','.join(map(str, gpus))}.\nStop it with the xDiT Backend node (action: stop "
-                               "backend) and queue again; it restarts on the GPUs asked for.")
-    return client
+    if client.hello_or_none() is None:
+        return client, None
+    status = client.status()
+    if gpus and cuda_device_count():  # (without a GPU, --gpus only counts the ranks)
+        try:
+            elsewhere = running_elsewhere(status["ranks"], os.environ, gpus, cuda_device_count(), gethostname())
+        except LaunchError as exc:
+            raise RuntimeError(f"xDiT: {exc}") from None
+        if elsewhere:
+            raise RuntimeError(f"xDiT: {elsewhere}.\nStop it with the xDiT Backend node (action: stop backend) "
+                               "and queue again; it restarts on the GPUs asked for.")
+    return client, status
+
+
+def _shares_comfyui_gpu(comfyui_device, running: dict | None) -> bool:
+    """Whether the backend may run on ComfyUI's GPU: ComfyUI's text encoders and VAE would then take
+    memory its ranks need. Unknown before a backend runs (its first start frees ComfyUI's GPU)."""
+    from xdit_backend.gpus import device_uuid, uses_gpu
+
+    if comfyui_device.type != "cuda":
+        return False
+    return running is None or uses_gpu(running["ranks"], device_uuid(comfyui_device), gethostname())
 
 
 def _readable(exc) -> str:

@@ -1,6 +1,7 @@
 """Which failure the launcher reports when several ranks end at once."""
 
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,47 @@ def test_a_collective_that_lost_its_peer_is_told_from_a_model_error():
     assert is_peer_failure(gloo) and is_peer_failure(PeerLost("gone"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(MemoryError("out of memory"))
+
+
+def test_an_nccl_failure_is_a_peers_only_when_nccl_says_so():
+    """PyTorch raises every NCCL failure as a DistBackendError: this rank's own CUDA out-of-memory
+    inside NCCL is this rank's failure; a remote error or a watchdog timeout is a peer's."""
+    import torch
+    import torch.distributed as dist
+
+    from xdit_backend.control import is_peer_failure
+
+    own_oom = dist.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+        "Last error:\nCuda failure 2 'out of memory'")
+    remote = dist.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or "
+        "there was a network error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network "
+        "error or a remote process exiting prematurely.")
+    timeout = dist.DistBackendError(
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLTOALL_BASE, "
+        "NumelIn=4096, NumelOut=4096, Timeout(ms)=300000) ran for 300007 milliseconds before timing out.")
+    assert not is_peer_failure(own_oom) and not is_peer_failure(RuntimeError("NCCL_P2P_DISABLE is set"))
+    assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_peer_failure(remote) and is_peer_failure(timeout)
+    assert is_peer_failure(dist.DistNetworkError("Connection reset by peer"))
+
+
+def test_the_ranks_run_in_the_environment_the_launcher_built(backends, monkeypatch):
+    """ComfyUI's cudaMallocAsync setting reaches the ranks replaced, with the NCCL and thread settings
+    (read from each rank's /proc/PID/environ: what the process really started with)."""
+    from xdit_backend.worker_env import usable_cpus
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,backend:cudaMallocAsync")
+    for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    status = backends.start(2).status()
+    threads = str(max(1, usable_cpus() // 2))
+    for rank in status["ranks"]:
+        raw = Path(f"/proc/{rank['pid']}/environ").read_bytes().split(b"\0")
+        env = dict(entry.decode().split("=", 1) for entry in raw if b"=" in entry)
+        assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert env["OMP_NUM_THREADS"] == threads == env["TORCHINDUCTOR_COMPILE_THREADS"]
+        assert rank["threads"] == int(threads)

@@ -19,18 +19,27 @@ class PeerLost(Exception):
     """A collective failed because another rank stopped answering."""
 
 
-_TRANSPORT_FAILURES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL")
+# How a lost peer shows in a data collective. gloo's TCP transport raises RuntimeErrors from its own
+# source files (read errors, closed or reset connections, timed-out receives), which the message
+# names. PyTorch raises every NCCL failure as a DistBackendError naming NCCL's result code: only
+# ncclRemoteError (a peer exited or cannot be reached) and the watchdog's timeout point at another
+# rank; ncclUnhandledCudaError is this rank's own CUDA (out of memory, say), ncclInvalidUsage its call.
+_PEER_CAUSES = ("gloo/transport/", "ncclRemoteError", "Watchdog caught collective operation timeout")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Did a collective fail because another rank went away (rather than this rank's own work)?
 
-    Data-plane collectives (yunchang's all-to-all, the ring, gathers) raise plain RuntimeErrors
-    from gloo's transport; those mean a peer is gone, exactly as PeerLost does on the control plane.
+    Told by the exception's type and, for the backends' own errors, by the cause the backend names,
+    never by a word such as "NCCL" that this rank's own failures carry too. Data-plane collectives
+    (yunchang's all-to-all, the ring, gathers) raise gloo's transport errors as plain RuntimeErrors;
+    those mean a peer is gone, exactly as PeerLost does on the control plane.
     """
-    if isinstance(exc, PeerLost) or isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, (PeerLost, dist.DistNetworkError, dist.DistStoreError)):
         return True
-    return isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in _TRANSPORT_FAILURES)
+    if isinstance(exc, torch.OutOfMemoryError):  # this rank's allocation, whoever raised it
+        return False
+    return isinstance(exc, RuntimeError) and any(cause in str(exc) for cause in _PEER_CAUSES)
 
 
 def _collective(fn, *args, **kwargs):

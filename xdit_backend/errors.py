@@ -13,6 +13,10 @@ class UserError(Exception):
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
 
 
+class LaunchError(Exception):
+    """The backend could not be started; the message names the rank and what it said."""
+
+
 # A rank that loses a peer inside a collective exits with this code; the launcher then looks for
 # the rank that failed first (launcher._root_cause). Here, not in control.py, so that the launcher
 # (and through it the client) reads it without importing torch.distributed's side of the backend.

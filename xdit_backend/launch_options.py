@@ -11,17 +11,19 @@ import it.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import paths
+from .errors import LaunchError
+from .gpus import VISIBLE_ENV, available_gpus, chosen_gpus
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-
-class LaunchError(Exception):
-    """The backend could not be started; the message names the rank and what it said."""
+log = logging.getLogger("xdit_backend.launch")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -62,7 +64,9 @@ class LaunchOptions:
     socket: Path = field(metadata=_meta(_socket_help, type=Path))  # required: no default
     nproc: int | None = option(None, "ranks (default: every GPU; 2 on the CPU)", type=int)
     device: str | None = option(None, "default: cuda when a GPU is visible", choices=("cpu", "cuda"))
-    gpus: tuple[int, ...] | None = option(None, "GPU indices for the ranks, e.g. 0,1,2,3", type=int_list)
+    gpus: tuple[int, ...] | None = option(
+        None, "GPU indices for the ranks, e.g. 0,1,2,3: nvidia-smi's numbers, or positions in $CUDA_VISIBLE_DEVICES "
+              "when it is set (ComfyUI's --cuda-device N sets it)", type=int_list)
     collective_timeout: float = option(600.0, "seconds any collective may wait before the backend fails",
                                        type=float)
     heartbeat: float = option(30.0, "idle seconds between rank checks", type=float)
@@ -131,10 +135,18 @@ class LaunchOptions:
 
     def resolved(self) -> LaunchOptions:
         """Fill in the device, the number of ranks and the token file from what this machine has."""
-        device = self.device or ("cuda" if _cuda_device_count() else "cpu")
+        device = self.device or ("cuda" if cuda_device_count() else "cpu")
         nproc = self.nproc
+        if device == "cuda":  # the GPUs this process sees, counted as the ranks will (gpus.py)
+            available = available_gpus(os.environ, cuda_device_count())
+            if self.gpus:
+                chosen_gpus(os.environ, self.gpus, len(available))  # refuses an index the list lacks
+            elif VISIBLE_ENV in os.environ:
+                log.warning("%s=%s in this environment (ComfyUI's --cuda-device sets it): the backend sees %d GPU(s), "
+                            "%s; start without it to use every GPU", VISIBLE_ENV, os.environ[VISIBLE_ENV],
+                            len(available), ",".join(available))
         if nproc is None:
-            nproc = len(self.gpus) if self.gpus else (_cuda_device_count() if device == "cuda" else 2)
+            nproc = len(self.gpus) if self.gpus else (len(available) if device == "cuda" else 2)
         if self.gpus and len(self.gpus) != nproc:
             raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
         if nproc < 1:
@@ -178,7 +190,7 @@ def _text(value) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

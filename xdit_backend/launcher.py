@@ -2,6 +2,7 @@
 
 ``serve`` runs the elastic agent in this process, with every rank a ``python -m xdit_backend.worker``
 subprocess. The rendezvous is c10d on port 0, so the OS picks a free port (never a fixed 29500).
+The ranks' environment is built by worker_env.py from this process's (GPUs, allocator, NCCL, threads).
 The launcher keeps a state file beside the socket (options, pid, status, and the ranks that
 failed, with their messages), which is how ``start`` and the client can say which rank died.
 """
@@ -21,8 +22,9 @@ from pathlib import Path
 
 from . import endpoint, paths
 from .errors import EXIT_PEER_LOST
-from .launch_options import LaunchError, LaunchOptions  # noqa: F401  (what start and serve take and raise)
+from .launch_options import LaunchError, LaunchOptions, cuda_device_count  # noqa: F401  (what start and serve take and raise)
 from .protocol import Message
+from .worker_env import usable_cpus, worker_environment
 
 
 def ensure_token(path: Path) -> str:
@@ -110,9 +112,7 @@ def serve(options: LaunchOptions) -> int:
     if live is not None:
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}; stop it with "
                           f"`xdit-backend stop --socket {sock}` or choose another --socket")
-    if options.gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, options.gpus))
-    os.environ[paths.LAUNCHER_PID_ENV] = str(os.getpid())
+    _hand_down(_ranks_environment(options))
     if options.tcp:
         ensure_token(Path(options.token_file))  # resolved() named it
     rank_logs = paths.rank_logs(sock)
@@ -153,6 +153,26 @@ def serve(options: LaunchOptions) -> int:
             sock.unlink(missing_ok=True)
     _write_state(sock, status="stopped", **state)
     return 0
+
+
+def _ranks_environment(options: LaunchOptions) -> dict[str, str]:
+    """Every rank's environment (worker_env.py), logged where it differs from this process's."""
+    built = worker_environment(os.environ, options, cpu_count=usable_cpus(),
+                               gpu_count=cuda_device_count() if options.device == "cuda" else 0)
+    for note in built.notes:
+        print(f"xdit-backend: {note}", file=sys.stderr)
+    env = {**built.env, paths.LAUNCHER_PID_ENV: str(os.getpid())}
+    decided = {name: value for name, value in env.items() if os.environ.get(name) != value}
+    print("xdit-backend: set for the ranks: " + " ".join(f"{k}={v}" for k, v in sorted(decided.items())),
+          file=sys.stderr)
+    return env
+
+
+def _hand_down(env: dict[str, str]) -> None:
+    """Make ``env`` this process's environment: torch.distributed.elastic starts every rank with a
+    copy of the agent's ``os.environ`` (plus RANK and the like), and this process runs only the agent."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 # --------------------------------------------------------------------------- start / stop (background)

@@ -53,6 +53,12 @@ def rank_logs(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".ranks")
 
 
+def nccl_trace_prefix(socket_path: Path) -> Path:
+    """Where a rank's NCCL flight recorder dumps when a collective times out (the rank's number is
+    appended). Beside the socket, not in rank_logs, which the next start clears."""
+    return socket_path.with_name(socket_path.name + ".nccl_trace_rank_")
+
+
 class UnsafeDirectoryError(Exception):
     pass
 

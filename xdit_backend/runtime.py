@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import gpus
 from .control import barrier
 from .launch_options import LaunchOptions
 
@@ -37,7 +38,6 @@ class Runtime:
 def start_runtime(options: LaunchOptions) -> Runtime:
     """Join the process group (gloo on CPU, NCCL on CUDA) and pin this rank to its device."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if options.device == "cuda":
         if not torch.cuda.is_available():
             raise StartupError(
@@ -55,8 +55,6 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     timeout = timedelta(seconds=options.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
@@ -64,9 +62,15 @@ def start_runtime(options: LaunchOptions) -> Runtime:
 
 
 def describe_rank(rt: Runtime) -> dict:
-    name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+    """Who this rank is: its local device, and on a GPU the physical id (the CUDA_VISIBLE_DEVICES
+    entry it runs on, or nvidia-smi's index) and its UUID, which names the card in every process.
+    ``threads``: its CPU threads, the node's cores shared between its ranks (worker_env.py)."""
+    cuda = rt.device.type == "cuda"
     return {"rank": rt.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(rt.device),
-            "device_name": name, "threads": torch.get_num_threads()}
+            "device_name": torch.cuda.get_device_name(rt.device) if cuda else "cpu",
+            "gpu": gpus.physical_id(os.environ, rt.device.index) if cuda else None,
+            "uuid": gpus.device_uuid(rt.device) if cuda else None,
+            "threads": torch.get_num_threads()}
 
 
 def leave_together(rt: Runtime) -> None:
