@@ -51,6 +51,7 @@ class Leader:
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
             "attention_kernel": kernel_name(self.rt.device),
+            "topology": self.rt.topology.to_json(),
             "models": self.executor.loaded(),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "socket": str(self.server.path),
