@@ -2,12 +2,14 @@
 group exists, and the bandwidth probe that status reports as ``topology``."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import SMALL
 from xdit_backend import runtime
 from xdit_backend.launch_options import LaunchOptions
 from xdit_backend.topology import P2P_ENV, nccl_p2p_setting, peer_access
@@ -21,6 +23,8 @@ def test_a_world_2_gloo_backend_reports_its_one_pair_in_status(backends):
     assert pair["p2p"] is False  # CPU ranks share no GPU memory
     assert pair["bandwidth_gbps"] > 0 and links["compute_tflops"] > 0
     assert links["nccl_p2p"] is None  # gloo: nothing for NCCL to decide
+    _, info = client.sample({**SMALL, "parallel": "auto"})
+    assert re.search(r"CPU ranks over gloo at [0-9.e+-]+ GB/s", info["layout"]), info["layout"]
 
 
 def test_without_the_probe_status_has_the_pairs_but_no_figures(backends):
