@@ -28,6 +28,9 @@ class Backends:
         self.started: list[tuple[Path, set[int]]] = []
 
     def start(self, nproc: int, **options) -> Client:
+        """A CPU backend; without timing its links at start (a test that reads them passes topology_probe="on"),
+        so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load."""
+        options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
         status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options))
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from xdit_backend.config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
+from xdit_backend.config import DEGREES, ConfigError, ModelFacts, ParallelConfig, RequestFacts
 
 FLUX_TINY = ModelFacts("flux-tiny", heads=4, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
 FLUX_DEV = ModelFacts("flux-dev", heads=24, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
@@ -158,3 +158,98 @@ def test_pipefusion_is_refused_by_name_for_a_family_without_it():
 def test_a_valid_pipefusion_layout_passes():
     ParallelConfig(pipefusion=2, ulysses=2, num_pipeline_patch=4, warmup_steps=0,
                    pipefusion_blocks=(2, 5)).validate(4, FLUX_TINY_PF, GRID)
+
+
+# ----------------------------------------------------------------------------- auto over measured links
+
+FLUX_DEV_FACTS = ModelFacts("flux-dev", heads=24, supports=frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"}),
+                            blocks=57, hidden=3072)
+
+
+def flux_1024(batch=1, cfg=1.0, negative=False):
+    """Flux.1-dev at 1024² in bf16: 4096 image tokens, a 512-token prompt (split with the image), 28 steps."""
+    return RequestFacts(batch, 4096, cfg, negative, token_rows=64, text_tokens=512, value_bytes=2, steps=28)
+
+
+def links(world, gbps, p2p, tflops):
+    """Every pair of ``world`` GPUs on the same kind of link, and the ranks' matmul rate."""
+    from xdit_backend.topology import Pair, Topology
+
+    pairs = tuple(Pair((i, j), p2p, gbps) for i in range(world) for j in range(i + 1, world))
+    return Topology("cuda", pairs, compute_tflops=tflops)
+
+
+NVLINK = {"gbps": 300.0, "p2p": True, "tflops": 700.0}  # H100 SXM class
+PCIE_P2P = {"gbps": 25.0, "p2p": True, "tflops": 180.0}  # L40 class, PCIe 4.0 with peer access
+PCIE_NO_P2P = {"gbps": 11.0, "p2p": False, "tflops": 165.0}  # consumer cards: through the host
+
+
+@pytest.mark.parametrize("world,request_facts,expected", [
+    (2, flux_1024(), ParallelConfig(ulysses=2)),
+    (4, flux_1024(), ParallelConfig(ulysses=4)),
+    (8, flux_1024(), ParallelConfig(ulysses=8)),
+    (4, flux_1024(batch=2), ParallelConfig(ulysses=4)),
+    (4, flux_1024(cfg=3.5, negative=True), ParallelConfig(cfg=2, ulysses=2)),
+], ids=["w2", "w4", "w8", "w4-batch2", "w4-cfg"])
+def test_on_nvlink_auto_keeps_ulysses(world, request_facts, expected):
+    """At 300 GB/s Ulysses' all-to-alls cost a few per cent of a step: nothing is modeled 10 % faster."""
+    config, why = ParallelConfig.auto(world, FLUX_DEV_FACTS, request_facts, links(world, **NVLINK))
+    assert config == expected, why
+    assert "GPUs with peer access at 300 GB/s: no layout modeled 10% faster" in why
+
+
+def test_pcie_without_peer_access_takes_ring_over_ulysses():
+    """Both send A·B·S·C·e = 57 · 4608 · 3072 · 2 B = 1.6 GB per step at P = 2: 147 ms at 11 GB/s. Ulysses
+    waits for it; Ring hides α = 4608/(4608 + 6·3072) = 0.2 of the ~0.5 s compute share behind attention."""
+    config, why = ParallelConfig.auto(2, FLUX_DEV_FACTS, flux_1024(), links(2, **PCIE_NO_P2P))
+    assert config == ParallelConfig(ring=2)
+    assert why.startswith("GPUs without peer access") and "at 11 GB/s: ring=2 instead of ulysses=2 (modeled" in why
+
+
+@pytest.mark.parametrize("link", [PCIE_NO_P2P, PCIE_P2P], ids=["no-p2p", "p2p"])
+def test_on_pcie_a_batch_goes_to_data_parallel(link):
+    """Two images: data parallel sends nothing per step, so it beats sending the sequence over PCIe."""
+    config, why = ParallelConfig.auto(2, FLUX_DEV_FACTS, flux_1024(batch=2), links(2, **link))
+    assert config == ParallelConfig(dp=2) and "dp=2 instead of ulysses=2" in why
+
+
+def test_on_pcie_cfg_stays_and_ring_takes_the_other_factor():
+    config, why = ParallelConfig.auto(4, FLUX_DEV_FACTS, flux_1024(cfg=3.5, negative=True), links(4, **PCIE_P2P))
+    assert config == ParallelConfig(cfg=2, ring=2)
+    assert "GPUs with peer access at 25 GB/s: cfg=2 × ring=2 instead of cfg=2 × ulysses=2" in why
+
+
+@pytest.mark.parametrize("link", [NVLINK, PCIE_P2P, PCIE_NO_P2P], ids=["nvlink", "pcie-p2p", "pcie-no-p2p"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("request_facts", [flux_1024(), flux_1024(batch=2), flux_1024(cfg=3.5, negative=True),
+                                           RequestFacts(4, 4096, 1.0, False, 64, text_tokens=154, value_bytes=2)],
+                         ids=["one-pass", "batch2", "cfg", "prompt154-batch4"])
+def test_what_auto_picks_over_measured_links_always_validates(link, world, request_facts):
+    config, why = ParallelConfig.auto(world, FLUX_DEV_FACTS, request_facts, links(world, **link))
+    config.validate(world, FLUX_DEV_FACTS, request_facts)
+    assert config.pipefusion == 1 and f"at {link['gbps']:g} GB/s" in why
+
+
+def test_without_figures_auto_keeps_its_fixed_order():
+    """No topology, links not probed (--topology-probe off), or a model whose width is unknown."""
+    from xdit_backend.topology import Pair, Topology
+
+    fixed = ParallelConfig.auto(2, FLUX_DEV_FACTS, flux_1024())
+    unprobed = Topology("cuda", (Pair((0, 1), False, None),))
+    assert fixed[0] == ParallelConfig(ulysses=2)
+    assert ParallelConfig.auto(2, FLUX_DEV_FACTS, flux_1024(), unprobed) == fixed
+    no_width = ModelFacts("flux-dev", heads=24, supports=FLUX_DEV_FACTS.supports, blocks=57)
+    assert ParallelConfig.auto(2, no_width, flux_1024(), links(2, **PCIE_NO_P2P)) == fixed
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(cfg=2, ulysses=2), ParallelConfig(dp=2, ring=2, ulysses=2),
+                                    ParallelConfig(cfg=2, ring=3), ParallelConfig(dp=3, cfg=2, ulysses=2)], ids=str)
+def test_rank_groups_follow_the_meshs_row_major_layout(config):
+    """A DeviceMesh of shape (dp, cfg, pipefusion, ring, ulysses) lays the ranks out as arange(world).view(shape)."""
+    import torch
+
+    shape = [getattr(config, name) for name in DEGREES]
+    mesh = torch.arange(config.world_size).view(shape)
+    for k, axis in enumerate(DEGREES):
+        expected = mesh.movedim(k, -1).reshape(-1, shape[k]).tolist()
+        assert sorted(config.rank_groups(axis)) == sorted(expected), axis

@@ -12,7 +12,8 @@ from xdit_backend.launch_options import LaunchOptions
 EVERY = LaunchOptions(socket=Path("/tmp/xdit-opts/b.sock"), nproc=3, device="cpu", gpus=(0, 2, 5),
                       collective_timeout=123.25, heartbeat=7.5, max_payload_mb=77,
                       model_roots=("/tmp/xdit-opts/a", "/tmp/xdit-opts/b"), tcp="127.0.0.1:8765",
-                      token_file="/tmp/xdit-opts/token", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400")
+                      token_file="/tmp/xdit-opts/token", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400",
+                      topology_probe="off")
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -42,7 +43,7 @@ def test_absent_flags_take_the_dataclass_defaults():
     assert worker.parse_args(["--socket", "/tmp/xdit-opts/b.sock"]) == expected
     assert expected.to_argv() == ["--socket", "/tmp/xdit-opts/b.sock", "--collective-timeout", "600.0",
                                   "--heartbeat", "30.0", "--max-payload-mb", "1024", "--nnodes", "1",
-                                  "--node-rank", "0"]
+                                  "--node-rank", "0", "--topology-probe", "on"]
 
 
 def test_help_shows_the_declared_defaults():

@@ -7,10 +7,19 @@ Each violated rule raises ConfigError with the rule, the actual values and a way
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from math import prod
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import UserError
 
+if TYPE_CHECKING:
+    from .topology import Pair, Topology
+
 DEGREES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+# A measured topology moves auto off its fixed order only for a layout modeled this much faster per step:
+# the model leaves out what differs between the kernels (Ring's R partial attentions and their merges),
+# the collectives' latency (the probe times bandwidth), and all-to-alls' contention for a shared link.
+SWITCH_GAIN = 0.10
 
 
 class ConfigError(UserError):
@@ -24,7 +33,8 @@ class ModelFacts:
     name: str
     heads: int  # attention heads (Ulysses splits them)
     supports: frozenset[str]  # the degrees this family can run with > 1
-    blocks: int = 0  # transformer blocks PipeFusion can cut into stages
+    blocks: int = 0  # transformer blocks PipeFusion can cut into stages (each has one attention SP splits)
+    hidden: int = 0  # width C = heads × head size, for the traffic model (0: unknown, auto keeps its fixed order)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class RequestFacts:
     has_negative: bool
     token_rows: int = 1  # rows of that token grid (Flux: H/16); PipeFusion's patches are bands of rows
     text_tokens: int = 0  # text tokens sequence parallelism cuts too (a joint model's prompt); 0: none
+    value_bytes: int = 4  # bytes per value the ranks exchange (the request's compute dtype)
+    steps: int = 1  # denoising steps (data parallel gathers once per generation)
 
     def splits(self, parts: int) -> bool:
         """Whether ``parts`` sequence ranks can each take an equal share of the image and text tokens."""
@@ -191,10 +203,36 @@ class ParallelConfig:
     # ------------------------------------------------------------------ auto
 
     @classmethod
-    def auto(cls, world_size: int, model: ModelFacts, request: RequestFacts) -> tuple[ParallelConfig, str]:
-        """Pick degrees for this world size: CFG first when the request has two passes, then Ulysses up
-        to what the heads and tokens allow, then Ring for what is left, then data parallel over the
-        batch. Returns the config and a sentence saying why."""
+    def auto(cls, world_size: int, model: ModelFacts, request: RequestFacts,
+             topology: Topology | None = None) -> tuple[ParallelConfig, str]:
+        """Pick degrees for this world size, and say why in a sentence.
+
+        The fixed order first (``fixed_order``). With a measured topology (topology.py), every valid
+        layout's step is modeled (scaling.predict: compute at the measured rate, the method's traffic
+        over the slowest link its groups span), and a layout modeled at least SWITCH_GAIN faster than
+        the fixed order's pick replaces it: on links without peer access, CFG, data parallel or Ring
+        (whose K/V passes overlap the attention) over Ulysses' blocking all-to-alls."""
+        config, why = cls.fixed_order(world_size, model, request)
+        if topology is None or world_size == 1 or not (model.blocks and model.hidden and topology.compute_tflops):
+            return config, why
+        fixed = _modeled_step(config, model, request, topology)
+        if fixed is None:  # a link was not probed
+            return config, why
+        steps = [step for c in _valid_layouts(world_size, model, request)
+                 if (step := _modeled_step(c, model, request, topology)) is not None]
+        # Modeled times within a hundredth of the fixed order's step are a tie: then the fewest bytes
+        # (a Ring fully hidden behind attention ties with data parallel, which sends nothing per step).
+        best = min(steps, key=lambda step: (round(step.seconds / fixed.seconds, 2), step.sent))
+        where = topology.describe(fixed.link)
+        if best.seconds < (1 - SWITCH_GAIN) * fixed.seconds:
+            return best.config, (f"{where}: {best.config.describe()} instead of {config.describe()} (modeled "
+                                 f"{best.seconds * 1e3:.3g} ms per step against {fixed.seconds * 1e3:.3g} ms)")
+        return config, f"{why}; {where}: no layout modeled {SWITCH_GAIN:.0%} faster"
+
+    @classmethod
+    def fixed_order(cls, world_size: int, model: ModelFacts, request: RequestFacts) -> tuple[ParallelConfig, str]:
+        """CFG first when the request has two passes, then Ulysses up to what the heads and tokens allow,
+        then Ring for what is left, then data parallel over the batch (auto without a topology)."""
         remaining, picked, why = world_size, {}, []
         if remaining % 2 == 0 and request.cfg_worth_splitting and "cfg" in model.supports:
             picked["cfg"], remaining = 2, remaining // 2
@@ -224,6 +262,67 @@ class ParallelConfig:
                               f"change the resolution so the image tokens divide by the ranks, or start fewer ranks"
                               f"{prompt}")
         return cls(**picked), ", ".join(why) or "world size 1"
+
+    def rank_groups(self, axis: str) -> list[list[int]]:
+        """The ranks of each group along ``axis``. The mesh is row-major over DEGREES, outermost first
+        (mesh.py): world 4 with cfg=2 × ulysses=2 has ulysses groups [0, 1], [2, 3] and cfg groups [0, 2], [1, 3]."""
+        shape = [getattr(self, name) for name in DEGREES]
+        k = DEGREES.index(axis)
+        stride = prod(shape[k + 1:])
+        return [[first + i * stride for i in range(shape[k])]
+                for first in range(self.world_size) if (first // stride) % shape[k] == 0]
+
+    def linked_pairs(self) -> list[tuple[int, int]]:
+        """Every pair of ranks that share a group of some degree > 1: the links this layout's traffic uses."""
+        return sorted({(a, b) for axis in DEGREES if getattr(self, axis) > 1 for group in self.rank_groups(axis)
+                       for a in group for b in group if a < b})
+
+
+def _valid_layouts(world_size: int, model: ModelFacts, request: RequestFacts) -> list[ParallelConfig]:
+    """Every layout without PipeFusion (approximate: asked for by name only) that passes validate."""
+    layouts = []
+    for cfg in (1, 2):
+        for ulysses in _divisors(world_size):
+            for ring in _divisors(world_size):
+                dp, left = divmod(world_size, cfg * ulysses * ring)
+                if left:
+                    continue
+                config = ParallelConfig(dp=dp, cfg=cfg, ring=ring, ulysses=ulysses)
+                try:
+                    config.validate(world_size, model, request)
+                except ConfigError:
+                    continue
+                layouts.append(config)
+    return layouts
+
+
+class ModeledStep(NamedTuple):
+    """One candidate layout as auto weighs it."""
+
+    config: ParallelConfig
+    seconds: float  # modeled per step (scaling.predict)
+    sent: float  # bytes a rank sends per step (bench.traffic_formula, in the request's dtype)
+    link: Pair  # the slowest link the layout's groups span
+
+
+def _modeled_step(config: ParallelConfig, model: ModelFacts, request: RequestFacts,
+                  topology: Topology) -> ModeledStep | None:
+    """One layout's modeled step over the measured links, or None when a link it uses was not probed."""
+    from .bench import traffic_formula  # the model and its traffic formula load only here
+    from .scaling import Link, predict, serial_step
+
+    link = topology.slowest(config.linked_pairs())
+    if link is None:
+        return None
+    dims = {"attention_layers": model.blocks, "hidden": model.hidden, "text_tokens": request.text_tokens}
+    fields = {"width": 16 * request.image_tokens, "height": 16,  # one row of N tokens: N = (W/16)·(H/16)
+              "batch": request.batch, "cfg": request.cfg_scale if request.cfg_worth_splitting else 1.0,
+              "steps": request.steps}
+    degrees = {name: getattr(config, name) for name in DEGREES if getattr(config, name) > 1}
+    measured = Link(topology.describe(link), link.bandwidth_gbps * 1e9, latency=0.0)  # latency was not timed
+    t1 = serial_step(dims, fields, topology.compute_tflops)
+    sent = traffic_formula(degrees, dims, fields)[0] * request.value_bytes / 4  # it counts 4-byte values
+    return ModeledStep(config, predict(t1, degrees, measured, dims, fields, request.value_bytes), sent, link)
 
 
 def _divisors(n: int) -> list[int]:

@@ -87,6 +87,10 @@ class LaunchOptions:
     node_rank: int = option(0, "this machine's number; node 0 holds the socket", type=int)
     rdzv_endpoint: str | None = option(None, "node 0's address and a free port, the same on every node (needed "
                                              "when --nnodes > 1)", metavar="HOST:PORT")
+    # "off": skip the bandwidth and compute probe at start (status shows no figures; auto keeps its fixed order)
+    topology_probe: str = option("on", "time each pair of ranks' link and the compute rate at start, for status and "
+                                       "--parallel auto (default on; off for multi-node or a faster start)",
+                                 choices=("on", "off"))
 
     # ------------------------------------------------------------------ the command line
 

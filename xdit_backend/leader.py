@@ -22,7 +22,7 @@ from .errors import UserError
 from .executor import Executor
 from .models import registry
 from .protocol import Message
-from .request import RequestError, SampleRequest
+from .request import RequestError, SampleRequest, compute_dtype
 from .runtime import Runtime
 from .sampling.samplers import ONE_CALL_PER_STEP
 from .server import Job, SocketServer
@@ -51,6 +51,7 @@ class Leader:
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
             "attention_kernel": kernel_name(self.rt.device),
+            "topology": self.rt.topology.to_json(),
             "models": self.executor.loaded(),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "socket": str(self.server.path),
@@ -93,10 +94,14 @@ class Leader:
             positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
         text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
-        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text)
-        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks)
+        value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
+        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
+                             request.steps)
+        source = registry.resolve(request.model).config  # the width C = heads × head size, for auto's traffic model
+        width = source["num_attention_heads"] * source["attention_head_dim"]
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, width)
         if request.parallel is None:
-            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts)
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology)
             why = f"auto: {why}"
         else:
             config, why = request.parallel, "as requested"

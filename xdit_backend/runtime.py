@@ -1,4 +1,4 @@
-"""Every rank's start and end: join the process group, describe this rank, leave together."""
+"""Every rank's start and end: join the process group, measure the links, describe this rank, leave together."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from . import gpus
 from .control import barrier
 from .launch_options import LaunchOptions
+from .topology import Topology, prepare_nccl, probe
 
 
 class StartupError(Exception):
@@ -33,11 +34,14 @@ class Runtime:
     control: object  # a gloo group for commands and the step gate (the default group on CPU)
     started: float
     timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
+    topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
 
 
 def start_runtime(options: LaunchOptions) -> Runtime:
-    """Join the process group (gloo on CPU, NCCL on CUDA) and pin this rank to its device."""
+    """Join the process group (gloo on CPU, NCCL on CUDA), pin this rank to its device, and measure
+    the links (NCCL_P2P_DISABLE is decided before the group exists: topology.py)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    peer, nccl_note = None, None
     if options.device == "cuda":
         if not torch.cuda.is_available():
             raise StartupError(
@@ -52,13 +56,15 @@ def start_runtime(options: LaunchOptions) -> Runtime:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        peer, nccl_note = prepare_nccl(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     else:
         device = torch.device("cpu")
         backend = "gloo"
     timeout = timedelta(seconds=options.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
+    rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
+    return replace(rt, topology=probe(rt, peer, nccl_note, timed=options.topology_probe == "on"))
 
 
 def describe_rank(rt: Runtime) -> dict:

@@ -17,6 +17,9 @@ was replicated a rank held L + T/P: 1536 of Flux's 4608 tokens at P = 4, a 3.0×
 - CFG parallel (N = 2: one all-gather of the output per step): T = t1/2 + V/W + λ.
 - PipeFusion (N stages, M patches; steps overlap, so the pipeline fills once per generation, not
   at every step): T = C_N per step after warm-up, activations sent during compute (assumed hidden).
+
+``ParallelConfig.auto`` runs the same model with measured figures (topology.py): t1 from the step's
+FLOPs and the ranks' matmul rate (serial_step), W the slowest link a layout's groups span, λ = 0.
 """
 
 from __future__ import annotations
@@ -42,7 +45,36 @@ PCIE = Link("PCIe 4.0 ×16 (L40 class)", 20e9, 25e-6)
 # Flux.1-dev at 1024² in bf16: 19 double + 38 single blocks, width 3072, 4096 image tokens, 512 text tokens.
 FLUX_DEV = {"attention_layers": 57, "hidden": 3072, "text_tokens": 512}
 FLUX_1024 = {"width": 1024, "height": 1024, "batch": 1, "cfg": 1.0, "steps": 28}
-ATTENTION_SHARE = 4608 / (4608 + 6 * 3072)  # S/(S + 6C): attention's FLOPs share of a Flux block at S tokens
+
+
+def image_tokens(fields: dict) -> int:
+    """N as traffic_formula reads it: (W/16)·(H/16)."""
+    return (fields["width"] // 16) * (fields["height"] // 16)
+
+
+def attention_share(tokens: int, hidden: int) -> float:
+    """α = S/(S + 6C): attention's share of a block's FLOPs at S tokens of width C (per token, 4·S·C
+    for QKᵀ and PV against 24·C² for the projections and a 4× MLP)."""
+    return tokens / (tokens + 6 * hidden)
+
+
+def step_flops(dims: dict, fields: dict) -> float:
+    """One step's FLOPs on one GPU: A layers × B·passes forwards × S tokens × 4·C·(6·C + S)."""
+    tokens = image_tokens(fields) + dims["text_tokens"]
+    forwards = fields["batch"] * (2 if fields["cfg"] != 1.0 else 1)
+    return dims["attention_layers"] * forwards * tokens * 4 * dims["hidden"] * (6 * dims["hidden"] + tokens)
+
+
+# A whole DiT step runs well below a large matmul's rate (attention, norms, RoPE, modulation, launch
+# gaps): xDiT's eager 1-GPU Flux.1-dev step on an H100 (PUBLISHED["t1"], 240 ms) is step_flops = 7.4e13
+# FLOPs, 310 TFLOP/s, where a large bf16 matmul runs at roughly 700 on that GPU.
+MODEL_EFFICIENCY = 0.45
+
+
+def serial_step(dims: dict, fields: dict, matmul_tflops: float) -> float:
+    """t1 estimated from a measured matmul rate (topology.py's compute probe): the step's FLOPs at
+    MODEL_EFFICIENCY of that rate."""
+    return step_flops(dims, fields) / (MODEL_EFFICIENCY * matmul_tflops * 1e12)
 
 
 def collectives(degrees: dict, layers: int) -> int:
@@ -57,30 +89,31 @@ def tokens_per_rank(degrees: dict, image_tokens: int, text_tokens: int) -> float
     return (image_tokens + text_tokens) / (degrees.get("ulysses", 1) * degrees.get("ring", 1))
 
 
-def compute_share(t1: float, degrees: dict) -> float:
-    """C_N: one GPU's step time scaled by the share of the tokens a rank holds (and by 1/cfg, 1/stages)."""
-    image = (FLUX_1024["width"] // 16) * (FLUX_1024["height"] // 16)
-    text = FLUX_DEV["text_tokens"]
+def compute_share(t1: float, degrees: dict, image: int, text: int) -> float:
+    """C_N: one GPU's step time scaled by the share of the tokens a rank holds (and by 1/cfg, 1/stages, 1/dp)."""
     share = tokens_per_rank(degrees, image, text) / (image + text)
-    return t1 * share / (degrees.get("cfg", 1) * degrees.get("pipefusion", 1))
+    return t1 * share / (degrees.get("cfg", 1) * degrees.get("pipefusion", 1) * degrees.get("dp", 1))
 
 
-def predict(t1: float, degrees: dict, link: Link) -> float:
-    """Modeled step time (s) of one layout for Flux.1-dev at 1024² in bf16 (see the module doc)."""
+def predict(t1: float, degrees: dict, link: Link, dims: dict = FLUX_DEV, fields: dict = FLUX_1024,
+            value_bytes: int = 2) -> float:
+    """Modeled step time (s) of one layout (see the module doc); by default Flux.1-dev at 1024² in bf16."""
     world = 1
-    for name in ("ulysses", "ring", "cfg", "pipefusion"):
+    for name in ("ulysses", "ring", "cfg", "pipefusion", "dp"):
         world *= degrees.get(name, 1)
     if world == 1:
         return t1
-    share = compute_share(t1, degrees)
-    sent, _ = traffic_formula(degrees, FLUX_DEV, FLUX_1024)
-    sent = sent / 2  # traffic_formula counts float32 elements; the GPU runs bf16
-    lag = collectives(degrees, FLUX_DEV["attention_layers"]) * link.latency
+    image, text = image_tokens(fields), dims["text_tokens"]
+    share = compute_share(t1, degrees, image, text)
+    sent, _ = traffic_formula(degrees, dims, fields)
+    sent = sent * value_bytes / 4  # traffic_formula counts 4-byte values
+    lag = collectives(degrees, dims["attention_layers"]) * link.latency
     stages = degrees.get("pipefusion", 1)
     if stages > 1:  # the pipeline stays full from step to step (parallel/schedule.py)
         return share
     if degrees.get("ring", 1) > 1:
-        return share + max(0.0, sent / link.bandwidth - ATTENTION_SHARE * share) + lag
+        hidden = attention_share(image + text, dims["hidden"]) * share  # K/V passes overlap the attention
+        return share + max(0.0, sent / link.bandwidth - hidden) + lag
     return share + sent / link.bandwidth + lag
 
 
