@@ -144,6 +144,22 @@ def local_attention(device: torch.device) -> Kernel:
     return attend
 
 
+def sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The backend F.scaled_dot_product_attention dispatches unmasked, non-causal [1, 1, 256, D] q, k, v
+    of ``dtype`` to on ``device`` (PyTorch's own choice): what diffusers' processors run, which the
+    serial, cfg and dp layouts use."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(1, 1, 256, head_dim, dtype=dtype, device=device)
+    return "sdpa " + SDPBackend(torch._fused_sdp_choice(q, q, q)).name.lower()
+
+
+def in_use(device: torch.device, dtype: torch.dtype, head_dim: int, ours: bool) -> str:
+    """The attention that runs at ``head_dim`` in ``dtype``: our kernel's name when ``ours`` (the
+    sequence-parallel and PipeFusion processors), else the SDPA backend diffusers' processors get."""
+    return choose_kernel(device_facts(device), dtype, head_dim) if ours else sdpa_backend(device, dtype, head_dim)
+
+
 def status_line(device: torch.device, dtype: torch.dtype) -> str:
     """``status``'s attention_kernel: what the rules pick on ``device`` for its default dtype."""
     facts = device_facts(device)
