@@ -3,13 +3,15 @@ reported, in the table, the JSON and the plot. No timing is asserted: timings li
 
 import json
 
-from xdit_backend.bench import method_of, run_layout_bench
+import pytest
+
+from xdit_backend.bench import flux_dims, method_of, run_layout_bench
 
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 1, "cfg": 3.5, "seed": 1,
           "dtype": "auto"}
 SUMMARY_FIELDS = {"layout", "method", "world", "described", "step_median_s", "step_min_s", "step_max_s",
                   "step_spread", "denoise_s", "sent_bytes_per_rank_per_step", "peak_memory_bytes", "memory_kind",
-                  "largest_rank_parameters", "process_groups_created", "speedup", "efficiency"}
+                  "largest_rank_parameters", "process_groups_created", "speedup", "efficiency", "dtype", "attention"}
 
 
 def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
@@ -27,6 +29,10 @@ def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
         assert summary["process_groups_created"] == 0  # the warm-up request built the mesh: none per request
     serial, ulysses, cfg = report["layouts"]
     assert serial["sent_bytes_per_rank_per_step"] == 0 and ulysses["sent_bytes_per_rank_per_step"] > 0
+    # which attention ran: diffusers' processors (PyTorch's SDPA backend) in the serial baseline and
+    # under cfg, our kernel under sequence parallelism
+    assert serial["attention"].startswith("sdpa ") and cfg["attention"].startswith("sdpa ")
+    assert ulysses["attention"] == "cpu-flash" and {s["dtype"] for s in report["layouts"]} == {"float32"}
     assert serial["speedup"] == 1.0 and len(report["records"][1]["profile"]) == 2  # one record per rank
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -48,3 +54,31 @@ def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
     assert predict(t1, {"ulysses": 4}, NVLINK) < predict(t1, {"ulysses": 2}, NVLINK)
     run_scaling_model()
     assert "MODELED" in capsys.readouterr().out
+
+
+def table_rows(table: str) -> dict[str, dict[str, str]]:
+    """The bench's markdown table: {layout: {column name: cell}}."""
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    names = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [dict(zip(names, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[1:]]
+    return {row["layout"]: row for row in rows}
+
+
+def test_the_formula_counts_bytes_in_the_request_dtype(capsys):
+    """In bfloat16 the model's traffic (all-to-all, ring, velocity) is 2 bytes a value and CFG's x0
+    stays float32: the counted bytes equal the formula's, layout by layout."""
+    fields = {**FIELDS, "dtype": "bfloat16"}
+    assert run_layout_bench(["ulysses=2", "ring=2", "cfg=2"], fields) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert set(rows) == {"ulysses=2", "ring=2", "cfg=2"}
+    for layout, row in rows.items():
+        assert float(row["sent/rank/step KiB"]) > 0
+        assert row["sent/rank/step KiB"] == row["formula KiB"], (layout, row)
+
+
+@pytest.mark.parametrize("model", ["flux-tiny", "flux-dev-random"])
+def test_the_formula_takes_the_text_tokens_of_the_prompt_the_model_gets(model):
+    from xdit_backend.models import registry
+
+    positive, _ = registry.random_conditioning(model, 1, 1, registry.spec(model))  # what a bench request gets
+    assert flux_dims(model)["text_tokens"] == positive["context"].shape[1]

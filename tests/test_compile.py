@@ -1,18 +1,25 @@
 """``compile``: torch.compile'd transformer blocks (compile.py) give the eager latent (flux-tiny, float32,
-max abs diff ≤ 1e-4; measured ≈ 2e-6), and a compiled model is compiled once, not per request.
+max abs diff ≤ 1e-4; measured ≈ 2e-6), and a compiled model is compiled once, not per request:
+not for a new resolution, a new prompt length, new per-request attention processors, nor for a
+profiled request (whose traffic counting would swap the torch.distributed functions a compiled
+block calls).
 
 Inductor builds C++ on the CPU: without a C++ compiler these tests fail (never skip), the first
 one saying why. Compiling is slow on a small machine, so the requests are the smallest there are
 and the in-process model is compiled once for the module.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from xdit_backend import protocol
+from xdit_backend import attention, protocol
 from xdit_backend.compile import compile_blocks
 from xdit_backend.models import registry
+from xdit_backend.parallel import sequence, traffic
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
@@ -27,9 +34,13 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def run(model, **fields) -> torch.Tensor:
+def run(model, text_tokens: int | None = None, **fields) -> torch.Tensor:
+    """A request's latent; its prompt: the built-in stand-in, or ``text_tokens`` random tokens."""
     request = SampleRequest.parse(Message("sample", {**FIELDS, **fields}))
     positive, _ = registry.random_conditioning("flux-tiny", 1, request.seed, model.spec)
+    if text_tokens is not None:
+        shapes = model.spec.conditioning_shapes(1, text_tokens)
+        positive = {key: torch.randn(shape, generator=torch.Generator().manual_seed(1)) for key, shape in shapes.items()}
     with torch.no_grad():
         return generate(Denoiser(model), request.generation(model.spec, positive, None))
 
@@ -81,6 +92,9 @@ def test_compiled_equals_eager_through_a_backend(backend2):
     difference = (compiled["samples"] - eager["samples"]).abs().max().item()
     assert difference <= TOLERANCE, f"ulysses=2: max |compiled − eager| = {difference:.3g}"
     assert {"flux-tiny (float32)", "flux-tiny (float32, compiled)"} <= set(backend2.status()["models"])
+    profiled, info = backend2.sample({**fields, "compile": True, "profile": True})
+    assert [record["sent_bytes"] for record in info["profile"]] == [None, None]  # not counted: traffic.py
+    assert torch.equal(profiled["samples"], compiled["samples"])
 
 
 def test_compile_is_a_boolean_request_field_carried_to_every_rank():
@@ -91,3 +105,57 @@ def test_compile_is_a_boolean_request_field_carried_to_every_rank():
     assert SampleRequest.parse(Message("sample", FIELDS)).compile is False
     with pytest.raises(protocol.FrameError, match="'compile'.*expected boolean"):
         protocol.decode_bytes(protocol.encode_bytes(Message("sample", {**FIELDS, "compile": 1})))
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone: the collectives run, with nothing to exchange."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_profiling_a_compiled_model_leaves_what_its_graphs_guard_on(world_of_one):
+    """Dynamo guards on the torch.distributed functions a compiled block calls, so counting traffic
+    (which swaps them) would compile again; for a compiled model it counts nothing and swaps nothing."""
+    def block(x):  # a compiled block's collective, as Shard.gather's all_gather
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x * 2, group=world_of_one)
+        return torch.cat(parts) + 1
+
+    compiled = torch.compile(block)
+    x = torch.randn(4, 8)
+    compiled(x)
+    before = graphs()
+    with traffic.counting(compiled=True) as sent:
+        compiled(x)
+    assert sent is None and graphs() == before
+    with traffic.counting(compiled=False) as sent:  # why: an eager count's swap is a new graph
+        compiled(x)
+    assert sent == {"all_gather": 0} and graphs() > before
+
+
+def test_sequence_parallel_processors_compile_once_for_every_prompt_length(compiled, world_of_one):
+    """Our processors and kernel choice inside compiled blocks: attached anew per request (new objects)
+    and for a new prompt length, they reuse the graphs (the text length is a dynamic size, not an
+    attribute). One rank: the cut and the gather are whole, attention is the local kernel."""
+    model = compiled[0]
+    layout = SimpleNamespace(sequence_group=world_of_one, sequence_index=0, config=SimpleNamespace(sequence=1),
+                             group=lambda name: None)
+
+    def request(text_tokens: int) -> torch.Tensor:
+        attached = sequence.attach(model.transformer, model.spec.sequence_plan, layout,
+                                   attention.local_attention(torch.device("cpu")))
+        try:
+            return run(model, text_tokens)
+        finally:
+            attached.detach()
+
+    first = graphs()
+    request(8)
+    before = graphs()
+    assert before > first, "the processors' first request compiled nothing: the blocks ran eagerly"
+    request(8)
+    assert graphs() == before, "new processor objects compiled again"
+    request(16)
+    assert graphs() == before, f"a 16-token prompt compiled {graphs() - before} new graphs"

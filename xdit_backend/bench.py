@@ -87,16 +87,22 @@ def world_of(degrees: dict) -> int:
     return math.prod(degrees.get(name, 1) for name in DEGREE_NAMES)
 
 
-def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
+SAMPLER_BYTES = 4  # the samplers work in float32: x0, latents
+
+
+def traffic_formula(degrees: dict, dims: dict, fields: dict, element_bytes: int = 4) -> tuple[int, str]:
     """Bytes one rank sends per step by the methods' algebra, and the formula as text.
 
     A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
-    e bytes per element, U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels.
+    U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels. Bytes per element: e, the
+    compute dtype's (4 for float32, 2 for bfloat16 and float16), for what the model computes
+    (activations, attention inputs, its velocity); 4 for what the sampler holds in float32 whatever
+    the compute dtype (x0 exchanged by CFG, latents gathered by dp and returned by PipeFusion).
     Sequence parallelism cuts the joint sequence, text included: a rank holds (N+L)/P tokens.
     """
     u, r, cfg, dp, pf = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp", "pipefusion"))
     p = u * r
-    a, c, e = dims["attention_layers"], dims["hidden"], 4
+    a, c, e, f = dims["attention_layers"], dims["hidden"], element_bytes, SAMPLER_BYTES
     n = (fields["width"] // 16) * (fields["height"] // 16)
     text = dims["text_tokens"]
     two_passes = fields["cfg"] != 1.0
@@ -106,9 +112,9 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
         if p > 1 or cfg > 1:
             return 0, "not modelled for PipeFusion hybrids"
         images = fields["batch"] // dp
-        activations, returned = b * (n + text) * c * e, images * n * 64 * e
+        activations, returned = b * (n + text) * c * e, images * n * 64 * f
         return max(activations, returned), ("PipeFusion max(B·(N+L)·C·e activations to the next stage, "
-                                            "(B/dp)·N·64·e patches back to stage 0); no factor of A")
+                                            "(B/dp)·N·64·4 patches back to stage 0); no factor of A")
     if u > 1:  # q, k, v in and the output back: four all-to-alls of a rank's (N+L)/P tokens
         total += 4 * a * b * ((n + text) // p) * c * e * (u - 1) // u
         terms.append("Ulysses 4·A·B·((N+L)/P)·C·e·(U−1)/U")
@@ -119,24 +125,26 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict) -> tuple[int, str]:
         total += b * (n // p) * 64 * e * (p - 1)
         terms.append("velocity B·(N/P)·64·e·(P−1)")
     if cfg > 1:
-        total += b * n * 64 * e
-        terms.append("CFG B·N·64·e")
+        total += b * n * 64 * f
+        terms.append("CFG B·N·64·4")
     if dp > 1:
-        total += fields["batch"] // dp * n * 64 * e * (dp - 1) // fields["steps"]
-        terms.append("dp (B/dp)·N·64·e·(dp−1)/steps")
+        total += fields["batch"] // dp * n * 64 * f * (dp - 1) // fields["steps"]
+        terms.append("dp (B/dp)·N·64·4·(dp−1)/steps")
     return total, " + ".join(terms) or "0"
 
 
-def flux_dims(model: str, text_tokens: int) -> dict | None:
-    """What traffic_formula needs of a Flux model (None for another family: no formula)."""
+def flux_dims(model: str) -> dict | None:
+    """What traffic_formula needs of a built-in Flux model (None for another model: no formula). Its
+    text tokens: the length of the stand-in prompt a request without embeddings gets (the bench
+    sends none, so a model file cannot run in it)."""
     from .models import registry
 
-    source = registry.resolve(model)
-    if source.family != "flux":
+    builtin = registry.BUILTINS.get(model)
+    if builtin is None or builtin.family != "flux":
         return None
-    config = source.config
+    config = builtin.config
     return {"attention_layers": config["num_layers"] + config["num_single_layers"],
-            "hidden": config["num_attention_heads"] * config["attention_head_dim"], "text_tokens": text_tokens}
+            "hidden": config["num_attention_heads"] * config["attention_head_dim"], "text_tokens": builtin.text_tokens}
 
 
 def method_of(layout: str) -> str:
@@ -159,6 +167,7 @@ def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
         "denoise_s": max(r["denoise_s"] for r in ranks),  # end to end on the slowest rank, no VAE anywhere
         "sent_bytes_per_rank_per_step": max(sum(v for k, v in r["sent_bytes"].items() if k != "control")
                                             for r in ranks) / fields["steps"],
+        "dtype": ranks[0]["dtype"], "attention": ranks[0]["attention"],
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
         "memory_kind": ranks[0]["memory_kind"],
         "largest_rank_parameters": max(r["parameters"] for r in ranks),
@@ -196,20 +205,23 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
     serial = next((statistics.median(r["profile"][0]["step_s"][1:] or r["profile"][0]["step_s"])
                    for r in records if r["world"] == 1), None)
     summaries = [summarise(record, fields, serial) for record in records]
-    dims = flux_dims(fields["model"], text_tokens=8)
+    dims = flux_dims(fields["model"])
     print(f"{fields['model']}, {fields['width']}×{fields['height']}, batch {fields['batch']}, cfg {fields['cfg']}, "
           f"{fields['steps']} steps (step times: first excluded), {fields.get('dtype', 'auto')}, {device}\n")
     print("| layout | ranks | step median ms | min–max ms | denoise s (end to end) | speed-up | efficiency | "
-          "sent/rank/step KiB | formula KiB | largest rank's parameters M | peak memory/rank MiB | new groups |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sent/rank/step KiB | formula KiB | largest rank's parameters M | peak memory/rank MiB | new groups | "
+          "attention |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for summary in summaries:
-        formula = traffic_formula(parse_layout(summary["layout"]), dims, fields)[0] / 1024 if dims else None
+        element_bytes = getattr(torch, summary["dtype"]).itemsize
+        formula = (traffic_formula(parse_layout(summary["layout"]), dims, fields, element_bytes)[0] / 1024
+                   if dims else None)
         print(f"| {summary['layout']} | {summary['world']} | {summary['step_median_s'] * 1e3:.1f} | "
               f"{summary['step_min_s'] * 1e3:.1f}–{summary['step_max_s'] * 1e3:.1f} | {summary['denoise_s']:.2f} | "
               f"{_ratio(summary['speedup'], '×')} | {_ratio(summary['efficiency'], '')} | "
               f"{summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
               f"{'—' if formula is None else f'{formula:.1f}'} | {summary['largest_rank_parameters'] / 1e6:.2f} | "
-              f"{summary['peak_memory_bytes'] / 2**20:.0f} | {summary['process_groups_created']} |")
+              f"{summary['peak_memory_bytes'] / 2**20:.0f} | {summary['process_groups_created']} | "
+              f"{summary['attention']} |")
     if serial is None:
         print("\n(no world-1 layout in the list: add `serial` for speed-up and efficiency)")
     if json_path:

@@ -24,6 +24,10 @@ bookkeeping), the frames after the break start static and become dynamic at thei
 Those paths add up to more than dynamo's default 8 cached graphs per code object (measured: a
 world-2 mix of cfg, ulysses, ring, PipeFusion at batch 1 and 2 reached it, and past it dynamo
 runs the block eagerly), so the limit is raised to RECOMPILE_LIMIT.
+
+What compiles nothing: a new prompt length (the processors read it from a dynamic size), the
+attention processors sequence parallelism attaches anew for each request, and a profiled
+request (its traffic is not counted for a compiled model: parallel/traffic.py says why).
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ def _modeled_step(config: ParallelConfig, model: ModelFacts, request: RequestFac
     degrees = {name: getattr(config, name) for name in DEGREES if getattr(config, name) > 1}
     measured = Link(topology.describe(link), link.bandwidth_gbps * 1e9, latency=0.0)  # latency was not timed
     t1 = serial_step(dims, fields, topology.compute_tflops)
-    sent = traffic_formula(degrees, dims, fields)[0] * request.value_bytes / 4  # it counts 4-byte values
+    sent = traffic_formula(degrees, dims, fields, element_bytes=request.value_bytes)[0]
     return ModeledStep(config, predict(t1, degrees, measured, dims, fields, request.value_bytes), sent, link)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import attention
 from .compile import compile_blocks
 from .mesh import MeshCache
 from .models import lora, registry
@@ -103,7 +104,8 @@ class Executor:
         return denoiser.gather_rows(latent).cpu()
 
     def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
-        """``generate`` plus this rank's record: seconds per step, bytes sent, peak memory."""
+        """``generate`` plus this rank's record: seconds per step, bytes sent (None for a compiled model),
+        peak memory, the compute dtype and the attention that ran."""
         if not request.profile:
             return self.generate(request, after_step), {}
         cuda = self.rt.device.type == "cuda"
@@ -123,7 +125,7 @@ class Executor:
 
         groups_before = _process_groups()
         started = time.perf_counter()
-        with traffic.counting() as sent:
+        with traffic.counting(request.compile) as sent:  # None when compiled (traffic.py says why)
             latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
         denoise_s = time.perf_counter() - started
         if cuda:
@@ -132,7 +134,13 @@ class Executor:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
             steps = [b - a for a, b in zip(marks, marks[1:])]
-        return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s, "sent_bytes": dict(sent),
+        dtype = compute_dtype(request.dtype, self.rt.device)
+        head_dim = self.computing.transformer.config.attention_head_dim
+        ours = request.parallel.sequence > 1 or request.parallel.pipefusion > 1  # our kernel, else diffusers' SDPA
+        return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s,
+                        "sent_bytes": None if sent is None else dict(sent),
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "attention": attention.in_use(self.rt.device, dtype, head_dim, ours),
                         "peak_memory_bytes": peak,
                         "memory_kind": "cuda allocated" if cuda else "process peak RSS",
                         "process_groups_created": _process_groups() - groups_before,

@@ -13,9 +13,8 @@ import time
 import traceback
 from pathlib import Path
 
-from . import __version__, paths, protocol
+from . import __version__, attention, paths, protocol
 from .agreement import run_request
-from .attention import kernel_name
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .control import StepGate, broadcast_message
 from .errors import UserError
@@ -36,6 +35,8 @@ class Leader:
     def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
                  model_roots: tuple[str, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None):
         self.rt = rt
+        # Asked here, on the rank's own thread and device, not on the server's thread at each status
+        self.attention_kernel = attention.status_line(rt.device, compute_dtype("auto", rt.device))
         self.model_roots = model_roots  # where model and LoRA files may come from (empty: anywhere)
         self.server = SocketServer(socket_path, self.status, limits, tcp, token)
         self.ranks = ranks
@@ -50,7 +51,7 @@ class Leader:
             "version": __version__,
             "world_size": self.rt.world_size,
             "ranks": self.ranks,
-            "attention_kernel": kernel_name(self.rt.device),
+            "attention_kernel": self.attention_kernel,
             "topology": self.rt.topology.to_json(),
             "models": self.executor.loaded(),
             "uptime_s": round(time.time() - self.rt.started, 3),

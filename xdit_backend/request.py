@@ -171,10 +171,14 @@ DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype weights are held and computed in: "auto" is float32 on the CPU, bfloat16 on CUDA."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    """The dtype weights are held and computed in. "auto": float32 on the CPU; on CUDA bfloat16 where
+    the GPU computes in it natively (sm 8.0 and newer), else float16 (a V100 or T4 only emulates
+    bfloat16, and its fused attention kernels have none)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
 
 
 def _read(field: schema.Field, fields: dict):

@@ -105,8 +105,7 @@ def predict(t1: float, degrees: dict, link: Link, dims: dict = FLUX_DEV, fields:
         return t1
     image, text = image_tokens(fields), dims["text_tokens"]
     share = compute_share(t1, degrees, image, text)
-    sent, _ = traffic_formula(degrees, dims, fields)
-    sent = sent * value_bytes / 4  # traffic_formula counts 4-byte values
+    sent, _ = traffic_formula(degrees, dims, fields, element_bytes=value_bytes)
     lag = collectives(degrees, dims["attention_layers"]) * link.latency
     stages = degrees.get("pipefusion", 1)
     if stages > 1:  # the pipeline stays full from step to step (parallel/schedule.py)

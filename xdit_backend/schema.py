@@ -22,7 +22,7 @@ MAX_STEPS = 10000
 MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
 MAX_FRAMES = 1025
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: float32 on the CPU, bfloat16 on CUDA
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
 NUMBER = (int, float)
 
 # How request.py reads a field's wire value into the request (and writes it back for the ranks):
@@ -76,7 +76,7 @@ SAMPLE: tuple[Field, ...] = (
     Field("profile", bool, "bool", "bool", False,
           help="report step times, traffic, memory and the request each rank ran (the bench asks for it)"),
     Field("dtype", str, "dtype", "str", "auto", choices=DTYPE_NAMES,
-          help="weights and compute (auto: float32 on the CPU, bfloat16 on CUDA)"),
+          help="weights and compute (auto: float32 on the CPU; bfloat16 on CUDA from sm 8.0, float16 before)"),
     Field("loras", list, "loras", "tuple", [], flag="--lora",
           help="LoRA files merged into the weights at load, in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),

@@ -6,6 +6,12 @@ uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well a
 all_gather: its piece to every other rank, (W−1)·n; all_to_all_single: all but its own share,
 (W−1)/W·n; isend: n (point-to-point goes through batch_isend_irecv, ours as yunchang's).
 Broadcasts are the control plane (the step gate) and counted apart.
+
+A compiled model's traffic is not counted. Dynamo guards on the torch.distributed functions a
+compiled block calls (``dist.all_to_all_single`` in yunchang's all-to-all, ``dist.all_gather``):
+swapping them for a profiled request would compile every block again for that request (its step
+times would include the compile) and keep a second set of graphs against the recompile limit.
+Compiled and eager requests send the same bytes, so the eager count serves for both.
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ def _nbytes(tensor) -> int:
 
 
 @contextmanager
-def counting():
-    """Yields a Counter of bytes sent by this rank, by collective, while the block runs."""
+def counting(compiled: bool):
+    """Yields a Counter of bytes sent by this rank, by collective, while the block runs; for a
+    ``compiled`` model, None, with torch.distributed left as it is."""
+    if compiled:
+        yield None
+        return
     sent: Counter = Counter()
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_to_all_single", "batch_isend_irecv",
                                                         "broadcast")}
