@@ -37,10 +37,11 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return patches.reshape(b, c, h, w)
 
 
-def image_ids(h: int, w: int) -> torch.Tensor:
-    """[(h/2)·(w/2), 3] positions (0, row, column) of the image tokens, as ComfyUI and diffusers build them."""
-    rows = torch.arange(h // 2).view(-1, 1).expand(h // 2, w // 2)
-    cols = torch.arange(w // 2).view(1, -1).expand(h // 2, w // 2)
+def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
+    """[(h/2)·(w/2), 3] positions (0, row, column) of the image tokens, as ComfyUI and diffusers build
+    them; made on ``device`` (no host→device copy)."""
+    rows = torch.arange(h // 2, device=device).view(-1, 1).expand(h // 2, w // 2)
+    cols = torch.arange(w // 2, device=device).view(1, -1).expand(h // 2, w // 2)
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
 
 
@@ -124,7 +125,7 @@ class FluxModel(DiffusionModel):
                 encoder_hidden_states=context,
                 pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
                 timestep=timestep,
-                img_ids=image_ids(h, w).to(self.device),  # [N, 3]
+                img_ids=image_ids(h, w, self.device),  # [N, 3]
                 txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
                 guidance=guidance,
                 return_dict=False,
@@ -134,7 +135,7 @@ class FluxModel(DiffusionModel):
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
 
     def positions(self, shape):
-        return image_ids(shape[-2], shape[-1]).to(self.device)  # [N, 3]
+        return image_ids(shape[-2], shape[-1], self.device)  # [N, 3]
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time (and guidance) embedding, as diffusers' forward computes it but from float32
