@@ -8,6 +8,7 @@ tokens and theirs, so each rank's RoPE matches its tokens; it gathers after ``pr
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,33 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return patches.reshape(b, c, h, w)
 
 
-def image_ids(h: int, w: int) -> torch.Tensor:
-    """[(h/2)·(w/2), 3] positions (0, row, column) of the image tokens, as ComfyUI and diffusers build them."""
-    rows = torch.arange(h // 2).view(-1, 1).expand(h // 2, w // 2)
-    cols = torch.arange(w // 2).view(1, -1).expand(h // 2, w // 2)
+def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
+    """[(h/2)·(w/2), 3] positions (0, row, column) of the image tokens, as ComfyUI and diffusers build
+    them; made on ``device`` (no host→device copy)."""
+    rows = torch.arange(h // 2, device=device).view(-1, 1).expand(h // 2, w // 2)
+    cols = torch.arange(w // 2, device=device).view(1, -1).expand(h // 2, w // 2)
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+@contextmanager
+def time_embedded_in_float32(time_text_embed, timestep: torch.Tensor, guidance: torch.Tensor | None):
+    """For one forward of diffusers' Flux: its time (and guidance) embedding gets 1000·σ and
+    1000·guidance computed in float32 from σ and guidance [B] (float32), as ComfyUI's Flux embeds
+    them. diffusers' forward rounds σ to the weights' dtype and multiplies in it: in bf16, 1000·σ
+    lands up to 4 off (σ's rounding, then the product's: spacing 4 near 1000), which turns the
+    embedding's fastest frequencies by radians, and guidance 3.5 becomes 3504.
+    (diffusers and BFL's reference code round; this backend takes ComfyUI's side, since it stands
+    in for KSampler and its results are compared with KSampler's.)"""
+    scaled = (timestep * 1000,) if guidance is None else (timestep * 1000, guidance * 1000)  # [B] float32 each
+
+    def float32_times(module, args):  # diffusers passes (timestep, [guidance,] pooled) positionally
+        return (*scaled, args[-1])
+
+    handle = time_text_embed.register_forward_pre_hook(float32_times)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @dataclass(frozen=True)
@@ -90,34 +113,38 @@ class FluxModel(DiffusionModel):
         return self.spec.has_guidance
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
-        """The velocity for ``x`` [B, 16, h, w] at ``timestep`` [B] (σ: diffusers multiplies by 1000,
+        """The velocity for ``x`` [B, 16, h, w] at ``timestep`` [B] (σ: the embedding multiplies by 1000,
         as ComfyUI does)."""
         b, _, h, w = x.shape
+        timestep = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
-        velocity = self.transformer(
-            hidden_states=pack(x),  # [B, N = h/2·w/2, 64]
-            encoder_hidden_states=context,
-            pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
-            timestep=timestep.to(self.device, self.dtype),
-            img_ids=image_ids(h, w).to(self.device),  # [N, 3]
-            txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
-            guidance=torch.full((b,), guidance, device=self.device) if self.has_guidance else None,
-            return_dict=False,
-        )[0]
+        guidance = torch.full((b,), guidance, device=self.device) if self.has_guidance else None  # [B] float32
+        with time_embedded_in_float32(self.transformer.time_text_embed, timestep, guidance):
+            velocity = self.transformer(
+                hidden_states=pack(x),  # [B, N = h/2·w/2, 64]
+                encoder_hidden_states=context,
+                pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
+                timestep=timestep,
+                img_ids=image_ids(h, w, self.device),  # [N, 3]
+                txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
+                guidance=guidance,
+                return_dict=False,
+            )[0]
         return unpack(velocity, h, w)  # [B, N, 64] → [B, 16, h, w]
 
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
 
     def positions(self, shape):
-        return image_ids(shape[-2], shape[-1]).to(self.device)  # [N, 3]
+        return image_ids(shape[-2], shape[-1], self.device)  # [N, 3]
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
-        """The time (and guidance) embedding, as diffusers' forward computes it."""
+        """The time (and guidance) embedding, as diffusers' forward computes it but from float32
+        1000·σ and 1000·guidance, as ComfyUI's (see ``time_embedded_in_float32``)."""
         t = self.transformer
-        timestep = timestep.to(self.device, self.dtype).to(self.dtype) * 1000  # [B]
+        timestep = timestep.to(self.device, torch.float32) * 1000  # [B]
         pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]
         if self.has_guidance:
-            scale = torch.full(timestep.shape, guidance, device=self.device).to(self.dtype) * 1000
+            scale = torch.full(timestep.shape, guidance, device=self.device) * 1000  # [B] float32
             temb = t.time_text_embed(timestep, scale, pooled)
         else:
             temb = t.time_text_embed(timestep, pooled)

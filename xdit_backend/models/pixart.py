@@ -75,9 +75,13 @@ class PixArtModel(DiffusionModel):
         """PixArt-α's resolution and aspect-ratio inputs for a [b, C, h, w] latent (None for Σ)."""
         if not self.spec.size_conditioning:
             return {"resolution": None, "aspect_ratio": None}
+
+        def column(value: float) -> torch.Tensor:  # [B, 1], filled on the device (no host→device copy)
+            return torch.full((b, 1), value, device=self.device, dtype=self.dtype)
+
         # pixels, as diffusers' pipeline and ComfyUI's c_size give them
-        return {"resolution": torch.tensor([[h * 8.0, w * 8.0]] * b, device=self.device, dtype=self.dtype),
-                "aspect_ratio": torch.tensor([[h / w]] * b, device=self.device, dtype=self.dtype)}
+        return {"resolution": torch.cat([column(h * 8.0), column(w * 8.0)], dim=1),  # [B, 2]
+                "aspect_ratio": column(h / w)}
 
     # PipeFusion stages (base.DiffusionModel): every stage embeds the time and projects the text
     # itself (cross-attention only reads it); the size conditioning is the whole latent's.

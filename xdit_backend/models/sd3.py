@@ -52,12 +52,13 @@ class SD3Spec(FamilySpec):
 
 class SD3Model(DiffusionModel):
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
-        """The velocity for x [B, 16, h, w] at timestep 1000·σ [B]."""
+        """The velocity for x [B, 16, h, w] at timestep 1000·σ [B], float32 into the sinusoidal
+        embedding as in ComfyUI (not rounded to the weights' dtype)."""
         return self.transformer(
             hidden_states=x,
             encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
             pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, 2048]
-            timestep=timestep.to(self.device, self.dtype),
+            timestep=timestep.to(self.device, torch.float32),
             return_dict=False,
         )[0]
 
@@ -69,7 +70,7 @@ class SD3Model(DiffusionModel):
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         pooled = cond["pooled"].to(self.device, self.dtype)  # [B, 2048]
-        temb = self.transformer.time_text_embed(timestep.to(self.device, self.dtype), pooled)  # [B, D]
+        temb = self.transformer.time_text_embed(timestep.to(self.device, torch.float32), pooled)  # [B, D]
         return {"temb": temb, "context": cond["context"]}
 
     def embed(self, x, tokens, inputs, positions):

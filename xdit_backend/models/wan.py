@@ -57,10 +57,11 @@ class WanSpec(FamilySpec):
 
 class WanModel(DiffusionModel):
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
-        """The velocity for x [B, C, T, h, w] at timestep 1000·σ [B]."""
+        """The velocity for x [B, C, T, h, w] at timestep 1000·σ [B], float32 into the sinusoidal
+        embedding as in ComfyUI (not rounded to the weights' dtype)."""
         return self.transformer(
             hidden_states=x,
-            timestep=timestep.to(self.device, self.dtype),
+            timestep=timestep.to(self.device, torch.float32),
             encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
             return_dict=False,
         )[0]
@@ -74,7 +75,7 @@ class WanModel(DiffusionModel):
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         temb, projection, context, _ = self.transformer.condition_embedder(
-            timestep.to(self.device, self.dtype), cond["context"].to(self.device, self.dtype), None,
+            timestep.to(self.device, torch.float32), cond["context"].to(self.device, self.dtype), None,
             timestep_seq_len=None)
         # temb [B, D]; projection [B, 6·D] → [B, 6, D]; context [B, L, D]
         return {"temb": temb, "projection": projection.unflatten(1, (6, -1)), "context": context}

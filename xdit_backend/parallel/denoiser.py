@@ -48,15 +48,26 @@ class Denoiser:
         finally:
             attached.detach()
 
-    def x0(self, x: torch.Tensor, sigma: torch.Tensor, positive: dict, negative: dict | None, gen) -> torch.Tensor:
-        """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B]."""
+    def conditioning(self, positive: dict, negative: dict | None) -> dict:
+        """What this rank's model calls take, built once per generation from the sides on the device
+        (generate.start): its side of the guidance under CFG parallel, else the two sides batched
+        [2B, ...] (cond first) when there is a negative one, else the positive."""
         if self.cfg_group is not None:
-            side = positive if self.layout.index("cfg") == 0 else negative
-            return guided(self.model.predict_x0(x, sigma, side, gen), gen.cfg, self.cfg_group)  # [B, C, (T,) h, w]
-        if negative is None or gen.cfg == 1.0:
-            return self.model.predict_x0(x, sigma, positive, gen)
-        both = {key: torch.cat([positive[key], negative[key]]) for key in positive}
-        return guided(self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), both, gen), gen.cfg)
+            return positive if self.layout.index("cfg") == 0 else negative
+        if negative is None:
+            return positive
+        return {key: torch.cat([positive[key], negative[key]]) for key in positive}
+
+    def x0(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: dict, gen) -> torch.Tensor:
+        """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B],
+        from ``conditioning`` (``self.conditioning``)."""
+        if self.cfg_group is not None:
+            mine = self.model.predict_x0(x, sigma, conditioning, gen)  # [B, C, (T,) h, w], this rank's side
+            return guided(mine, gen.cfg, self.cfg_group)
+        if not gen.uses_cfg:
+            return self.model.predict_x0(x, sigma, conditioning, gen)
+        both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
+        return guided(both, gen.cfg)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
         """[B/dp, C, ...] from each dp group → [B, C, ...] on every rank."""

@@ -60,13 +60,15 @@ def comfy_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 @dataclass
 class Start:
-    """Where this rank's sampler loop starts, on its device: the noised latent of its batch rows in
-    model space, the σ it walks, its rows of the conditioning, and its rows of the per-step noise."""
+    """Where this rank's sampler loop starts: on its device, the noised latent of its batch rows in
+    model space and its rows of the conditioning (copied there once, not at every model call); on
+    the host, the σ it walks (the samplers' arithmetic and branches read them there); and its rows
+    of the per-step noise."""
 
     x: torch.Tensor  # [rows, C, (T,) h, w]
-    sigmas: torch.Tensor  # [steps + 1]
+    sigmas: torch.Tensor  # [steps + 1], CPU
     positive: dict[str, torch.Tensor]
-    negative: dict[str, torch.Tensor] | None
+    negative: dict[str, torch.Tensor] | None  # None without guidance (gen.uses_cfg)
     noise: samplers.StepNoise
 
 
@@ -77,14 +79,13 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
     noise = noise[rows].to(device)
     latent = (latent_format.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)
-    positive = {key: t[rows] for key, t in gen.positive.items()}
-    negative = {key: t[rows] for key, t in gen.negative.items()} if gen.uses_cfg else None
-    sigmas = gen.sigmas.to(device)
-    x = gen.sampling.noise_scaling(sigmas[0], noise, latent)
-    # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it) on
-    # the latent's device, this rank's rows kept
+    positive = {key: t[rows].to(device) for key, t in gen.positive.items()}
+    negative = {key: t[rows].to(device) for key, t in gen.negative.items()} if gen.uses_cfg else None
+    x = gen.sampling.noise_scaling(gen.sigmas[0], noise, latent)
+    # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it), this
+    # rank's rows kept and sent to its device
     step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device)
-    return Start(x, sigmas, positive, negative, step_noise)
+    return Start(x, gen.sigmas, positive, negative, step_noise)
 
 
 def finish(gen: Generation, latent_format, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -103,9 +104,10 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
         return gen.latent.float()
     fmt = denoiser.latent_format
     begin = start(gen, fmt, denoiser.rows(gen.latent.shape[0]), denoiser.device)
+    conditioning = denoiser.conditioning(begin.positive, begin.negative)  # once per generation
 
     def x0(x, sigma):  # sigma [B]
-        return denoiser.x0(x, sigma, begin.positive, begin.negative, gen)
+        return denoiser.x0(x, sigma, conditioning, gen)
 
     with denoiser.attached():
         x = samplers.sample(gen.sampler, x0, begin.x, begin.sigmas, gen.sampling, begin.noise, after_step)

@@ -120,9 +120,19 @@ class EpsSampling(_Tabulated):
         """log σ as ComfyUI keeps it (the log taken in float64), computed once."""
         return self._sigmas64().log().float()
 
+    @functools.cached_property
+    def _log_sigmas_by_device(self) -> dict[torch.device, torch.Tensor]:
+        return {}
+
+    def _log_sigmas_on(self, device: torch.device) -> torch.Tensor:
+        """``_log_sigmas`` on ``device``, copied there once: ``timestep`` reads it at every model call."""
+        if device not in self._log_sigmas_by_device:
+            self._log_sigmas_by_device[device] = self._log_sigmas.to(device)
+        return self._log_sigmas_by_device[device]
+
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The nearest discrete timestep in log σ (ComfyUI's ``timestep``), as a float."""
-        log_sigmas = self._log_sigmas.to(sigma.device)
+        log_sigmas = self._log_sigmas_on(sigma.device)
         return (sigma.log() - log_sigmas[:, None]).abs().argmin(dim=0).view(sigma.shape).float()
 
     def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_copy import to_device
+
 NoiseFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (σ, σ_next) -> noise [rows, C, ...]
 
 
@@ -23,28 +25,31 @@ class StepNoise:
     """The noise the ancestral and SDE samplers add, drawn for the WHOLE batch as ComfyUI draws it
     and cut to this rank's ``rows``, so every rank adds exactly its rows of ComfyUI's draw.
 
-    ``default()`` is ComfyUI's default_noise_sampler: a generator seeded with the sample's seed on
-    the latent's device, one ``randn(whole shape)`` per call. ``device`` is where that generator
-    lives: CPU and CUDA generators give different numbers for one seed, so it must be the device
-    ComfyUI's latent would be on — "cpu" (default) reproduces ComfyUI run with --cpu (the tests), a
-    CUDA device a ComfyUI run on a GPU (CUDA's draws can also differ between GPU models, as they do
-    for ComfyUI itself). ``brownian()`` is BrownianTreeNoiseSampler as
-    dpmpp_2m_sde builds it: always on the CPU (cpu=True), so it does not depend on ``device``.
+    ``default()`` is ComfyUI's default_noise_sampler: a generator seeded with the sample's seed, one
+    ``randn(whole shape)`` per call. ComfyUI seeds it on the latent's device; here it is always the
+    CPU generator, and each draw is copied to ``device`` (the latent's) without a host sync
+    (host_copy.py). A CUDA generator's numbers for one seed depend on the GPU model (its launch
+    grid follows the SM count), so on a machine with mixed GPUs the ranks would add different noise
+    to what must be one latent; the CPU's are the same everywhere. The cost is a CPU ``randn`` of
+    the latent per step (1 MB for Flux at 1024²), overlapped with the GPU's work. So an ancestral
+    sampler here matches ComfyUI run with --cpu (the tests) bit for bit, and ComfyUI on a GPU only
+    in its initial noise (which ComfyUI draws on the CPU too). ``brownian()`` is
+    BrownianTreeNoiseSampler as dpmpp_2m_sde builds it: on the CPU as well (ComfyUI's cpu=True).
     Each call of these returns a fresh sampler, as each ComfyUI sampler call builds its own.
     """
 
     shape: tuple[int, ...]  # the whole batch's latent shape [B, C, ...]
     seed: int
     rows: slice = field(default_factory=lambda: slice(None))  # this rank's batch rows
-    device: str | torch.device = "cpu"
+    device: str | torch.device = "cpu"  # where the draws go (the latent's device); they are made on the CPU
     dtype: torch.dtype = torch.float32
 
     def default(self) -> NoiseFn:
-        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        generator = torch.Generator().manual_seed(self.seed)
 
         def draw(sigma, sigma_next):
-            whole = torch.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator)
-            return whole[self.rows].to(sigma.device)
+            whole = torch.randn(self.shape, dtype=self.dtype, generator=generator)  # [B, C, ...] on the CPU
+            return to_device(whole[self.rows], self.device)
 
         return draw
 
@@ -64,7 +69,7 @@ class StepNoise:
             with warnings.catch_warnings():  # torchsde warns when float32 ends miss its float64 ones by an ulp
                 warnings.simplefilter("ignore", UserWarning)
                 w = tree(a.detach().cpu().float(), b.detach().cpu().float())  # [whole shape] W(b) − W(a)
-            w = w[self.rows].to(device=a.device, dtype=a.dtype) * (tree_sign * sign)  # −1: walking down in σ
+            w = to_device(w[self.rows].to(a.dtype), self.device) * (tree_sign * sign)  # −1: walking down in σ
             return w / (sigma_next - sigma).abs().sqrt()
 
         return draw

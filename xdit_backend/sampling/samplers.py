@@ -12,10 +12,13 @@ the call belongs to), is sent that x0, and returns the final latent. ``sample`` 
 coefficients depend on σ only), so a walk over any part of the latent — a rank's batch rows, a
 PipeFusion patch's band of rows — gives exactly that part of the whole walk, provided the model's
 x0 for that part and its noise (noise.py: ``StepNoise.rows``, ``SharedDraws``) are the whole
-one's. Each walk keeps its own history (dpmpp_2m's previous x0, uni_pc's last predictions), so
-PipeFusion keeps one walk per patch. ``ONE_CALL_PER_STEP`` names the samplers whose every step is
-one model call; heun's second call evaluates the model at a point its first call produces, within
-the same step, which a pipeline of patches cannot schedule (see parallel/pipefusion.py).
+one's. The sigmas stay on the host: every coefficient and every branch (``if σ_next == 0``) is
+host arithmetic on 0-d CPU tensors, which PyTorch hands to the device's kernels as scalars, so
+the loop never waits for the device to learn a number. Each walk keeps its own history
+(dpmpp_2m's previous x0, uni_pc's last predictions), so PipeFusion keeps one walk per patch.
+``ONE_CALL_PER_STEP`` names the samplers whose every step is one model call; heun's second call
+evaluates the model at a point its first call produces, within the same step, which a pipeline of
+patches cannot schedule (see parallel/pipefusion.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from .host_copy import to_device
 from .model_sampling import FlowSampling
 from .noise import StepNoise
 from .stop import GenerationStopped
@@ -36,7 +40,8 @@ Denoise = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, C, ...]
 
 
 class Call(NamedTuple):
-    """A model evaluation a sampler asks for: the guided x0 at ``x`` [B, C, ...] and noise level ``sigma`` (0-d)."""
+    """A model evaluation a sampler asks for: the guided x0 at ``x`` [B, C, ...] and noise level
+    ``sigma`` (0-d, on the host)."""
 
     x: torch.Tensor
     sigma: torch.Tensor
@@ -176,32 +181,27 @@ def _lambda(t):
     return log_alpha - 0.5 * torch.log(1. - torch.exp(2. * log_alpha))
 
 
-def _rows(v, x):
-    """[B] → [B, 1, ...] against x."""
-    return v[(...,) + (None,) * (x.dim() - 1)]
-
-
 def _unipc_x0(x, t, step: int):
-    """The data prediction at VP time t [B]: the model's ε from its x0 in σ space, then back."""
-    sigma = _rows(t, x)
-    x_in = x * ((sigma ** 2 + 1.0) ** 0.5)
-    eps = (x_in - (yield Call(x_in, t[0], step))) / sigma
-    return (x - _rows(_std(t), x) * eps) / _rows(_alpha(t), x)
+    """The data prediction at VP time t (0-d, on the host): the model's ε from its x0 in σ space, then back."""
+    x_in = x * ((t ** 2 + 1.0) ** 0.5)
+    eps = (x_in - (yield Call(x_in, t, step))) / t
+    return (x - _std(t) * eps) / _alpha(t)
 
 
 def _unipc_bh1_update(x, x0s, ts, t, order, use_corrector, step: int):
-    """One UniPC step (B(h) = h) from ts[-1] to t [B], with ``order`` past predictions x0s (oldest
-    first); returns (x at t, the prediction at the predictor's x, or None without corrector)."""
+    """One UniPC step (B(h) = h) from ts[-1] to t, with ``order`` past predictions x0s (oldest
+    first); returns (x at t, the prediction at the predictor's x, or None without corrector). The
+    times and every coefficient are host values; the solved ρ vectors reach the device asynchronously."""
     lam_prev, lam_t, x0_prev = _lambda(ts[-1]), _lambda(t), x0s[-1]
     alpha_t = torch.exp(_log_alpha(t))
-    h = lam_t - lam_prev  # [B]
+    h = lam_t - lam_prev
     rks, diffs = [], []
     for k in range(1, order):
-        rk = ((_lambda(ts[-(k + 1)]) - lam_prev) / h)[0]
+        rk = (_lambda(ts[-(k + 1)]) - lam_prev) / h
         rks.append(rk)
         diffs.append((x0s[-(k + 1)] - x0_prev) / rk)
-    rks = torch.tensor([*rks, 1.], device=x.device)
-    hh = -h[0]
+    rks = torch.tensor([*rks, 1.])
+    hh = -h
     h_phi_1 = torch.expm1(hh)
     h_phi_k, factorial, R, b = h_phi_1 / hh - 1, 1, [], []
     for k in range(1, order + 1):
@@ -209,22 +209,22 @@ def _unipc_bh1_update(x, x0s, ts, t, order, use_corrector, step: int):
         b.append(h_phi_k * factorial / hh)
         factorial *= k + 1
         h_phi_k = h_phi_k / hh - 1 / factorial
-    R, b = torch.stack(R), torch.tensor(b, device=x.device)
+    R, b = torch.stack(R), torch.tensor(b)
     D1s = torch.stack(diffs, dim=1) if diffs else None  # [B, order − 1, C, ...]
 
-    x_base = _rows(_std(t) / _std(ts[-1]), x) * x - _rows(alpha_t * h_phi_1, x) * x0_prev
-    step_size = _rows(alpha_t * hh, x)
+    x_base = (_std(t) / _std(ts[-1])) * x - (alpha_t * h_phi_1) * x0_prev
+    step_size = alpha_t * hh
     x_t = x_base
     if D1s is not None:
-        rhos_p = torch.tensor([0.5], device=x.device) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
-        x_t = x_base - step_size * torch.tensordot(D1s, rhos_p, dims=([1], [0]))
+        rhos_p = torch.tensor([0.5]) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
+        x_t = x_base - step_size * torch.tensordot(D1s, to_device(rhos_p, x.device), dims=([1], [0]))
     if not use_corrector:
         return x_t, None
-    rhos_c = torch.tensor([0.5], device=x.device) if order == 1 else torch.linalg.solve(R, b)
+    rhos_c = torch.tensor([0.5]) if order == 1 else torch.linalg.solve(R, b)
     x0_t = yield from _unipc_x0(x_t, t, step)
     correction = rhos_c[-1] * (x0_t - x0_prev)
     if D1s is not None:
-        correction = torch.tensordot(D1s, rhos_c[:-1], dims=([1], [0])) + correction
+        correction = torch.tensordot(D1s, to_device(rhos_c[:-1], x.device), dims=([1], [0])) + correction
     return x_base - step_size * correction, x0_t
 
 
@@ -237,21 +237,18 @@ def sample_unipc(x, sigmas, sampling, noise) -> Walk:
     steps = len(ts) - 1
     order = min(3, steps - 1)
 
-    def vec(i):  # t_i for every row [B]
-        return ts[i].expand(x.shape[0])
-
     x = x / torch.sqrt(1.0 + ts[0] ** 2.0)
-    x0s, times = [(yield from _unipc_x0(x, vec(0), 0))], [vec(0)]
+    x0s, times = [(yield from _unipc_x0(x, ts[0], 0))], [ts[0]]
     for i in range(1, steps):
         if i < order:  # warm-up: order i from the i predictions so far
-            x, x0 = yield from _unipc_bh1_update(x, x0s, times, vec(i), i, True, i)
+            x, x0 = yield from _unipc_bh1_update(x, x0s, times, ts[i], i, True, i)
             x0s.append(x0)
-            times.append(vec(i))
+            times.append(ts[i])
         else:  # the last step also takes the final one, without corrector
             for j in range(i, i + 2 if i == steps - 1 else i + 1):
-                x, x0 = yield from _unipc_bh1_update(x, x0s, times, vec(j), min(order, steps + 1 - j), j != steps, i)
+                x, x0 = yield from _unipc_bh1_update(x, x0s, times, ts[j], min(order, steps + 1 - j), j != steps, i)
                 if j < steps:
-                    x0s, times = x0s[1:] + [x0], times[1:] + [vec(j)]
+                    x0s, times = x0s[1:] + [x0], times[1:] + [ts[j]]
     return x / _alpha(ts[-1])
 
 
@@ -275,7 +272,7 @@ def walk(name: str, x: torch.Tensor, sigmas: torch.Tensor, sampling, noise) -> W
         raise ValueError(f"unknown sampler {name!r}; valid: {', '.join(SAMPLERS)}")
     if noise is None and name in ("euler_ancestral", "dpmpp_2m_sde"):
         raise ValueError(f"{name} adds noise: pass a StepNoise")
-    return _SAMPLE[name](x, sigmas, sampling, noise)
+    return _SAMPLE[name](x, sigmas.cpu(), sampling, noise)  # σ on the host (a no-op for the CPU sigmas callers pass)
 
 
 def sample(name: str, denoise_fn: Denoise, x: torch.Tensor, sigmas: torch.Tensor, sampling,
@@ -295,7 +292,7 @@ def sample(name: str, denoise_fn: Denoise, x: torch.Tensor, sigmas: torch.Tensor
     ones = x.new_ones([x.shape[0]])
     call = next(steps)
     while True:
-        denoised = denoise_fn(call.x, call.sigma * ones)  # σ [B]
+        denoised = denoise_fn(call.x, call.sigma * ones)  # σ [B] on the device: the host σ goes as a kernel scalar
         try:
             following = steps.send(denoised)
         except StopIteration as end:
