@@ -1,4 +1,4 @@
-"""``xdit-backend serve|start|stop|status|sample|demo|bench``: the command line over launcher and client."""
+"""``xdit-backend serve|start|stop|status|sample|demo|selftest|bench``: the command line over launcher and client."""
 
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=512, help="image side in pixels (default 512)")
     demo.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
 
+    selftest = commands.add_parser("selftest", help="the GPU smoke suite: PASS/FAIL per section with its figures "
+                                   "(skips without CUDA); the first thing to run on a GPU machine")
+    selftest.add_argument("--out", type=Path, default=Path("selftest-out"), help="folder for selftest.json")
+    selftest.add_argument("--only", nargs="+", default=(), metavar="SECTION", help="run only these sections")
+    selftest.add_argument("--cpu", action="store_true",
+                          help="a dry run on the CPU: the sections that can run there, at the smallest sizes")
+
     bench = commands.add_parser("bench", help="benchmarks (timings live here, never in tests)")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     transport = bench_kinds.add_parser("transport", help="backend cold start and socket round trips")
@@ -78,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     layouts.add_argument("--plot", type=Path, default=None,
                          help="PNG: step time and efficiency against ranks, one line per method (needs matplotlib)")
     overhead = bench_kinds.add_parser("overhead", help="the backend's step at world 1 against a plain diffusers loop")
+    overhead.add_argument("--model", default="flux-tiny",
+                          help="a Flux model: flux-tiny (CPU), flux-dev-random (the full architecture, GPU) or a file")
+    overhead.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    overhead.add_argument("--dtype", choices=schema.DTYPE_NAMES, default="auto")
     overhead.add_argument("--width", type=int, default=1024)
     overhead.add_argument("--height", type=int, default=1024)
     overhead.add_argument("--steps", type=int, default=8)
@@ -207,14 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         handler = lambda a: run_demo(steps=a.steps, size=a.size, nproc=a.nproc)  # noqa: E731
+    elif args.command == "selftest":
+        from .selftest.runner import run_selftest
+
+        handler = lambda a: run_selftest(a.out, tuple(a.only), a.cpu)  # noqa: E731
     elif args.command == "bench" and args.bench == "transport":
         from .bench import run_transport_bench
 
         handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
     elif args.command == "bench" and args.bench == "overhead":
-        from .bench import run_overhead_bench
+        from .overhead import run_overhead_bench
 
-        handler = lambda a: run_overhead_bench(a.width, a.height, a.steps, a.repeats)  # noqa: E731
+        handler = lambda a: run_overhead_bench(a.model, a.device, a.dtype, a.width, a.height, a.steps,  # noqa: E731
+                                                 a.repeats)
     elif args.command == "bench" and args.bench == "scaling":
         from .scaling import run_scaling_model
 

@@ -1,0 +1,58 @@
+"""``xdit-backend selftest``, the GPU smoke suite: without CUDA it skips and says why; its CPU dry run
+runs every section that can run on the CPU and none fails; a wrong kernel makes its sections FAIL.
+
+The GPU sections themselves (compile, the full-size model, host syncs) run only on a GPU: these
+tests make sure the suite's own code is sound before a GPU's time is spent on it.
+"""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from xdit_backend import attention
+from xdit_backend.selftest import runner
+
+
+def test_without_cuda_it_skips_and_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runner.run_selftest(tmp_path / "out") == 0
+    said = capsys.readouterr().out
+    assert said.startswith("SKIP  selftest — no CUDA device: torch ") and "--cpu" in said
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "xdit_backend.cli", "selftest", "--cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    results = {r["section"]: r for r in json.loads((tmp_path / "selftest.json").read_text())}
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert list(results) == list(runner.NAMES)
+    skipped = {name for name, r in results.items() if r["verdict"] == "SKIP"}
+    assert skipped == {"syncs", "compile", "full-size"}, {n: results[n]["reason"] for n in skipped}
+    assert all(r["verdict"] == "PASS" for name, r in results.items() if name not in skipped)
+    assert results["families"]["figures"]["wan-tiny_weights_max_diff"] == 0.0
+    assert results["fault"]["figures"]["error_kind"] == "model_error"
+    for name in runner.NAMES:
+        assert f"  {name}" in done.stdout  # one line per section
+
+
+def test_a_kernel_with_a_wrong_log_sum_exp_fails_the_kernel_sections(tmp_path, monkeypatch, capsys):
+    right = attention.local_attention
+
+    def shifted(device):
+        kernel = right(device)
+        return lambda q, k, v, **kw: (lambda out, lse: (out, lse + 0.5))(*kernel(q, k, v, **kw))
+
+    monkeypatch.setattr(attention, "local_attention", shifted)
+    assert runner.run_selftest(tmp_path, ("attention", "ring"), cpu=True) == 1
+    results = {r["section"]: r for r in json.loads((tmp_path / "selftest.json").read_text())}
+    assert results["attention"]["verdict"] == "FAIL" and "lse" in results["attention"]["reason"]
+    assert results["ring"]["verdict"] == "FAIL"  # yunchang's merge weighs the chunks by the wrong LSE
+    assert "FAILED: attention, ring" in capsys.readouterr().out
+
+
+def test_an_unknown_section_is_refused_with_the_list(tmp_path, capsys):
+    assert runner.run_selftest(tmp_path, ("attentoin",), cpu=True) == 2
+    assert "unknown section(s) attentoin; the sections are: environment, attention" in capsys.readouterr().err

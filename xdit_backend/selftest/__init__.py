@@ -1,0 +1,8 @@
+"""``xdit-backend selftest``: the GPU smoke suite, the first command to run on a GPU machine.
+
+runner.py runs the sections in order and prints PASS, FAIL or SKIP for each, with its figures;
+the sections live in kernels.py (environment, attention, a ring on one GPU), models.py (families,
+samplers, LoRA, host syncs), service.py (a world-1 backend, an injected fault, the demo) and
+scale.py (torch.compile, the full-size Flux.1-dev architecture). Without CUDA the suite skips and
+says why; ``--cpu`` runs what can run on the CPU, a dry run of the suite's own code (the tests do).
+"""

@@ -1,0 +1,139 @@
+"""The selftest's model sections: every family and every sampler on the device against the CPU,
+host synchronisations in the step loop, and a LoRA merged on the device.
+
+The reference is always the CPU in float32. On the device, float32 runs with TF32 off (cuDNN's
+convolutions use it by default: the patch embeddings would differ by ~1e-3) and must agree to
+1e-4; bf16 is reported, not held to a bound.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..models import registry
+from ..models.lora import LoraSpec
+from ..parallel.denoiser import Denoiser
+from ..protocol import Message
+from ..request import SampleRequest
+from ..sampling.generate import generate
+from ..sampling.samplers import SAMPLERS
+from .runner import Checks, Context, Skip
+
+FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny")
+FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
+SAMPLER_TOLERANCE = 1e-3
+
+
+def fields(name: str, ctx: Context, **more) -> dict:
+    size = 64 if ctx.quick else 128
+    video = {"frames": 5} if registry.spec(name).video else {}
+    return {"model": name, "width": size, "height": size, "steps": 4, "seed": 5, "cfg": 3.5, **video, **more}
+
+
+def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dict, loras=()) -> torch.Tensor:
+    """One generation of a built-in model in this process: the latent, float32, on the CPU."""
+    request = SampleRequest.parse(Message("sample", request_fields))
+    model = registry.build(name, device, dtype, loras)
+    positive, negative = registry.random_conditioning(name, request.batch, request.seed, model.spec)
+    with torch.no_grad():
+        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+
+
+@contextmanager
+def exact_float32():
+    """TF32 off for matmuls and cuDNN convolutions, restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a − b| / max(1, max |b|), relative L2) of two latents."""
+    scaled = ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item()
+    return scaled, ((a - b).norm() / b.norm()).item()
+
+
+def _state_difference(name: str, device: torch.device) -> float:
+    """max |w_device − w_cpu| over every weight of a built-in drawn on each device (0: one model)."""
+    cpu = registry.build(name, torch.device("cpu")).transformer.state_dict()
+    other = registry.build(name, device).transformer.state_dict()
+    return max((other[key].cpu().float() - value.float()).abs().max().item() for key, value in cpu.items())
+
+
+def families(ctx: Context, checks: Checks) -> None:
+    for name in FAMILIES:
+        request = fields(name, ctx)
+        reference = run(name, torch.device("cpu"), torch.float32, request)
+        weights = _state_difference(name, ctx.device)
+        with exact_float32():
+            scaled, _ = distance(run(name, ctx.device, torch.float32, request), reference)
+        _, half_rel = distance(run(name, ctx.device, torch.bfloat16, request), reference)
+        checks.record(**{f"{name}_weights_max_diff": weights, f"{name}_fp32_max": scaled, f"{name}_bf16_rel": half_rel})
+        checks.expect(weights == 0.0, f"{name}: the built-in drawn on {ctx.device} differs from the CPU's "
+                                      f"(max {weights:.2e}): not one model")
+        checks.expect(scaled <= FLOAT32_TOLERANCE, f"{name}: float32 {scaled:.2e} from the CPU (≤ {FLOAT32_TOLERANCE:g})")
+        checks.expect(half_rel == half_rel and half_rel < 0.2, f"{name}: bf16 relative error {half_rel:.3g}")
+
+
+def samplers(ctx: Context, checks: Checks) -> None:
+    with exact_float32():
+        for sampler in SAMPLERS:
+            request = fields("flux-tiny", ctx, sampler=sampler)
+            reference = run("flux-tiny", torch.device("cpu"), torch.float32, request)
+            scaled, _ = distance(run("flux-tiny", ctx.device, torch.float32, request), reference)
+            checks.record(**{sampler: scaled})
+            checks.expect(scaled <= SAMPLER_TOLERANCE, f"{sampler}: {scaled:.2e} from the CPU (≤ {SAMPLER_TOLERANCE:g})")
+
+
+def syncs(ctx: Context, checks: Checks) -> None:
+    """Host synchronisations per step (torch.cuda.set_sync_debug_mode): a generation of 2 and of 6
+    steps; their difference over 4 is what each step costs. The goal is 0: the CPU runs ahead."""
+    if ctx.device.type != "cuda":
+        raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/test_sync_audit.py counts them on the CPU)")
+    for name in ("flux-tiny", "pixart-tiny"):
+        counts = []
+        for steps in (2, 6):
+            request = fields(name, ctx, steps=steps)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run(name, ctx.device, torch.bfloat16, request)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        per_step = (counts[1] - counts[0]) / 4
+        checks.record(**{f"{name}_syncs_per_step": per_step, f"{name}_syncs_2_steps": counts[0]})
+        checks.expect(per_step == 0, f"{name}: {per_step:g} host synchronisations per step")
+
+
+def lora(ctx: Context, checks: Checks) -> None:
+    """A two-module PEFT LoRA merged into flux-tiny built on the device equals the CPU's merge."""
+    g = torch.Generator().manual_seed(11)
+    width, rank = registry.build("flux-tiny", torch.device("cpu")).transformer.inner_dim, 2
+    tensors = {f"transformer.transformer_blocks.0.attn.{name}.lora_{side}.weight":
+               torch.randn(*((rank, width) if side == "A" else (width, rank)), generator=g)
+               for name in ("to_q", "to_k") for side in ("A", "B")}
+    with tempfile.TemporaryDirectory(prefix="xdit-selftest-") as tmp:
+        path = Path(tmp) / "lora.safetensors"
+        save_file(tensors, str(path))
+        spec = [LoraSpec(str(path), 0.8)]
+        cpu = registry.build("flux-tiny", torch.device("cpu"), loras=spec)
+        other = registry.build("flux-tiny", ctx.device, loras=spec)
+    touched = [key for key in cpu.transformer.state_dict() if ".0.attn.to_q." in key or ".0.attn.to_k." in key]
+    mine = other.transformer.state_dict()
+    worst = max((mine[k].cpu() - v).abs().max().item() for k, v in cpu.transformer.state_dict().items())
+    base = registry.build("flux-tiny", torch.device("cpu")).transformer.state_dict()
+    changed = sum(not torch.equal(base[k], cpu.transformer.state_dict()[k]) for k in touched)
+    checks.record(max_diff=worst, modules_changed=changed, reports=len(other.lora_reports))
+    checks.expect(changed == 2, f"the LoRA changed {changed} of its 2 modules' weights")
+    checks.expect(worst <= 1e-5, f"merged on {ctx.device}: {worst:.2e} from the CPU's merge (≤ 1e-5)")

@@ -1,0 +1,133 @@
+"""The selftest's sections at scale: torch.compile on the device, and the full-size Flux.1-dev
+architecture (random weights) at 1024² and 2048²: the backend's step against a plain diffusers loop,
+peak memory, and the compute one rank does on a 1/P share of the tokens (what ``bench scaling`` needs)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._dynamo.utils import counters
+
+from .. import attention
+from ..compile import compile_blocks
+from ..models import flux, registry
+from ..overhead import StepClock, measure_overhead
+from ..parallel.denoiser import Denoiser
+from ..protocol import Message
+from ..request import SampleRequest
+from ..sampling.generate import generate
+from .models import distance
+from .runner import Checks, Context, Skip
+
+SIZES = ((1024, 6), (2048, 4))  # (side, steps): the step-time budget's two sizes
+SHARDS = (1, 2, 4, 8)  # sequence-parallel degrees whose per-rank compute is measured
+
+
+def _timed_generation(model, request_fields: dict) -> tuple[torch.Tensor, float]:
+    request = SampleRequest.parse(Message("sample", request_fields))
+    positive, negative = registry.random_conditioning(model.name, request.batch, request.seed, model.spec)
+    started = time.perf_counter()
+    with torch.no_grad():
+        latent = generate(Denoiser(model), request.generation(model.spec, positive, negative))  # ends on the CPU
+    return latent, time.perf_counter() - started
+
+
+def compiled(ctx: Context, checks: Checks) -> None:
+    """flux-tiny in bf16, eager then compiled: a first request (compiles), the same again and a new
+    resolution (neither may compile again), the compiled latent against the eager one."""
+    if ctx.device.type != "cuda":
+        raise Skip("Inductor on the CPU takes minutes here; tests/test_compile.py covers compile on the CPU")
+    request = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 8, "seed": 4, "cfg": 3.5}
+    model = registry.build("flux-tiny", ctx.device, torch.bfloat16)
+    _timed_generation(model, request)  # warm-up: kernels loaded, allocator primed
+    eager, eager_s = _timed_generation(model, request)
+    compile_blocks(model)
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    before = graphs()
+    first, first_s = _timed_generation(model, request)
+    after_first = graphs()
+    again, again_s = _timed_generation(model, request)
+    after_again = graphs()
+    _timed_generation(model, {**request, "width": 768, "height": 640})
+    after_resize = graphs()
+    _, rel = distance(again, eager)
+    checks.record(eager_s=eager_s, first_compiled_s=first_s, compiled_s=again_s, speedup=eager_s / again_s,
+                  graphs_first=after_first - before, graphs_same_again=after_again - after_first,
+                  graphs_new_resolution=after_resize - after_again, compiled_vs_eager_rel=rel)
+    checks.expect(after_again == after_first, f"the same request compiled {after_again - after_first} more graphs")
+    checks.expect(after_resize == after_again, f"a new resolution compiled {after_resize - after_again} more graphs")
+    checks.expect(rel < 2e-2, f"compiled vs eager (bf16): relative {rel:.2e}")
+    checks.expect(bool(torch.isfinite(first).all()), "the first compiled latent is not finite")
+
+
+def _forward_seconds(model, image_rows: int, width_tokens: int, text: int, repeats: int = 3) -> float:
+    """One transformer forward on ``image_rows``×``width_tokens`` image tokens and ``text`` text tokens."""
+    device, dtype = model.device, model.dtype
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, image_rows * width_tokens, 64, generator=g).to(device, dtype),
+                  encoder_hidden_states=torch.randn(1, text, 4096, generator=g).to(device, dtype),
+                  pooled_projections=torch.randn(1, 768, generator=g).to(device, dtype),
+                  timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
+                  img_ids=flux.image_ids(2 * image_rows, 2 * width_tokens).to(device),
+                  txt_ids=torch.zeros(text, 3, device=device), return_dict=False)
+    clock = StepClock(device)
+    with torch.no_grad():
+        model.transformer(**inputs)
+        clock.mark()
+        for _ in range(repeats):
+            model.transformer(**inputs)
+            clock.mark()
+    steps = clock.steps()
+    return sorted(steps)[len(steps) // 2]
+
+
+def _attention_seconds(device, dtype, queries: int, keys: int, repeats: int = 5) -> float:
+    """Our attention kernel, Flux's 24 heads of 128, ``queries`` against ``keys``."""
+    kernel = attention.local_attention(device)
+    q, k, v = (torch.randn(1, s, 24, 128, device=device, dtype=dtype) for s in (queries, keys, keys))
+    clock = StepClock(device)
+    kernel(q, k, v)
+    clock.mark()
+    for _ in range(repeats):
+        kernel(q, k, v)
+        clock.mark()
+    steps = clock.steps()
+    return sorted(steps)[len(steps) // 2]
+
+
+def shard_compute(model, side: int = 1024, text: int = 512, layers: int = 57) -> dict[int, float]:
+    """Seconds of compute one sequence rank does per step at degree P, from measured parts: a forward
+    over its (image + text)/P tokens (its linear layers' exact work), plus, per attention layer, the
+    difference between attending those queries to all keys (what Ulysses and Ring do) and to its own."""
+    rows, cols = side // 16, side // 16
+    total = rows * cols + text
+    shares = {}
+    for p in SHARDS:
+        forward = _forward_seconds(model, rows // p, cols, text // p)
+        mine = total // p
+        extra = _attention_seconds(model.device, model.dtype, mine, total) - \
+            _attention_seconds(model.device, model.dtype, mine, mine)
+        shares[p] = forward + layers * extra
+    return shares
+
+
+def full_size(ctx: Context, checks: Checks) -> None:
+    if ctx.device.type != "cuda":
+        raise Skip("the full-size Flux.1-dev architecture needs a GPU (22 GiB of bf16 weights)")
+    started = time.perf_counter()
+    model = registry.build("flux-dev-random", ctx.device, torch.bfloat16)
+    checks.record(build_s=time.perf_counter() - started,
+                  weights_gib=sum(p.numel() * p.element_size() for p in model.transformer.parameters()) / 2**30)
+    shards = shard_compute(model)
+    checks.record(shard_compute_s={str(p): t for p, t in shards.items()},
+                  **{f"compute_1_of_{p}_ms": t * 1e3 for p, t in shards.items()})
+    del model
+    torch.cuda.empty_cache()
+    for side, steps in SIZES:
+        m = measure_overhead("flux-dev-random", "cuda", "bfloat16", side, side, steps, repeats=2)
+        checks.record(**{f"{side}_plain_step_ms": m["plain_step_s"] * 1e3, f"{side}_backend_step_ms":
+                         m["backend_step_s"] * 1e3, f"{side}_overhead_pct": m["overhead"] * 100,
+                         f"{side}_peak_gib": m["backend_peak_memory_bytes"] / 2**30, f"overhead_{side}": m})
+        checks.expect(m["overhead"] <= 0.03, f"{side}²: the backend's step is {m['overhead'] * 100:+.1f} % "
+                                             "over the plain loop (budget ≤ 3 %)")

@@ -1,0 +1,90 @@
+"""The selftest's backend sections: a world-1 backend on the device (its start on NCCL with the gloo
+control group beside it, a profiled request, memory before and after ``unload``), the same with an
+injected model fault (the request fails, the backend keeps serving), and the demo."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .. import launcher
+from ..client import BackendError, Client
+from ..demo import run_demo
+from ..executor import FAULT_ENV
+from ..launch_options import LaunchOptions
+from .runner import Checks, Context
+
+REQUEST = {"model": "flux-tiny", "steps": 4, "seed": 2, "cfg": 3.5}
+
+
+@contextmanager
+def world_one(ctx: Context, **environment):
+    """A started one-rank backend on the selftest's device, stopped after; ``environment`` for its ranks."""
+    saved = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
+    try:
+        with tempfile.TemporaryDirectory(prefix="xdit-selftest-") as tmp:
+            options = LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=1, device=ctx.device.type,
+                                    collective_timeout=60.0)
+            status = launcher.start(options)
+            try:
+                yield Client(options.socket), status
+            finally:
+                launcher.stop(options.socket)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _free_bytes(ctx: Context) -> int | None:
+    return torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else None
+
+
+def backend(ctx: Context, checks: Checks) -> None:
+    size = 128 if ctx.quick else 512
+    with world_one(ctx) as (client, status):
+        checks.record(rank=status["ranks"][0],
+                      attention_kernel=status.get("attention_kernel"), topology=status.get("topology"))
+        free_before = _free_bytes(ctx)
+        _, info = client.sample({**REQUEST, "width": size, "height": size, "profile": True})
+        record = info["profile"][0]
+        steps = record["step_s"][1:]
+        checks.record(step_ms_median=1e3 * sorted(steps)[len(steps) // 2], peak_memory_mib=record["peak_memory_bytes"] / 2**20,
+                      memory_kind=record["memory_kind"], layout=str(info.get("layout")))
+        checks.expect(len(record["step_s"]) == REQUEST["steps"], f"{len(record['step_s'])} step times for {REQUEST['steps']} steps")
+        loaded = _free_bytes(ctx)
+        unloaded = client.unload()
+        freed = _free_bytes(ctx)
+        checks.expect(bool(unloaded), "unload reported no model")
+        if free_before is not None:
+            held, released = free_before - loaded, freed - loaded
+            checks.record(model_and_cache_mib=held / 2**20, freed_by_unload_mib=released / 2**20)
+            checks.expect(released >= 0.5 * held, f"unload released {released / 2**20:.0f} MiB of the "
+                                                   f"{held / 2**20:.0f} MiB the request took")
+
+
+def fault(ctx: Context, checks: Checks) -> None:
+    """XDIT_TEST_FAULT=0:3: the first request fails with model_error at its 3rd model call, the same
+    backend serves the next one (world 1: the NCCL error agreement between ranks needs two GPUs)."""
+    with world_one(ctx, **{FAULT_ENV: "0:3"}) as (client, _):
+        try:
+            client.sample({**REQUEST, "width": 128, "height": 128})
+            checks.expect(False, "the request with the injected fault did not fail")
+        except BackendError as exc:
+            checks.record(error_kind=exc.kind, error=exc.message[:200])
+            checks.expect(exc.kind == "model_error", f"failed with {exc.kind}, not model_error")
+        result, _ = client.sample({**REQUEST, "width": 128, "height": 128})
+        checks.expect(bool(torch.isfinite(result["samples"]).all()), "the request after the fault is not finite")
+
+
+def demo(ctx: Context, checks: Checks) -> None:
+    code = run_demo(steps=2, size=128 if ctx.quick else 256, nproc=1)  # its backend takes the GPU when there is one
+    checks.record(exit_code=code)
+    checks.expect(code == 0, f"xdit-backend demo exited {code}")
