@@ -75,6 +75,9 @@ def _dtypes(ctx) -> tuple[torch.dtype, ...]:
 
 def attention_kernels(ctx: Context, checks: Checks) -> None:
     kernel = attention.local_attention(ctx.device)
+    facts = attention.device_facts(ctx.device)
+    checks.record(device_facts=facts.describe(), **{
+        f"kernel_{str(dtype)[6:]}": attention.choose_kernel(facts, dtype, 128) for dtype in _dtypes(ctx)})
     shapes = ((77, 300),) if ctx.quick else SHAPES
     worst: dict[str, list[float]] = {}
     for dtype in _dtypes(ctx):

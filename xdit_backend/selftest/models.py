@@ -9,7 +9,6 @@ convolutions use it by default: the patch embeddings would differ by ~1e-3) and 
 from __future__ import annotations
 
 import tempfile
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ..protocol import Message
 from ..request import SampleRequest
 from ..sampling.generate import generate
 from ..sampling.samplers import SAMPLERS
+from ..sync_audit import count_syncs
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny")
@@ -36,13 +36,14 @@ def fields(name: str, ctx: Context, **more) -> dict:
     return {"model": name, "width": size, "height": size, "steps": 4, "seed": 5, "cfg": 3.5, **video, **more}
 
 
-def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dict, loras=()) -> torch.Tensor:
+def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dict, loras=(),
+        after_step=lambda done, steps: True) -> torch.Tensor:
     """One generation of a built-in model in this process: the latent, float32, on the CPU."""
     request = SampleRequest.parse(Message("sample", request_fields))
     model = registry.build(name, device, dtype, loras)
     positive, negative = registry.random_conditioning(name, request.batch, request.seed, model.spec)
     with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+        return generate(Denoiser(model), request.generation(model.spec, positive, negative), after_step)
 
 
 @contextmanager
@@ -95,25 +96,21 @@ def samplers(ctx: Context, checks: Checks) -> None:
 
 
 def syncs(ctx: Context, checks: Checks) -> None:
-    """Host synchronisations per step (torch.cuda.set_sync_debug_mode): a generation of 2 and of 6
-    steps; their difference over 4 is what each step costs. The goal is 0: the CPU runs ahead."""
+    """Host synchronisations per step (sync_audit.py: torch.cuda.set_sync_debug_mode on CUDA) in a
+    6-step bf16 generation with every sampler's branches; the first step holds the generation's
+    one-off copies, every later one should have none: the CPU runs ahead of the GPU."""
     if ctx.device.type != "cuda":
-        raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/test_sync_audit.py counts them on the CPU)")
-    for name in ("flux-tiny", "pixart-tiny"):
-        counts = []
-        for steps in (2, 6):
-            request = fields(name, ctx, steps=steps)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    run(name, ctx.device, torch.bfloat16, request)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            counts.append(sum("synchroniz" in str(w.message) for w in caught))
-        per_step = (counts[1] - counts[0]) / 4
-        checks.record(**{f"{name}_syncs_per_step": per_step, f"{name}_syncs_2_steps": counts[0]})
-        checks.expect(per_step == 0, f"{name}: {per_step:g} host synchronisations per step")
+        raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/test_host_syncs.py counts them "
+                   "on the meta device)")
+    for name, sampler in (("flux-tiny", "euler"), ("pixart-tiny", "euler"), ("flux-tiny", "uni_pc"),
+                          ("flux-tiny", "euler_ancestral"), ("wan-tiny", "dpmpp_2m")):
+        with count_syncs(ctx.device) as counted:
+            run(name, ctx.device, torch.bfloat16, fields(name, ctx, steps=6, sampler=sampler),
+                after_step=counted.after_step)
+        later = sum(counted.per_step[1:])
+        checks.record(**{f"{name}_{sampler}_per_step": counted.per_step, f"{name}_{sampler}_total": counted.total})
+        checks.expect(later == 0, f"{name} {sampler}: {later} host synchronisations in steps 2–6 "
+                                  f"(per step: {counted.per_step})")
 
 
 def lora(ctx: Context, checks: Checks) -> None:
