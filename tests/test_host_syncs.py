@@ -1,9 +1,10 @@
 """The step loop never makes the host wait for the device: counted with sync_audit on the CPU, where
 the model runs on the ``meta`` device in place of an accelerator. Conditioning, σ tables and the
 per-step noise reach the device without a per-call copy; the samplers branch on host σ; the
-ancestral noise is the CPU generator's whatever the device."""
+ancestral noise is the device generator's, as ComfyUI's, or the CPU's when the ranks' GPUs differ."""
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,7 +47,9 @@ def generation(name: str, model, sampler: str):
     request = SampleRequest.parse(Message("sample", {"model": builtin, **SIZES[builtin], "steps": STEPS, "seed": 7,
                                                      "cfg": 3.5, "sampler": sampler}, {}))
     positive, negative = registry.random_conditioning(builtin, request.batch, request.seed, model.spec)
-    return request.generation(model.spec, positive, negative)
+    # meta has no random generator: its ancestral noise is the CPU's, copied over (the path ranks on
+    # different GPU models take); a GPU's own draw has no copy at all
+    return replace(request.generation(model.spec, positive, negative), cpu_noise=True)
 
 
 def syncs_per_step(name: str, sampler: str) -> list[int]:
@@ -94,9 +97,10 @@ def test_the_audit_counts_what_it_says():
     assert [getattr(torch.Tensor, name) for name in patched] + [torch.tensor, torch.as_tensor] == before
 
 
-def test_ancestral_noise_is_the_cpu_generator_s_on_any_device(monkeypatch):
-    """A rank on any device adds its rows of the CPU generator's draws (not its own device's
-    generator, whose numbers differ between GPU models), copied to its device."""
+def test_ancestral_noise_is_the_cpu_generator_s_when_the_ranks_gpus_differ(monkeypatch):
+    """With ``cpu_generator`` (ranks on different GPU models), a rank on any device adds its rows of
+    the CPU generator's draws, copied to its device without a sync, not its own device's generator,
+    whose numbers differ between GPU models."""
     shape, seed, rows = (3, 2, 4, 4), 5, slice(1, 3)
     copied = []
 
@@ -105,13 +109,36 @@ def test_ancestral_noise_is_the_cpu_generator_s_on_any_device(monkeypatch):
         return tensor.to(device)
 
     monkeypatch.setattr(noise_module, "to_device", record)
-    draw = StepNoise(shape, seed, rows, device="meta").default()
+    draw = StepNoise(shape, seed, rows, device="meta", cpu_generator=True).default()
     sigma, sigma_next = torch.tensor(0.8), torch.tensor(0.5)
     landed = [draw(sigma, sigma_next) for _ in range(2)]
     generator = torch.Generator().manual_seed(seed)
     expected = [torch.randn(shape, generator=generator)[rows] for _ in range(2)]
     assert all(t.device.type == "meta" and t.shape == (2, 2, 4, 4) for t in landed)
     assert len(copied) == 2 and all(torch.equal(c, e) for c, e in zip(copied, expected))
+
+
+def test_by_default_ancestral_noise_is_drawn_on_the_latent_s_device_as_comfyui_draws_it(monkeypatch):
+    """ComfyUI's default_noise_sampler seeds a generator on the latent's device and draws there: so
+    does StepNoise unless told otherwise (no GPU here: the generator and the draw are recorded)."""
+    asked = []
+
+    class Generator:
+        def __init__(self, device="cpu"):
+            asked.append(("generator", torch.device(device)))
+
+        def manual_seed(self, seed):
+            return self
+
+    def randn(shape, dtype=None, generator=None, device=None):
+        asked.append(("randn", torch.device(device)))
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(torch, "Generator", Generator)
+    monkeypatch.setattr(torch, "randn", randn)
+    monkeypatch.setattr(noise_module, "to_device", lambda tensor, device: tensor)
+    StepNoise((1, 2, 4, 4), 5, device="cuda:1").default()(torch.tensor(0.8), torch.tensor(0.5))
+    assert asked == [("generator", torch.device("cuda:1")), ("randn", torch.device("cuda:1"))]
 
 
 def test_brownian_noise_lands_on_the_latent_s_device():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ class Executor:
         """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
         layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
         spec = registry.spec(request.model)
-        gen = request.generation(spec, *request.conditioning(spec))
+        gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         if layout is None or layout.config.pipefusion == 1:
             self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
             _inject_fault(self.computing, self.rt.rank)

@@ -35,6 +35,7 @@ class Runtime:
     started: float
     timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
     topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
+    mixed_gpus: bool = False  # the ranks hold different GPU models: ancestral noise from the CPU (noise.StepNoise)
 
 
 def start_runtime(options: LaunchOptions) -> Runtime:

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchOptions:
 def run(options: LaunchOptions) -> None:
     rt = start_runtime(options)
     ranks = gather_json(describe_rank(rt), rt.control)  # also proves every rank is up
+    rt = replace(rt, mixed_gpus=len({r["device_name"] for r in ranks}) > 1)
     if rt.rank != 0:
         try:
             follow(rt)

@@ -31,6 +31,7 @@ class Generation:
     negative: dict[str, torch.Tensor] | None
     add_noise: bool = True
     sampler: str = "euler"  # samplers.SAMPLERS
+    cpu_noise: bool = False  # ancestral noise from the CPU generator (the ranks' GPUs differ: noise.StepNoise)
 
     @property
     def steps(self) -> int:
@@ -84,7 +85,7 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     x = gen.sampling.noise_scaling(gen.sigmas[0], noise, latent)
     # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it), this
     # rank's rows kept and sent to its device
-    step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device)
+    step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device, cpu_generator=gen.cpu_noise)
     return Start(x, gen.sigmas, positive, negative, step_noise)
 
 

@@ -1,7 +1,7 @@
 """Host values onto the device without making the host wait for it.
 
 The sampler loop computes on the host what depends on σ alone (the sigmas are host values), and
-the per-step noise is drawn with the CPU generator. What of that must reach the device each step
+the per-step noise may be drawn with the CPU generator (noise.StepNoise). What of that must reach the device each step
 (noise, uni_pc's solved coefficients) goes through ``to_device``: a blocking host→device copy
 (``t.to("cuda")``) synchronises the stream, so the CPU stops queueing kernels until the GPU has run
 out of work. A copy from pinned (page-locked) memory with ``non_blocking=True`` is queued on the

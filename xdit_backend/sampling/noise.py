@@ -26,29 +26,29 @@ class StepNoise:
     and cut to this rank's ``rows``, so every rank adds exactly its rows of ComfyUI's draw.
 
     ``default()`` is ComfyUI's default_noise_sampler: a generator seeded with the sample's seed, one
-    ``randn(whole shape)`` per call. ComfyUI seeds it on the latent's device; here it is always the
-    CPU generator, and each draw is copied to ``device`` (the latent's) without a host sync
-    (host_copy.py). A CUDA generator's numbers for one seed depend on the GPU model (its launch
-    grid follows the SM count), so on a machine with mixed GPUs the ranks would add different noise
-    to what must be one latent; the CPU's are the same everywhere. The cost is a CPU ``randn`` of
-    the latent per step (1 MB for Flux at 1024²), overlapped with the GPU's work. So an ancestral
-    sampler here matches ComfyUI run with --cpu (the tests) bit for bit, and ComfyUI on a GPU only
-    in its initial noise (which ComfyUI draws on the CPU too). ``brownian()`` is
-    BrownianTreeNoiseSampler as dpmpp_2m_sde builds it: on the CPU as well (ComfyUI's cpu=True).
-    Each call of these returns a fresh sampler, as each ComfyUI sampler call builds its own.
+    ``randn(whole shape)`` per call, on the latent's device, as ComfyUI draws it, so an ancestral
+    sampler on a GPU adds the noise KSampler adds on that GPU. With ``cpu_generator`` the draws are
+    the CPU generator's instead, copied to ``device`` without a host sync (host_copy.py): a CUDA
+    generator's numbers for one seed depend on the GPU model (its launch grid follows the SM count),
+    so when the backend's ranks hold different GPU models (``Runtime.mixed_gpus``) they would add
+    different noise to what must be one latent; the CPU's numbers are the same everywhere.
+    ``brownian()`` is BrownianTreeNoiseSampler as dpmpp_2m_sde builds it: on the CPU (ComfyUI's
+    cpu=True). Each call of these returns a fresh sampler, as each ComfyUI sampler call builds its own.
     """
 
     shape: tuple[int, ...]  # the whole batch's latent shape [B, C, ...]
     seed: int
     rows: slice = field(default_factory=lambda: slice(None))  # this rank's batch rows
-    device: str | torch.device = "cpu"  # where the draws go (the latent's device); they are made on the CPU
+    device: str | torch.device = "cpu"  # where the draws go (the latent's device)
     dtype: torch.dtype = torch.float32
+    cpu_generator: bool = False  # draw with the CPU generator (ranks on different GPU models), not the device's
 
     def default(self) -> NoiseFn:
-        generator = torch.Generator().manual_seed(self.seed)
+        where = torch.device("cpu") if self.cpu_generator else torch.device(self.device)
+        generator = torch.Generator(device=where).manual_seed(self.seed)
 
         def draw(sigma, sigma_next):
-            whole = torch.randn(self.shape, dtype=self.dtype, generator=generator)  # [B, C, ...] on the CPU
+            whole = torch.randn(self.shape, dtype=self.dtype, generator=generator, device=where)  # [B, C, ...]
             return to_device(whole[self.rows], self.device)
 
         return draw
