@@ -1,6 +1,6 @@
 """Building models for a device: a built-in is the same model on every device and in every
-PipeFusion stage (drawn on the CPU, module by module), and files are read one tensor at a time
-onto the device.
+PipeFusion stage (drawn on the CPU, module by module), files are read one tensor at a time onto the
+device, and half-precision models keep the modules diffusers keeps in float32.
 
 There is no GPU here: a build for ``cuda:0`` runs under FakeTensorMode, which gives tensors a CUDA
 device without allocating anything and raises the same device-mismatch errors CUDA does."""
@@ -76,6 +76,21 @@ def test_a_pipefusion_stage_of_a_builtin_is_the_whole_models_blocks(name):
     in_blocks = {f"{list_name}." for list_name in plan.block_lists}
     outside = {k: v for k, v in whole.state_dict().items() if not any(k.startswith(p) for p in in_blocks)}
     assert all(torch.equal(stage.state_dict()[k], v) for k, v in outside.items())
+
+
+def test_a_half_precision_wan_keeps_diffusers_float32_modules():
+    """diffusers' WanTransformer3DModel._keep_in_fp32_modules (time embedder, modulation tables, norms,
+    RoPE) stay float32 in a bfloat16 model, as from_pretrained keeps them; everything else is bf16."""
+    transformer = registry.build("wan-tiny", torch.device("cpu"), torch.bfloat16).transformer
+    dtypes = {k: v.dtype for k, v in transformer.state_dict().items()}
+    for key in ("scale_shift_table", "blocks.0.scale_shift_table", "blocks.0.norm2.weight",
+                "condition_embedder.time_embedder.linear_1.weight"):
+        assert dtypes[key] == torch.float32, key
+    for key in ("blocks.0.attn1.to_q.weight", "blocks.0.ffn.net.0.proj.weight", "proj_out.weight",
+                "condition_embedder.time_proj.weight", "patch_embedding.weight"):
+        assert dtypes[key] == torch.bfloat16, key
+    assert transformer.rope.freqs_cos.dtype == torch.float32  # a computed table: never rounded
+    assert transformer.dtype == torch.bfloat16  # what the model computes in (diffusers skips the float32 ones)
 
 
 def test_a_file_is_read_one_tensor_at_a_time(tmp_path, monkeypatch):

@@ -132,6 +132,21 @@ def test_a_folder_loads_what_diffusers_loads_without_a_random_init(tiny, tmp_pat
     assert sum(inits) >= sum(p.numel() for p in tiny.transformer.parameters()) // 2  # the count sees diffusers' init
 
 
+def test_a_wan_folder_loads_with_its_float32_modules(tmp_path):
+    """diffusers' from_pretrained refuses Wan without accelerate (its _keep_in_fp32_modules needs
+    low_cpu_mem_usage); ours loads it, keeping those modules float32 by diffusers' own rule."""
+    from diffusers import WanTransformer3DModel
+
+    wan = registry.build("wan-tiny", torch.device("cpu")).transformer
+    wan.save_pretrained(tmp_path / "wan")
+    loaded = registry.build(str(tmp_path / "wan"), torch.device("cpu"), torch.bfloat16).transformer
+    kept = WanTransformer3DModel._keep_in_fp32_modules
+    for key, value in loaded.state_dict().items():
+        float32 = any(module in key.split(".") for module in kept)  # diffusers' load_model_dict_into_meta rule
+        assert value.dtype == (torch.float32 if float32 else torch.bfloat16), key
+        assert torch.equal(value, wan.state_dict()[key].to(value.dtype)), key
+
+
 def test_a_folder_without_safetensors_weights_says_what_it_found(tiny, tmp_path):
     folder = tmp_path / "flux"
     tiny.transformer.save_pretrained(folder)

@@ -16,8 +16,10 @@ precision is the same model rounded. Parameters of modules that cannot redraw th
 constructor drew on the CPU from the built-in's seed: small tables, and the whole model is always
 constructed (a stage is pruned afterwards), so a stage's values are the whole model's.
 
-dtypes: floating tensors take the compute dtype. Buffers the constructor computes and no file holds
-(RoPE tables, PixArt's position embedding) keep the dtype it gave them; they only move to the device.
+dtypes: floating tensors take the compute dtype, except those under the family's
+``_keep_in_fp32_modules`` (Wan: time embedder, modulation tables, norms), which stay float32 as
+diffusers' ``from_pretrained`` keeps them. Buffers the constructor computes and no file holds (RoPE
+tables, PixArt's position embedding) keep the dtype it gave them; they only move to the device.
 """
 
 from __future__ import annotations
@@ -85,12 +87,13 @@ def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[
     slice of a file, a drawn module), moved to ``device`` and cast there, one key at a time; then
     move the buffers no key covers (computed at construction) to ``device``, in their own dtype."""
     modules = dict(transformer.named_modules())
+    float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
     with torch.no_grad():  # weights, not a computation to differentiate
         for key in keys:
             owner, _, leaf = key.rpartition(".")
             tensor = tensor_of(key).to(device)  # moved first: an fp8 → bf16 cast doubles the size, on the device
             if tensor.is_floating_point():
-                tensor = tensor.to(dtype)
+                tensor = tensor.to(torch.float32 if float32.intersection(key.split(".")) else dtype)
             _replace(modules[owner], leaf, tensor)
         for module in modules.values():
             for name, buffer in module._buffers.items():
