@@ -87,13 +87,13 @@ def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[
     slice of a file, a drawn module), moved to ``device`` and cast there, one key at a time; then
     move the buffers no key covers (computed at construction) to ``device``, in their own dtype."""
     modules = dict(transformer.named_modules())
-    float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
+    kept_float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
     with torch.no_grad():  # weights, not a computation to differentiate
         for key in keys:
             owner, _, leaf = key.rpartition(".")
             tensor = tensor_of(key).to(device)  # moved first: an fp8 → bf16 cast doubles the size, on the device
             if tensor.is_floating_point():
-                tensor = tensor.to(torch.float32 if float32.intersection(key.split(".")) else dtype)
+                tensor = tensor.to(torch.float32 if kept_float32.intersection(key.split(".")) else dtype)
             _replace(modules[owner], leaf, tensor)
         for module in modules.values():
             for name, buffer in module._buffers.items():
