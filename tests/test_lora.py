@@ -134,3 +134,30 @@ def test_a_flux_lora_on_an_sd3_model_is_reported_not_merged(tmp_path, sd3_base):
     assert report["merged_modules"] == 0 and report["unmatched_keys"] == 1
     assert report["unmatched_examples"] == ["lora_unet_double_blocks_0_img_attn_qkv"]
     assert all(torch.equal(model.transformer.state_dict()[k], sd3_base[k]) for k in sd3_base)
+
+
+def test_a_lora_merges_into_weights_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU the LoRA file is read on the CPU and the weights sit on cuda:0: the delta must be
+    computed and added on the weight's device. FakeTensorMode gives the weights a CUDA device with
+    no GPU, and raises the same "found at least two devices, cuda:0 and cpu" error CUDA raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xdit_backend.models import lora
+
+    q_up, q_down = low_rank(WIDTH, WIDTH, 8)
+    k_up, k_down = low_rank(WIDTH, WIDTH, 9)
+    tensors = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": q_down,
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": q_up,
+               "transformer_blocks.1.attn.to_k.lora_A.weight": k_down,
+               "transformer_blocks.1.attn.to_k.lora_B.weight": k_up}
+    path = tmp_path / "gpu.safetensors"
+    save_file(tensors, str(path))
+    files = {str(path): lora.load_file(str(path))}  # read here, as real CPU tensors (the fake mode cannot read files)
+    monkeypatch.setattr(lora, "load_file", files.__getitem__)
+    cuda = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = registry.build("flux-tiny", cuda, torch.bfloat16, loras=[LoraSpec(str(path), 0.8)])
+    assert model.lora_reports[0]["merged_modules"] == 2 and model.lora_reports[0]["unmatched_keys"] == 0
+    merged = [model.transformer.get_parameter(f"transformer_blocks.{key}.weight")
+              for key in ("0.attn.to_q", "1.attn.to_k")]
+    assert all(w.device == cuda and w.dtype == torch.bfloat16 for w in merged)

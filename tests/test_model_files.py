@@ -100,6 +100,63 @@ def test_diffusers_folder_loads(tiny, tmp_path):
     assert (forward(loaded.transformer) - forward(tiny.transformer)).abs().max() <= 1e-5
 
 
+def random_inits(monkeypatch) -> list[int]:
+    """Counts the elements nn.Linear initialises for real (not on the meta device)."""
+    counted, reset = [], torch.nn.Linear.reset_parameters
+
+    def counting(module):
+        if not module.weight.is_meta:
+            counted.append(module.weight.numel())
+        reset(module)
+
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", counting)
+    return counted
+
+
+@pytest.mark.parametrize("shard", [None, "100KB"], ids=["one-file", "sharded"])
+def test_a_folder_loads_what_diffusers_loads_without_a_random_init(tiny, tmp_path, monkeypatch, shard):
+    """The same tensors as diffusers' from_pretrained (bf16), from one file or an index of shards;
+    no weight is randomly initialised first (from_pretrained without accelerate does, in float32)."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tmp_path / "flux"
+    tiny.transformer.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").exists() == bool(shard)
+    expected = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).state_dict()
+    inits = random_inits(monkeypatch)
+    ours = registry.build(str(folder), torch.device("cpu"), torch.bfloat16).transformer.state_dict()
+    assert inits == []
+    assert ours.keys() == expected.keys()
+    assert [k for k in expected if not (ours[k].dtype == expected[k].dtype and torch.equal(ours[k], expected[k]))] == []
+    FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16)
+    assert sum(inits) >= sum(p.numel() for p in tiny.transformer.parameters()) // 2  # the count sees diffusers' init
+
+
+def test_a_wan_folder_loads_with_its_float32_modules(tmp_path):
+    """diffusers' from_pretrained refuses Wan without accelerate (its _keep_in_fp32_modules needs
+    low_cpu_mem_usage); ours loads it, keeping those modules float32 by diffusers' own rule."""
+    from diffusers import WanTransformer3DModel
+
+    wan = registry.build("wan-tiny", torch.device("cpu")).transformer
+    wan.save_pretrained(tmp_path / "wan")
+    loaded = registry.build(str(tmp_path / "wan"), torch.device("cpu"), torch.bfloat16).transformer
+    kept = WanTransformer3DModel._keep_in_fp32_modules
+    for key, value in loaded.state_dict().items():
+        float32 = any(module in key.split(".") for module in kept)  # diffusers' load_model_dict_into_meta rule
+        assert value.dtype == (torch.float32 if float32 else torch.bfloat16), key
+        assert torch.equal(value, wan.state_dict()[key].to(value.dtype)), key
+
+
+def test_a_folder_without_safetensors_weights_says_what_it_found(tiny, tmp_path):
+    folder = tmp_path / "flux"
+    tiny.transformer.save_pretrained(folder)
+    (folder / "diffusion_pytorch_model.safetensors").rename(folder / "diffusion_pytorch_model.bin")
+    with pytest.raises(ModelError) as info:
+        registry.build(str(folder), torch.device("cpu"))
+    assert str(folder) in info.value.message and "diffusion_pytorch_model.bin" in info.value.message
+    assert "pickled .bin weights are not loaded" in info.value.hint
+
+
 def test_schnell_variant_is_inferred_from_the_missing_guidance(tmp_path):
     from diffusers import FluxTransformer2DModel
 

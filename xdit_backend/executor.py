@@ -78,11 +78,10 @@ class Executor:
         key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
                start, end)
         if key not in self.stages:
-            # Built on the CPU (from a file: only this stage's tensors are read), pruned, then
-            # moved: the other stages' weights are never read from disk nor copied to the device.
-            model = registry.build(name, torch.device("cpu"), torch_dtype, loras, blocks=(start, end))
+            # Only this stage's tensors are drawn or read, straight onto the device (the same
+            # values as the whole model's); the other stages' blocks stay on meta and are dropped.
+            model = registry.build(name, self.rt.device, torch_dtype, loras, blocks=(start, end))
             blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
-            model.transformer.to(self.rt.device)
             self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]
 

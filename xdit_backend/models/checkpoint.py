@@ -2,12 +2,14 @@
 
 Each family's converter (``<family>_checkpoint.py``) is a table: for every diffusers parameter,
 the ``Source`` it comes from in the original file. Fused tensors (a qkv projection) give each
-diffusers tensor a band of rows. Tensors are read through memory-mapped slices, so a rank reads
-only the rows of the parameters it keeps, and cast to the compute dtype (float8 files included).
+diffusers tensor a band of rows. Tensors are read through memory-mapped slices, one at a time, so
+a rank reads only the rows of the parameters it keeps; weights.put moves each to the device and
+casts it there (float8 files included).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,20 +55,22 @@ def bands(sizes: list[int]) -> list[tuple[int, int]]:
     return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def read_tensor(handle, source: Source, dtype: torch.dtype) -> torch.Tensor:
-    """One diffusers tensor from an open safetensors file (``safe_open``): only its rows are read."""
-    return source.convert(handle.get_slice(source.key)[source.row_slice]).to(dtype)
+def read_tensor(handle, source: Source) -> torch.Tensor:
+    """One diffusers tensor from an open safetensors file (``safe_open``), on the CPU in the file's
+    dtype: only its rows are read."""
+    return source.convert(handle.get_slice(source.key)[source.row_slice])
 
 
 @contextmanager
-def empty_weights():
+def empty_weights(keep: Callable[[torch.nn.Module], bool] = lambda module: False):
     """Construct a model with its parameters on the meta device (nothing allocated, nothing
     initialised) but its buffers real: the tables a module computes at construction (Wan's
-    RoPE, a fixed position embedding) are not in the file, so they must not be left on meta."""
+    RoPE, a fixed position embedding) are not in the file, so they must not be left on meta.
+    Parameters of the modules ``keep`` accepts stay as their constructor made them."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module, name, param):
-        if param is not None:
+        if param is not None and not keep(module):
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 

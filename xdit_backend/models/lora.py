@@ -5,9 +5,10 @@ Key layouts accepted, as ComfyUI users have them (Flux shown; every family the s
 - ComfyUI: the original names, ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``;
 - kohya (sd-scripts): ``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` / ``lora_up`` / ``alpha``.
 A LoRA on a fused original tensor (qkv, linear1) lands on the diffusers rows it covers, through
-the family's table the checkpoint loader uses (``<family>_checkpoint.sources``). Keys that match
-nothing are reported, never dropped silently. Weights still on the meta device belong to another
-PipeFusion stage: they count as matched and are left to the stage that holds them.
+the family's table the checkpoint loader uses (``<family>_checkpoint.sources``). The file is read
+on the CPU; each module's B·A is computed in float32 on the device of the weight it is added to.
+Keys that match nothing are reported, never dropped silently. Weights still on the meta device
+belong to another PipeFusion stage: they count as matched and are left to the stage that holds them.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def _merge_one(params, by_original, kohya, lora: LoraSpec) -> dict:
             continue
         rank = down.shape[0]
         scale = float(parts["alpha"]) / rank if "alpha" in parts else 1.0
-        delta = (up.float() @ down.float()) * scale * lora.strength  # [out, in] in the target's layout
+        delta = None
         for key, source in targets:
             weight = params[key]
             if weight.is_meta:  # another PipeFusion stage's block
                 continue
+            if delta is None:  # [out, in] in the target's layout, float32, on the weight's device (a GPU's)
+                up, down = up.to(weight.device, torch.float32), down.to(weight.device, torch.float32)
+                delta = (up @ down) * scale * lora.strength
             part = source.select(delta) if source else delta
             if part.shape != weight.shape:
                 unmatched.append(module)

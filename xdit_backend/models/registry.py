@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -14,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, lora, pixart_checkpoint, sd3_checkpoint, wan_checkpoint
-from .checkpoint import empty_weights, read_tensor
+from . import flux_checkpoint, folder, lora, pixart_checkpoint, sd3_checkpoint, wan_checkpoint, weights
+from .checkpoint import read_tensor
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -54,8 +55,9 @@ class ModelError(UserError):
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A tiny random-weight model for demos and tests: built from a config and a fixed seed, so
-    every rank and every process builds bit-identical weights without any file."""
+    """A random-weight model for demos, tests and benchmarks: built from a config and a fixed seed,
+    so every rank and every process builds bit-identical weights without any file, on any device
+    (drawn on the CPU, module by module: weights.py)."""
 
     family: str
     config: dict
@@ -242,11 +244,12 @@ def identity(ref: str) -> tuple[str, int]:
 
 
 def _construct(source: Source):
-    """The family's diffusers transformer for ``source``'s config, parameters on the meta device."""
+    """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
+    built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
     import diffusers
 
-    with empty_weights():
-        return getattr(diffusers, FAMILIES[source.family].diffusers_class)(**source.config)
+    cls = getattr(diffusers, FAMILIES[source.family].diffusers_class)
+    return weights.construct(cls, source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
 
 
 def block_sizes(ref: str) -> list[int]:
@@ -272,25 +275,20 @@ def spec(ref: str):
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
           blocks: tuple[int, int] | None = None):
     """Build or load a model onto ``device`` in ``dtype`` (seeded weights for a built-in, else its
-    file), with ``loras`` (lora.LoraSpec) merged into its weights.
+    file or folder), with ``loras`` (lora.LoraSpec) merged into its weights.
 
-    ``blocks`` = (start, end): a PipeFusion stage. From a single file, only those blocks' tensors
-    (and the embeddings around them) are read; the other blocks stay on the meta device, for the
+    Constructed on the meta device, then each tensor drawn or read, moved and cast on its own
+    (weights.put): the host never holds the whole model, and a built-in is the same model on every
+    device. ``blocks`` = (start, end): a PipeFusion stage; only those blocks' tensors (and the
+    embeddings around them) are drawn or read, the other blocks stay on the meta device for the
     caller to drop (parallel/pipefusion.keep_stage).
     """
-    import diffusers
-
     source = resolve(ref)
     family = FAMILIES[source.family]
-    cls = getattr(diffusers, family.diffusers_class)
-    if source.kind == "builtin":
-        transformer = _seeded(cls, source.config, BUILTINS[ref].seed, device, dtype)
-    elif source.kind == "folder":
-        transformer = cls.from_pretrained(source.ref, torch_dtype=dtype, local_files_only=True).to(device)
-    else:
-        transformer = _load_file(source, dtype, blocks)
-        if blocks is None:  # a stage still holds other stages' blocks on meta: the caller prunes, then moves
-            transformer = transformer.to(device)
+    transformer = _construct(source)
+    keys = _stage_keys(transformer, family, blocks)
+    with _tensors(source, transformer, keys) as tensor_of:
+        weights.put(transformer, keys, tensor_of, device, dtype)
     table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
     try:
         reports = lora.merge(transformer, list(loras), table) if loras else []
@@ -299,14 +297,14 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
     return family.model(transformer, ref, family.spec(source.config), reports)
 
 
-def _seeded(cls, config: dict, seed: int, device: torch.device, dtype: torch.dtype):
-    """A built-in's weights: drawn in float32 from a fixed seed directly on ``device`` (a 12 B-parameter
-    random model never passes through the CPU), then rounded to ``dtype``, so a lower precision is the
-    same model rounded; identical on every rank of a device type."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-        torch.manual_seed(seed)
-        transformer = cls(**config)
-    return transformer if dtype == transformer.dtype else transformer.to(dtype)
+def _stage_keys(transformer, family: Family, blocks: tuple[int, int] | None) -> list[str]:
+    """The state-dict keys to fill: all of them, or a stage's blocks' and those outside every block."""
+    keys = list(transformer.state_dict().keys())
+    if blocks is None:
+        return keys
+    counts = [len(getattr(transformer, name)) for name in family.block_lists]
+    return [k for k in keys if (i := _block_index(k, family.block_lists, counts)) is None
+            or blocks[0] <= i < blocks[1]]
 
 
 def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> int | None:
@@ -318,25 +316,43 @@ def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> i
     return before + int(match.group(2))
 
 
-def _load_file(source: Source, dtype: torch.dtype, blocks: tuple[int, int] | None):
-    """Construct with meta parameters, then take each tensor from the file (memory-mapped, converted);
-    with ``blocks``, only the tensors of those blocks and of the modules outside every block."""
-    family = FAMILIES[source.family]
-    transformer = _construct(source)
-    counts = [len(getattr(transformer, name)) for name in family.block_lists]
-    keys = list(transformer.state_dict().keys())
-    if blocks is not None:
-        keys = [k for k in keys if (i := _block_index(k, family.block_lists, counts)) is None
-                or blocks[0] <= i < blocks[1]]
-    table = family.checkpoint.sources(keys, source.prefix, source.config)
-    try:
-        with safe_open(source.ref, "pt", device="cpu") as handle:
-            weights = {key: read_tensor(handle, src, dtype) for key, src in table.items()}
-    except Exception as exc:
-        raise ModelError(f"{source.ref}: could not read its weights ({exc})",
-                         "the file may be truncated or damaged: re-download it") from None
-    transformer.load_state_dict(weights, strict=blocks is None, assign=True)
-    return transformer
+@contextmanager
+def _tensors(source: Source, transformer, keys: list[str]):
+    """``tensor_of(key)``: a built-in's drawn tensor, or one tensor read from the file or folder (on
+    the CPU, in the stored dtype, memory-mapped), each only when ``weights.put`` asks for it."""
+    if source.kind == "builtin":
+        yield weights.drawn(transformer, BUILTINS[source.ref].seed)
+        return
+
+    def unreadable(exc: Exception) -> ModelError:
+        return ModelError(f"{source.ref}: could not read its weights ({exc})",
+                          "the file may be truncated or damaged: re-download it")
+
+    with ExitStack() as stack:
+        try:
+            read = (folder.reader(source.ref, stack) if source.kind == "folder"
+                    else _file_reader(source, keys, stack))
+        except UserError as exc:
+            raise ModelError(exc.message, exc.hint) from None
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise unreadable(exc) from None
+
+        def tensor_of(key: str) -> torch.Tensor:
+            try:
+                return read(key)
+            except UserError as exc:
+                raise ModelError(exc.message, exc.hint) from None
+            except Exception as exc:  # only the read: a device's out-of-memory is not the file's fault
+                raise unreadable(exc) from None
+
+        yield tensor_of
+
+
+def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
+    """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
+    handle = stack.enter_context(safe_open(source.ref, "pt"))
+    table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
+    return lambda key: read_tensor(handle, table[key])
 
 
 def random_conditioning(name: str, batch: int, seed: int, spec) -> tuple[dict, dict]:

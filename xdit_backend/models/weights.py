@@ -1,0 +1,110 @@
+"""A transformer's weights put on its device one tensor at a time.
+
+The transformer is constructed with its parameters on the meta device (nothing allocated, nothing
+initialised); then each state-dict tensor is drawn (a built-in's seeded random weights) or read (a
+single file, a diffusers folder), moved to the device, cast there, and put in place of its meta
+stand-in. The host holds one tensor at a time (one module's, for drawn weights) and the device one
+copy in the compute dtype: no whole state dict on the CPU, no random float32 initialisation before
+a file's weights replace it. A PipeFusion stage gets only its own blocks' tensors; the others stay
+on meta for the caller to drop.
+
+One generator policy for built-ins: each module's parameters are drawn in float32 on the CPU by its
+own ``reset_parameters``, under the CPU generator seeded from (the built-in's seed, the module's
+name). So every device, every process and every PipeFusion stage gets the same bits, and a lower
+precision is the same model rounded. Parameters of modules that cannot redraw them (no
+``reset_parameters``: Wan's and PixArt's ``scale_shift_table``, diffusers' RMSNorm) keep what the
+constructor drew on the CPU from the built-in's seed: small tables, and the whole model is always
+constructed (a stage is pruned afterwards), so a stage's values are the whole model's.
+
+dtypes: floating tensors take the compute dtype, except those under the family's
+``_keep_in_fp32_modules`` (Wan: time embedder, modulation tables, norms), which stay float32 as
+diffusers' ``from_pretrained`` keeps them. Buffers the constructor computes and no file holds (RoPE
+tables, PixArt's position embedding) keep the dtype it gave them; they only move to the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .checkpoint import empty_weights
+
+
+def construct(cls, config: dict, seed: int | None = None):
+    """``cls(**config)`` with meta parameters and real buffers, on the CPU. With ``seed`` (a
+    built-in), the parameters no ``reset_parameters`` can redraw are kept as drawn from it."""
+    if seed is None:
+        with torch.device("cpu"), empty_weights():
+            return cls(**config)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), empty_weights(keep=_cannot_redraw):
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: no device's state is touched
+        return cls(**config)
+
+
+def _cannot_redraw(module: torch.nn.Module) -> bool:
+    return not callable(getattr(module, "reset_parameters", None))
+
+
+def drawn(transformer: torch.nn.Module, seed: int) -> Callable[[str], torch.Tensor]:
+    """The tensor of a state-dict key of a built-in constructed with ``construct(…, seed)``: its
+    module's parameters are drawn, on first use, in float32 on the CPU from (seed, module name)."""
+    modules = dict(transformer.named_modules())
+
+    def tensor_of(key: str) -> torch.Tensor:
+        owner, _, leaf = key.rpartition(".")
+        module = modules[owner]
+        tensor = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+        if tensor.is_meta:
+            _redraw(module, _module_seed(seed, owner))
+            tensor = module._parameters[leaf]
+        return tensor
+
+    return tensor_of
+
+
+def _module_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for one module: the same in every process (unlike Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _redraw(module: torch.nn.Module, seed: int) -> None:
+    """Allocate ``module``'s meta parameters on the CPU in float32 and let the module initialise them."""
+    for name, param in module._parameters.items():
+        if param is not None and param.is_meta:
+            module._parameters[name] = torch.nn.Parameter(
+                torch.empty(param.shape, dtype=torch.float32), requires_grad=param.requires_grad)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        module.reset_parameters()
+
+
+def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[str], torch.Tensor],
+        device: torch.device, dtype: torch.dtype) -> None:
+    """Give each state-dict key in ``keys`` its tensor ``tensor_of(key)`` (from anywhere: a CPU
+    slice of a file, a drawn module), moved to ``device`` and cast there, one key at a time; then
+    move the buffers no key covers (computed at construction) to ``device``, in their own dtype."""
+    modules = dict(transformer.named_modules())
+    kept_float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
+    with torch.no_grad():  # weights, not a computation to differentiate
+        for key in keys:
+            owner, _, leaf = key.rpartition(".")
+            tensor = tensor_of(key).to(device)  # moved first: an fp8 → bf16 cast doubles the size, on the device
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if kept_float32.intersection(key.split(".")) else dtype)
+            _replace(modules[owner], leaf, tensor)
+        for module in modules.values():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = buffer.to(device)
+
+
+def _replace(module: torch.nn.Module, leaf: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in place of ``module``'s parameter or buffer ``leaf``; the old one is released."""
+    if leaf in module._parameters:
+        requires_grad = module._parameters[leaf].requires_grad
+        module._parameters[leaf] = torch.nn.Parameter(tensor.detach(), requires_grad=requires_grad)
+    else:
+        module._buffers[leaf] = tensor
