@@ -83,4 +83,5 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     gate.fail()
     failures = gather_json(mine, rt.control)
     executor.meshes.clear()
+    executor.release_memory()  # an out-of-memory's half-built tensors, before the next request
     return failures

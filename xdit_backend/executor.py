@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -66,7 +67,18 @@ class Executor:
             names &= wanted
         self.models = {k: v for k, v in self.models.items() if k[0] not in names}
         self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
+        if self.computing is not None and self.computing.name in names:
+            self.computing = None  # the last request's model, held for its profile: not past an unload
+        self.release_memory()
         return sorted(names)
+
+    def release_memory(self) -> None:
+        """Give what dropped models and a failed request's tensors held back to the device: without
+        ``empty_cache`` PyTorch's caching allocator keeps it, and nothing else on the GPU (ComfyUI's
+        VAE Decode on GPU 0) can use it."""
+        gc.collect()
+        if self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
                     compiled: bool = False) -> tuple[object, list]:
