@@ -5,7 +5,8 @@ because it talks most (an all-to-all per attention layer), so its ranks are adja
 fastest links). Rank r sits at mesh coordinates given by that order in row-major layout, e.g.
 world 4 with cfg=2 × ulysses=2: ranks (0, 1) are the cond half, (2, 3) the uncond half.
 
-Besides the mesh's axes, a layout has the flattened ring × ulysses group (when both are > 1).
+Besides the mesh's axes, a layout has the flattened ring × ulysses group (when both are > 1) and,
+with PipeFusion, one 2-rank group per pipeline link (``link_ranks``; why: parallel/pipefusion.py).
 Every rank creates all of them when a layout shape is first used, in the same order, members or
 not (torch's rule for new groups; NCCL splits them off the world communicator, a collective). Each
 group gets its own options object carrying the timeout (torch writes the group's name and ranks
@@ -31,6 +32,24 @@ from .config import DEGREES, ParallelConfig
 AXES = DEGREES  # ("dp", "cfg", "pipefusion", "ring", "ulysses"), outermost first
 
 
+@dataclass(frozen=True)
+class Link:
+    """A 2-rank group that carries PipeFusion's messages one way, and the global rank at its other end."""
+
+    group: object
+    peer: int
+
+
+@dataclass(frozen=True)
+class Links:
+    """This rank's two links in its pipeline's ring of stages 0 → 1 → … → P − 1 → 0: it receives on
+    ``incoming`` only (activations from stage s − 1; at stage 0, the patches coming back from the
+    last stage) and sends on ``outgoing`` only."""
+
+    incoming: Link
+    outgoing: Link
+
+
 @dataclass
 class Layout:
     """The groups of one layout, as this rank sees them. A group is None when its degree is 1."""
@@ -38,6 +57,7 @@ class Layout:
     config: ParallelConfig
     mesh: DeviceMesh
     sequence_group: object = None  # ring × ulysses: the ranks that hold slices of one sequence (None without SP)
+    links: Links | None = None  # PipeFusion's links (None without PipeFusion)
 
     def group(self, axis: str):
         return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
@@ -58,6 +78,7 @@ class _Built:
 
     mesh: DeviceMesh
     sequence_group: object
+    links: Links | None
     created: list = field(default_factory=list)
 
 
@@ -75,7 +96,7 @@ class MeshCache:
         if shape not in self._built:
             self._built[shape] = self._build(config, shape)
         built = self._built[shape]
-        return Layout(config, built.mesh, built.sequence_group)
+        return Layout(config, built.mesh, built.sequence_group, built.links)
 
     def clear(self) -> None:
         """Destroy every group the cache created and forget the meshes (after a failed request: a group
@@ -98,9 +119,36 @@ class MeshCache:
             created.append(sequence)
         elif config.sequence > 1:
             sequence = mesh.get_group("ring" if config.ring > 1 else "ulysses")
+        links = self._links(mesh) if config.pipefusion > 1 else None
+        if links:
+            created += [links.incoming.group, links.outgoing.group]
         world = dist.group.WORLD  # a full-world axis without an override is the default group: never ours
         created = [group for group in created if group is not world]
-        return _Built(mesh, sequence, created)
+        return _Built(mesh, sequence, links, created)
+
+    def _links(self, mesh: DeviceMesh) -> Links:
+        """Every rank creates every link group, in ``link_ranks`` order, and keeps its own two (it is
+        the sender of one link and the receiver of one)."""
+        me, incoming, outgoing = dist.get_rank(), None, None
+        for sender, receiver in link_ranks(mesh.mesh):
+            backend, options = self.override() or (None, None)
+            group = dist.new_group([sender, receiver], timeout=self.timeout, backend=backend, pg_options=options,
+                                   group_desc=f"pipefusion_link_{sender}_to_{receiver}")
+            if me == sender:
+                outgoing = Link(group, receiver)
+            if me == receiver:
+                incoming = Link(group, sender)
+        return Links(incoming, outgoing)
+
+
+def link_ranks(ranks: torch.Tensor) -> list[tuple[int, int]]:
+    """(sender, receiver) global ranks of every PipeFusion link, in the order every rank creates them:
+    pipeline by pipeline (the other axes' coordinates, row-major), stage s → s + 1 for each s, then
+    the return link last → 0. ``ranks``: the mesh's rank tensor [dp, cfg, pipefusion, ring, ulysses]."""
+    axis = AXES.index("pipefusion")
+    stages = ranks.shape[axis]
+    pipelines = ranks.movedim(axis, -1).reshape(-1, stages).tolist()  # [pipelines, stages]: global ranks by stage
+    return [(pipeline[s], pipeline[(s + 1) % stages]) for pipeline in pipelines for s in range(stages)]
 
 
 def release(groups: list, device_type: str) -> None:

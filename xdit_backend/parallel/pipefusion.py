@@ -20,6 +20,24 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
 - Hybrids: sequence-parallel ranks hold a slice of each chunk's tokens and all-gather its fresh
   K/V and its output; CFG halves each run a pipeline and combine x0 at the last stage; dp groups
   run separate pipelines over their batch rows.
+- Transport: a pipeline is a ring of one-way links, stage s → s + 1 and last → 0 (the patches
+  coming back), each a 2-rank process group of its own (mesh.Links). A stage receives only on its
+  incoming link and sends only on its outgoing one.
+
+Why no cycle can form on NCCL. NCCL runs every batched point-to-point op of a group on the
+group's one communicator and one stream, in posting order, and a receive holds that stream until
+its send arrives. With one group carrying both directions, stage 0's receives of the returns
+(posted ahead) sat in front of its sends to stage 1, and stage 1's receives in front of its
+returns: a cycle at the first step (gloo runs each op on its own, so the CPU tests passed). On a
+link one rank only sends and the other only receives, both in the order of the work list
+(schedule.py): the k-th send can only meet the k-th receive anyway, so running them in order adds
+no wait, and a link's stream waits for nothing but its own peer's matching op. An op on one link
+never queues behind an op on another. What a rank waits for is then exactly what the schedule
+makes it wait for on gloo (an op starts where it is posted, a receive ends when its send has
+run), and the gloo tests run that schedule to the end: it has no cycle. Receives posted ahead
+hold only the incoming link's stream, so a middle stage's sends never queue behind its receives
+and the stages overlap. Both members of a 2-rank group take part in every op on it (NCCL's rule
+for a group's first batched op), and every rank creates every link in the same order (mesh.py).
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import attention
+from ..mesh import Link
 from ..sampling import samplers
 from ..sampling.generate import GenerationStopped, finish, start
 from ..sampling.noise import SharedDraws
@@ -76,17 +95,17 @@ def keep_stage(transformer, plan, start: int, end: int) -> list[nn.Module]:
     return kept
 
 
-def _isend(tensor: torch.Tensor, peer: int, group):
-    """Post a send to global rank ``peer`` in the stage ``group`` (through batch_isend_irecv, the one
-    point-to-point entry the traffic count sees). The layout's group, not the default one: its
-    timeout is half the control group's, so after a stage raises, a peer stuck waiting for it times
-    out and reaches the step gate while the failed rank still waits there (agreement.py)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, group)])[0]
+def _isend(tensor: torch.Tensor, link: Link):
+    """Post a send to the other end of ``link`` (through batch_isend_irecv, the one point-to-point
+    entry the traffic count sees). The link's group carries the layout's timeout, half the control
+    group's, so after a stage raises, a peer stuck waiting for it times out and reaches the step
+    gate while the failed rank still waits there (agreement.py)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, link.peer, link.group)])[0]
 
 
-def _irecv(tensor: torch.Tensor, peer: int, group):
-    """Post a receive into ``tensor`` from global rank ``peer`` in the stage ``group``."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer, group)])[0]
+def _irecv(tensor: torch.Tensor, link: Link):
+    """Post a receive into ``tensor`` from the other end of ``link``."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, link.peer, link.group)])[0]
 
 
 def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[torch.Tensor]:
@@ -111,7 +130,7 @@ class PipeFusion:
         self.plan = model.spec.stage_plan
         self.stages, self.stage = config.pipefusion, layout.index("pipefusion")
         self.first, self.last = self.stage == 0, self.stage == config.pipefusion - 1
-        self.pp_group, self.sp_group = layout.group("pipefusion"), layout.sequence_group
+        self.links, self.sp_group = layout.links, layout.sequence_group
         self.sp_index, self.sp_parts = layout.sequence_index, config.sequence
         self.cfg_group = layout.group("cfg")
         self.patches = config.num_pipeline_patch or config.pipefusion
@@ -119,10 +138,6 @@ class PipeFusion:
         self.blocks = blocks  # this stage's blocks, in order
         self.chunk = stale_kv.Chunk()
         self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, first patch): receives posted ahead
-
-    def _peer(self, stage: int) -> int:
-        """Global rank of the given stage at this rank's other coordinates."""
-        return dist.get_global_rank(self.pp_group, stage)
 
     def run(self, gen, rows: slice, after_step) -> torch.Tensor:
         """This rank's batch ``rows`` of the final latent in raw VAE space (stage 0 holds the result)."""
@@ -215,7 +230,7 @@ class PipeFusion:
                 item = self.work[index]
                 a, b = self._rows(item)
                 buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)
-                request = _irecv(buffer, self._peer(self.stages - 1), self.pp_group)  # a patch back from the last stage
+                request = _irecv(buffer, self.links.incoming)  # a patch back from the last stage
                 self.returns.append((item, a, b, buffer, request))
                 self.trace.append(("post", item.step, item.first))
             return
@@ -224,7 +239,7 @@ class PipeFusion:
             tokens = self._tokens(item)[1].numel() + (self.text if self._with_text(index) else 0)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
             # [B, L + n/P, D] from the previous stage
-            self.pending[index] = (buffer, _irecv(buffer, self._peer(self.stage - 1), self.pp_group))
+            self.pending[index] = (buffer, _irecv(buffer, self.links.incoming))
             self.trace.append(("post", item.step, item.first))
 
     def _apply_returns(self, step: int, until: int) -> None:
@@ -266,7 +281,7 @@ class PipeFusion:
         if not self.last:
             activation = (torch.cat([context, image], dim=1) if self.text else image).contiguous()
             # [batch, L + n/P, D] to the next stage
-            self.sends.append((activation, _isend(activation, self._peer(self.stage + 1), self.pp_group)))
+            self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
         self._sample(item, model.head(image, inputs), sigma)
 
@@ -303,7 +318,7 @@ class PipeFusion:
             except StopIteration as end:  # the patch's last step: its final latent
                 following.append(end.value)
         self.x[..., a:b, :] = update = torch.cat(following, dim=-2)  # [B, C, (T,) b − a, w]
-        self.sends.append((update, _isend(update, self._peer(0), self.pp_group)))
+        self.sends.append((update, _isend(update, self.links.outgoing)))  # back to stage 0
 
     def _wait_sends(self) -> None:
         for _, request in self.sends:  # (tensor kept alive until sent, request)
