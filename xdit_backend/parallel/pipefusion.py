@@ -142,7 +142,7 @@ class PipeFusion:
     def run(self, gen, rows: slice, after_step) -> torch.Tensor:
         """This rank's batch ``rows`` of the final latent in raw VAE space (stage 0 holds the result)."""
         if gen.steps == 0:  # start_step past the end: the input, as KSamplerAdvanced returns it
-            return gen.latent.float()[rows]
+            return gen.latent.float()[rows].to(self.device)  # on the device, like a result: dp gathers it there
         self.gen = gen
         begin = start(gen, self.model.latent_format, rows, self.device)
         self.x = begin.x.clone()  # stage 0: each patch's next model input; at the end, the final latent
