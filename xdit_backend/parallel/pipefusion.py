@@ -108,14 +108,15 @@ def _irecv(tensor: torch.Tensor, link: Link):
     return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, link.peer, link.group)])[0]
 
 
-def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[torch.Tensor]:
+def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[float]:
     """The σ of each step's model call, read off the sampler itself (dpmpp_2m_sde moves σ = 1 of a
-    flow model; uni_pc's times): its walk over a one-element latent with x0 = x."""
-    walk = samplers.walk(name, torch.zeros(1), sigmas.cpu(), sampling, samplers.StepNoise((1,), 0))
+    flow model; uni_pc's times): its walk over a one-element latent with x0 = x. ``sigmas`` on the
+    host; the σ come back as host floats, so the step loop never reads one off the device."""
+    walk = samplers.walk(name, torch.zeros(1), sigmas, sampling, samplers.StepNoise((1,), 0))
     found, call = [], next(walk)
     try:
         while True:
-            found.append(call.sigma)
+            found.append(float(call.sigma))
             call = walk.send(call.x)
     except StopIteration:
         return found
@@ -157,11 +158,11 @@ class PipeFusion:
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
         # the image sequence is frames × rows × columns, row-major: token indices as that grid
         self.grid = torch.arange(frames * token_rows * columns, device=self.device).view(frames, token_rows, columns)
-        self.image_tokens, self.latent_rows = self.grid.numel(), ph  # latent rows per token row
+        self.latent_rows = ph  # latent rows per token row
         self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
                       for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
         self.positions = self.model.positions(shape)
-        self.sigmas = call_sigmas(gen.sampler, begin.sigmas, gen.sampling)
+        self.sigmas = call_sigmas(gen.sampler, gen.sigmas, gen.sampling)
         self.work = schedule.items(gen.steps, self.warmup, self.patches)
         gates = schedule.gate_positions(self.work, self.stages, gen.steps)
         self.walks, self.calls = self._walks(gen, begin)
@@ -210,13 +211,19 @@ class PipeFusion:
             self.x = torch.cat([call.x for call in calls], dim=-2)  # [B, C, (T,) h, w]
         return walks, calls
 
+    def _token_rows(self, item) -> tuple[int, int]:
+        """Token rows [r0, r1) of an item's patches."""
+        return self.bands[item.first][0], self.bands[item.end - 1][1]
+
     def _rows(self, item) -> tuple[int, int]:
         """Latent rows [a, b) of an item's patches."""
-        return self.bands[item.first][0] * self.latent_rows, self.bands[item.end - 1][1] * self.latent_rows
+        r0, r1 = self._token_rows(item)
+        return r0 * self.latent_rows, r1 * self.latent_rows
 
     def _tokens(self, item) -> tuple[torch.Tensor, torch.Tensor]:
         """The item's tokens in the whole image sequence [n] (frames × band rows × columns), and this rank's slice."""
-        band = self.grid[:, self.bands[item.first][0]:self.bands[item.end - 1][1]].reshape(-1)
+        r0, r1 = self._token_rows(item)
+        band = self.grid[:, r0:r1].reshape(-1)
         per = band.numel() // self.sp_parts
         return band, band[self.sp_index * per:(self.sp_index + 1) * per]
 
@@ -253,11 +260,11 @@ class PipeFusion:
     def _run_item(self, index: int, item) -> None:
         """Run one item through this stage: take it in (embed, or receive), run the blocks, pass it on."""
         model, sampling = self.model, self.gen.sampling
-        sigma = self.sigmas[item.step].to(self.device) * self.x.new_ones([self.batch])  # [batch]
+        sigma = self.x.new_full([self.batch], self.sigmas[item.step])  # [batch], filled from the host float
         inputs = self._inputs(item.step, sigma)
         band, local = self._tokens(item)
         text = self.text if self._with_text(index) else 0
-        self.chunk.describe(text, self.text, band, self.image_tokens)
+        self.chunk.describe(text, self.text, tuple(self.grid.shape), self._token_rows(item))
         if self.first:
             a, b = self._rows(item)
             self._apply_returns(item.step, b)
