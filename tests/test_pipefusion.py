@@ -171,3 +171,12 @@ def test_cancel_stops_every_stage_and_the_next_request_is_right(backend2):
     assert max(seen) < 20, seen
     again, _ = backend2.sample({**FIELDS, "parallel": layout}, conditioning())
     assert torch.equal(first["samples"], again["samples"])
+
+
+def test_a_request_with_nothing_to_do_returns_its_latent_under_dp(backend4):
+    """start_step past the end, pipefusion=2 × dp=2: each dp group's rows come back as given (gathered
+    over dp from the stages' devices)."""
+    latent = torch.randn(2, 16, 8, 16, generator=torch.Generator().manual_seed(3))  # [B, C, h, w] of 128×64
+    result, _ = backend4.sample({**FIELDS, "start_step": FIELDS["steps"], "add_noise": False,
+                                 "parallel": {"pipefusion": 2, "dp": 2}}, {**conditioning(), "latent": latent})
+    assert torch.equal(result["samples"], latent)

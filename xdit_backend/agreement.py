@@ -70,7 +70,9 @@ def run_request(rt: Runtime, gate: StepGate, executor: Executor, request: Sample
 
 def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseException | None) -> list:
     """Every rank, after a failed step: meet at the gate (a rank that raised says so), gather what
-    each rank saw, and drop the layouts' process groups (a timed-out group is not reused).
+    each rank saw, and destroy the layouts' process groups (mesh.MeshCache.clear: a group with a
+    collective that never completed is not reused; on CUDA its NCCL kernels still waiting for the
+    rank that raised are aborted). The next request builds them again.
 
     A rank stuck in a data collective with the rank that raised waits out ``--collective-timeout``
     (the mesh's groups carry it), then arrives here too. If a rank is gone, the gate's collective

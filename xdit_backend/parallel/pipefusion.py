@@ -20,6 +20,24 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
 - Hybrids: sequence-parallel ranks hold a slice of each chunk's tokens and all-gather its fresh
   K/V and its output; CFG halves each run a pipeline and combine x0 at the last stage; dp groups
   run separate pipelines over their batch rows.
+- Transport: a pipeline is a ring of one-way links, stage s → s + 1 and last → 0 (the patches
+  coming back), each a 2-rank process group of its own (mesh.Links). A stage receives only on its
+  incoming link and sends only on its outgoing one.
+
+Why no cycle can form on NCCL. NCCL runs every batched point-to-point op of a group on the
+group's one communicator and one stream, in posting order, and a receive holds that stream until
+its send arrives. With one group carrying both directions, stage 0's receives of the returns
+(posted ahead) sat in front of its sends to stage 1, and stage 1's receives in front of its
+returns: a cycle at the first step (gloo runs each op on its own, so the CPU tests passed). On a
+link one rank only sends and the other only receives, both in the order of the work list
+(schedule.py): the k-th send can only meet the k-th receive anyway, so running them in order adds
+no wait, and a link's stream waits for nothing but its own peer's matching op. An op on one link
+never queues behind an op on another. What a rank waits for is then exactly what the schedule
+makes it wait for on gloo (an op starts where it is posted, a receive ends when its send has
+run), and the gloo tests run that schedule to the end: it has no cycle. Receives posted ahead
+hold only the incoming link's stream, so a middle stage's sends never queue behind its receives
+and the stages overlap. Both members of a 2-rank group take part in every op on it (NCCL's rule
+for a group's first batched op), and every rank creates every link in the same order (mesh.py).
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import attention
+from ..mesh import Link
 from ..sampling import samplers
 from ..sampling.generate import GenerationStopped, finish, start
 from ..sampling.noise import SharedDraws
@@ -76,27 +95,28 @@ def keep_stage(transformer, plan, start: int, end: int) -> list[nn.Module]:
     return kept
 
 
-def _isend(tensor: torch.Tensor, peer: int, group):
-    """Post a send to global rank ``peer`` in the stage ``group`` (through batch_isend_irecv, the one
-    point-to-point entry the traffic count sees). The layout's group, not the default one: its
-    timeout is half the control group's, so after a stage raises, a peer stuck waiting for it times
-    out and reaches the step gate while the failed rank still waits there (agreement.py)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, group)])[0]
+def _isend(tensor: torch.Tensor, link: Link):
+    """Post a send to the other end of ``link`` (through batch_isend_irecv, the one point-to-point
+    entry the traffic count sees). The link's group carries the layout's timeout, half the control
+    group's, so after a stage raises, a peer stuck waiting for it times out and reaches the step
+    gate while the failed rank still waits there (agreement.py)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, link.peer, link.group)])[0]
 
 
-def _irecv(tensor: torch.Tensor, peer: int, group):
-    """Post a receive into ``tensor`` from global rank ``peer`` in the stage ``group``."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer, group)])[0]
+def _irecv(tensor: torch.Tensor, link: Link):
+    """Post a receive into ``tensor`` from the other end of ``link``."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, link.peer, link.group)])[0]
 
 
-def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[torch.Tensor]:
+def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[float]:
     """The σ of each step's model call, read off the sampler itself (dpmpp_2m_sde moves σ = 1 of a
-    flow model; uni_pc's times): its walk over a one-element latent with x0 = x."""
-    walk = samplers.walk(name, torch.zeros(1), sigmas.cpu(), sampling, samplers.StepNoise((1,), 0))
+    flow model; uni_pc's times): its walk over a one-element latent with x0 = x. ``sigmas`` on the
+    host; the σ come back as host floats, so the step loop never reads one off the device."""
+    walk = samplers.walk(name, torch.zeros(1), sigmas, sampling, samplers.StepNoise((1,), 0))
     found, call = [], next(walk)
     try:
         while True:
-            found.append(call.sigma)
+            found.append(float(call.sigma))
             call = walk.send(call.x)
     except StopIteration:
         return found
@@ -111,7 +131,7 @@ class PipeFusion:
         self.plan = model.spec.stage_plan
         self.stages, self.stage = config.pipefusion, layout.index("pipefusion")
         self.first, self.last = self.stage == 0, self.stage == config.pipefusion - 1
-        self.pp_group, self.sp_group = layout.group("pipefusion"), layout.sequence_group
+        self.links, self.sp_group = layout.links, layout.sequence_group
         self.sp_index, self.sp_parts = layout.sequence_index, config.sequence
         self.cfg_group = layout.group("cfg")
         self.patches = config.num_pipeline_patch or config.pipefusion
@@ -120,14 +140,10 @@ class PipeFusion:
         self.chunk = stale_kv.Chunk()
         self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, first patch): receives posted ahead
 
-    def _peer(self, stage: int) -> int:
-        """Global rank of the given stage at this rank's other coordinates."""
-        return dist.get_global_rank(self.pp_group, stage)
-
     def run(self, gen, rows: slice, after_step) -> torch.Tensor:
         """This rank's batch ``rows`` of the final latent in raw VAE space (stage 0 holds the result)."""
         if gen.steps == 0:  # start_step past the end: the input, as KSamplerAdvanced returns it
-            return gen.latent.float()[rows]
+            return gen.latent.float()[rows].to(self.device)  # on the device, like a result: dp gathers it there
         self.gen = gen
         begin = start(gen, self.model.latent_format, rows, self.device)
         self.x = begin.x.clone()  # stage 0: each patch's next model input; at the end, the final latent
@@ -142,11 +158,11 @@ class PipeFusion:
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
         # the image sequence is frames × rows × columns, row-major: token indices as that grid
         self.grid = torch.arange(frames * token_rows * columns, device=self.device).view(frames, token_rows, columns)
-        self.image_tokens, self.latent_rows = self.grid.numel(), ph  # latent rows per token row
+        self.latent_rows = ph  # latent rows per token row
         self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
                       for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
         self.positions = self.model.positions(shape)
-        self.sigmas = call_sigmas(gen.sampler, begin.sigmas, gen.sampling)
+        self.sigmas = call_sigmas(gen.sampler, gen.sigmas, gen.sampling)
         self.work = schedule.items(gen.steps, self.warmup, self.patches)
         gates = schedule.gate_positions(self.work, self.stages, gen.steps)
         self.walks, self.calls = self._walks(gen, begin)
@@ -195,13 +211,19 @@ class PipeFusion:
             self.x = torch.cat([call.x for call in calls], dim=-2)  # [B, C, (T,) h, w]
         return walks, calls
 
+    def _token_rows(self, item) -> tuple[int, int]:
+        """Token rows [r0, r1) of an item's patches."""
+        return self.bands[item.first][0], self.bands[item.end - 1][1]
+
     def _rows(self, item) -> tuple[int, int]:
         """Latent rows [a, b) of an item's patches."""
-        return self.bands[item.first][0] * self.latent_rows, self.bands[item.end - 1][1] * self.latent_rows
+        r0, r1 = self._token_rows(item)
+        return r0 * self.latent_rows, r1 * self.latent_rows
 
     def _tokens(self, item) -> tuple[torch.Tensor, torch.Tensor]:
         """The item's tokens in the whole image sequence [n] (frames × band rows × columns), and this rank's slice."""
-        band = self.grid[:, self.bands[item.first][0]:self.bands[item.end - 1][1]].reshape(-1)
+        r0, r1 = self._token_rows(item)
+        band = self.grid[:, r0:r1].reshape(-1)
         per = band.numel() // self.sp_parts
         return band, band[self.sp_index * per:(self.sp_index + 1) * per]
 
@@ -215,7 +237,7 @@ class PipeFusion:
                 item = self.work[index]
                 a, b = self._rows(item)
                 buffer = torch.empty(*self.x.shape[:-2], b - a, self.x.shape[-1], device=self.device)
-                request = _irecv(buffer, self._peer(self.stages - 1), self.pp_group)  # a patch back from the last stage
+                request = _irecv(buffer, self.links.incoming)  # a patch back from the last stage
                 self.returns.append((item, a, b, buffer, request))
                 self.trace.append(("post", item.step, item.first))
             return
@@ -224,7 +246,7 @@ class PipeFusion:
             tokens = self._tokens(item)[1].numel() + (self.text if self._with_text(index) else 0)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
             # [B, L + n/P, D] from the previous stage
-            self.pending[index] = (buffer, _irecv(buffer, self._peer(self.stage - 1), self.pp_group))
+            self.pending[index] = (buffer, _irecv(buffer, self.links.incoming))
             self.trace.append(("post", item.step, item.first))
 
     def _apply_returns(self, step: int, until: int) -> None:
@@ -238,11 +260,11 @@ class PipeFusion:
     def _run_item(self, index: int, item) -> None:
         """Run one item through this stage: take it in (embed, or receive), run the blocks, pass it on."""
         model, sampling = self.model, self.gen.sampling
-        sigma = self.sigmas[item.step].to(self.device) * self.x.new_ones([self.batch])  # [batch]
+        sigma = self.x.new_full([self.batch], self.sigmas[item.step])  # [batch], filled from the host float
         inputs = self._inputs(item.step, sigma)
         band, local = self._tokens(item)
         text = self.text if self._with_text(index) else 0
-        self.chunk.describe(text, self.text, band, self.image_tokens)
+        self.chunk.describe(text, self.text, tuple(self.grid.shape), self._token_rows(item))
         if self.first:
             a, b = self._rows(item)
             self._apply_returns(item.step, b)
@@ -266,7 +288,7 @@ class PipeFusion:
         if not self.last:
             activation = (torch.cat([context, image], dim=1) if self.text else image).contiguous()
             # [batch, L + n/P, D] to the next stage
-            self.sends.append((activation, _isend(activation, self._peer(self.stage + 1), self.pp_group)))
+            self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
         self._sample(item, model.head(image, inputs), sigma)
 
@@ -303,7 +325,7 @@ class PipeFusion:
             except StopIteration as end:  # the patch's last step: its final latent
                 following.append(end.value)
         self.x[..., a:b, :] = update = torch.cat(following, dim=-2)  # [B, C, (T,) b − a, w]
-        self.sends.append((update, _isend(update, self._peer(0), self.pp_group)))
+        self.sends.append((update, _isend(update, self.links.outgoing)))  # back to stage 0
 
     def _wait_sends(self) -> None:
         for _, request in self.sends:  # (tensor kept alive until sent, request)

@@ -21,40 +21,85 @@ import torch.distributed as dist
 from . import sequence
 
 
-class KVBuffer:
-    """One attention layer's K and V over all tokens [B, L + N, H, D], and which positions hold data."""
-
-    def __init__(self):
-        self.k = self.v = self.filled = None
-
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int):
-        if self.k is None or self.k.shape[1] != total or self.k.shape[0] != k.shape[0]:
-            shape = (k.shape[0], total, *k.shape[2:])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-            self.filled = torch.zeros(total, dtype=torch.bool, device=k.device)
-        self.k[:, positions], self.v[:, positions] = k, v  # [B, n, H, D] into [B, L + N, H, D]
-        self.filled[positions] = True
-
-    def read(self):
-        if bool(self.filled.all()):
-            return self.k, self.v
-        return self.k[:, self.filled], self.v[:, self.filled]
-
-
 class Chunk:
-    """The tokens the stage is processing now, as buffer positions (text first, then image tokens)."""
+    """The tokens the stage is processing now: the text (when this chunk carries it), then a band of
+    token rows in every frame. Plain ints: the buffers are cut with slices, so nothing here waits
+    for the device."""
 
     def __init__(self):
         self.text_tokens = 0  # L when the chunk carries the text (joint families' first chunk of a step)
-        self.text = torch.arange(0)  # [L] or [0]: the text's positions
-        self.image = torch.arange(0)  # [n]: the whole chunk's image tokens (every sequence rank's slice)
-        self.total = 0  # L + N
+        self.all_text = 0  # the prompt's L: the buffers' text positions are [0, L)
+        self.grid = (1, 0, 0)  # (frames, token rows, columns) of the whole image sequence, row-major
+        self.rows = (0, 0)  # the chunk's token rows [r0, r1), in every frame
 
-    def describe(self, text_tokens: int, all_text: int, band_tokens: torch.Tensor, image_tokens: int):
-        self.text_tokens = text_tokens
-        self.text = torch.arange(text_tokens, device=band_tokens.device)
-        self.image = band_tokens + all_text
-        self.total = all_text + image_tokens
+    def describe(self, text_tokens: int, all_text: int, grid: tuple[int, int, int], rows: tuple[int, int]):
+        self.text_tokens, self.all_text, self.grid, self.rows = text_tokens, all_text, grid, rows
+
+    @property
+    def total(self) -> int:
+        """L + N: every token a buffer holds."""
+        frames, rows, columns = self.grid
+        return self.all_text + frames * rows * columns
+
+
+class KVBuffer:
+    """One attention layer's K and V over all tokens [B, L + N, H, D] (text first, then the image
+    sequence frames × rows × columns), and which of them hold data. That is tracked on the host,
+    for the text and per token row (a chunk always writes whole rows in every frame), so reading
+    never waits for the device: no mask to count, no flag to read back."""
+
+    def __init__(self):
+        self.k = self.v = None
+        self.text = False  # the text's K/V are written
+        self.rows: list[bool] = []  # [token rows]: that row's K/V are written
+
+    def write_text(self, chunk: Chunk, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The text's K/V [B, L, H, D] into positions [0, L)."""
+        self._fit(chunk, k)
+        self.k[:, :chunk.text_tokens], self.v[:, :chunk.text_tokens] = k, v
+        self.text = True
+
+    def write_rows(self, chunk: Chunk, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The chunk's image K/V [B, n, H, D], n = frames × (r1 − r0) × columns, into its rows of every frame."""
+        self._fit(chunk, k)
+        frames, _, columns = chunk.grid
+        r0, r1 = chunk.rows
+        for buffer, fresh in ((self.k, k), (self.v, v)):
+            self._image(buffer, chunk)[:, :, r0:r1] = fresh.reshape(fresh.shape[0], frames, r1 - r0, columns,
+                                                                     *fresh.shape[2:])  # [B, T, r1 − r0, C, H, D]
+        self.rows[r0:r1] = [True] * (r1 - r0)
+
+    def read(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the written positions [B, written, H, D], in token order: views of the buffer
+        once every row is written, a copy of the written part before (a first step without warm-up)."""
+        L = chunk.all_text
+        if all(self.rows):
+            return (self.k, self.v) if self.text or not L else (self.k[:, L:], self.v[:, L:])
+        runs, start = [], None  # the written rows as [a, b) runs
+        for row, written in enumerate([*self.rows, False]):
+            if written and start is None:
+                start = row
+            elif not written and start is not None:
+                runs.append((start, row))
+                start = None
+        return tuple(self._written(buffer, chunk, runs) for buffer in (self.k, self.v))
+
+    def _written(self, buffer: torch.Tensor, chunk: Chunk, runs: list[tuple[int, int]]) -> torch.Tensor:
+        image = self._image(buffer, chunk)  # [B, T, R, C, H, D]
+        image = torch.cat([image[:, :, a:b] for a, b in runs], dim=2).flatten(1, 3)  # [B, T·written rows·C, H, D]
+        return torch.cat([buffer[:, :chunk.all_text], image], dim=1) if self.text else image
+
+    @staticmethod
+    def _image(buffer: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """The image part of ``buffer`` as a grid view [B, T, R, C, H, D]."""
+        return buffer[:, chunk.all_text:].view(buffer.shape[0], *chunk.grid, *buffer.shape[2:])
+
+    def _fit(self, chunk: Chunk, like: torch.Tensor) -> None:
+        """(Re)allocate for this request's batch and token count; nothing written yet."""
+        if self.k is None or tuple(self.k.shape[:2]) != (like.shape[0], chunk.total):
+            shape = (like.shape[0], chunk.total, *like.shape[2:])
+            self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
+            self.text, self.rows = False, [False] * chunk.grid[1]
 
 
 class StaleKV:
@@ -68,12 +113,12 @@ class StaleKV:
         chunk = self.chunk
         L = chunk.text_tokens if self.sees_text else 0  # what the module was given, whatever the caller says
         if L:  # the text's K/V: the same on every sequence rank
-            self.buffer.write(chunk.text, key[:, :L], value[:, :L], chunk.total)
+            self.buffer.write_text(chunk, key[:, :L], value[:, :L])
         fresh_k, fresh_v = key[:, L:], value[:, L:]  # [B, n/P, H, D]
         if self.sp_group is not None:
             fresh_k, fresh_v = (gather_tokens(t, self.sp_group) for t in (fresh_k, fresh_v))  # [B, n, H, D]
-        self.buffer.write(chunk.image, fresh_k, fresh_v, chunk.total)
-        k_all, v_all = self.buffer.read()  # [B, written, H, D]
+        self.buffer.write_rows(chunk, fresh_k, fresh_v)
+        k_all, v_all = self.buffer.read(chunk)  # [B, written, H, D]
         out, _ = self.kernel(query, k_all, v_all)  # [B, S, H, D]
         return out.to(query.dtype)
 
