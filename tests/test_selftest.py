@@ -56,3 +56,20 @@ def test_a_kernel_with_a_wrong_log_sum_exp_fails_the_kernel_sections(tmp_path, m
 def test_an_unknown_section_is_refused_with_the_list(tmp_path, capsys):
     assert runner.run_selftest(tmp_path, ("attentoin",), cpu=True) == 2
     assert "unknown section(s) attentoin; the sections are: environment, attention" in capsys.readouterr().err
+
+
+def test_the_full_size_sections_measurements_run_on_a_small_flux(tmp_path):
+    """The full-size section's code (shard compute, the backend against the plain loop at two sizes
+    with one backend) on flux-tiny on the CPU: the same functions the GPU run calls on Flux.1-dev."""
+    from xdit_backend.models import registry
+    from xdit_backend.selftest.scale import SHARDS, full_size_figures
+
+    checks = runner.Checks()
+    full_size_figures(checks, registry.build("flux-tiny", torch.device("cpu")), ((128, 3), (64, 3)), text=8)
+    figures = checks.figures
+    assert sorted(figures["shard_compute_s"]) == sorted(str(p) for p in SHARDS)
+    assert all(t > 0 for t in figures["shard_compute_s"].values())
+    for side in (128, 64):
+        run = figures[f"overhead_{side}"]
+        assert run["width"] == side and run["plain_step_s"] > 0 and run["backend_step_s"] > 0
+        assert run["dtype"] == "torch.float32" and run["device"] == "cpu"

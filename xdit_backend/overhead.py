@@ -69,40 +69,47 @@ def plain_loop(model, width: int, height: int, steps: int, seed: int = 3) -> lis
     return clock.steps()[1:]
 
 
-def measure_overhead(model_ref: str = "flux-tiny", device: str = "cpu", dtype: str = "auto", width: int = 1024,
-                     height: int = 1024, steps: int = 8, repeats: int = 3) -> dict:
-    """Median step of the plain loop and of a world-1 backend, interleaved so both see the same machine."""
+def measure_overhead(model_ref: str = "flux-tiny", device: str = "cpu", dtype: str = "auto",
+                     sizes: tuple[tuple[int, int, int], ...] = ((1024, 1024, 8),), repeats: int = 3,
+                     model=None) -> list[dict]:
+    """Per (width, height, steps): the median step of the plain loop and of a world-1 backend, their
+    runs interleaved so both see the same machine. One backend and one in-process model (``model``,
+    when the caller has built it already) serve every size: a full-size model takes a minute to build."""
     from .models import registry
 
     target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    model = registry.build(model_ref, target, compute_dtype(dtype, target))
-    fields = {"model": model_ref, "width": width, "height": height, "steps": steps, "seed": 3, "cfg": 1.0,
-              "dtype": dtype, "parallel": {}, "profile": True}
-    backend_steps, plain_steps, peak = [], [], 0
+    model = model or registry.build(model_ref, target, compute_dtype(dtype, target))
+    figures = []
     with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
         options = LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=1, device=device)
         launcher.start(options)
         try:
             client = Client(options.socket)
-            client.sample({**fields, "steps": 2, "profile": False}, timeout=1800)  # warm-up: builds the model
-            for _ in range(repeats):
-                plain_steps += plain_loop(model, width, height, steps)
-                _, info = client.sample(fields, timeout=1800)
-                backend_steps += info["profile"][0]["step_s"][1:]
-                peak = max(peak, info["profile"][0]["peak_memory_bytes"])
+            for width, height, steps in sizes:
+                fields = {"model": model_ref, "width": width, "height": height, "steps": steps, "seed": 3,
+                          "cfg": 1.0, "dtype": dtype, "parallel": {}, "profile": True}
+                client.sample({**fields, "steps": 2, "profile": False}, timeout=1800)  # warm-up (the first builds)
+                backend_steps, plain_steps, peak = [], [], 0
+                for _ in range(repeats):
+                    plain_steps += plain_loop(model, width, height, steps)
+                    _, info = client.sample(fields, timeout=1800)
+                    backend_steps += info["profile"][0]["step_s"][1:]
+                    peak = max(peak, info["profile"][0]["peak_memory_bytes"])
+                plain, backend = statistics.median(plain_steps), statistics.median(backend_steps)
+                figures.append({"model": model_ref, "device": str(target), "dtype": str(model.dtype), "width": width,
+                                "height": height, "image_tokens": (width // 16) * (height // 16), "steps": steps,
+                                "repeats": repeats, "plain_step_s": plain, "backend_step_s": backend,
+                                "overhead": backend / plain - 1, "plain_range_s": [min(plain_steps), max(plain_steps)],
+                                "backend_range_s": [min(backend_steps), max(backend_steps)],
+                                "backend_peak_memory_bytes": peak})
         finally:
             launcher.stop(options.socket)
-    plain, backend = statistics.median(plain_steps), statistics.median(backend_steps)
-    return {"model": model_ref, "device": str(target), "dtype": str(model.dtype), "width": width, "height": height,
-            "image_tokens": (width // 16) * (height // 16), "steps": steps, "repeats": repeats,
-            "plain_step_s": plain, "backend_step_s": backend, "overhead": backend / plain - 1,
-            "plain_range_s": [min(plain_steps), max(plain_steps)],
-            "backend_range_s": [min(backend_steps), max(backend_steps)], "backend_peak_memory_bytes": peak}
+    return figures
 
 
 def run_overhead_bench(model: str = "flux-tiny", device: str = "cpu", dtype: str = "auto", width: int = 1024,
                        height: int = 1024, steps: int = 8, repeats: int = 3) -> int:
-    m = measure_overhead(model, device, dtype, width, height, steps, repeats)
+    [m] = measure_overhead(model, device, dtype, ((width, height, steps),), repeats)
     threads = f", threads {torch.get_num_threads()}" if device == "cpu" else ""
     print(f"{model} {width}×{height} ({m['image_tokens']} image tokens), {m['dtype']}, {m['device']}, "
           f"{steps} steps × {repeats} runs (first step of each excluded){threads}\n")

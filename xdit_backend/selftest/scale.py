@@ -63,14 +63,15 @@ def compiled(ctx: Context, checks: Checks) -> None:
 
 def _forward_seconds(model, image_rows: int, width_tokens: int, text: int, repeats: int = 3) -> float:
     """One transformer forward on ``image_rows``×``width_tokens`` image tokens and ``text`` text tokens."""
-    device, dtype = model.device, model.dtype
+    device, dtype, config = model.device, model.dtype, model.transformer.config
     g = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(1, image_rows * width_tokens, 64, generator=g).to(device, dtype),
-                  encoder_hidden_states=torch.randn(1, text, 4096, generator=g).to(device, dtype),
-                  pooled_projections=torch.randn(1, 768, generator=g).to(device, dtype),
-                  timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
-                  img_ids=flux.image_ids(2 * image_rows, 2 * width_tokens).to(device),
-                  txt_ids=torch.zeros(text, 3, device=device), return_dict=False)
+    inputs = dict(
+        hidden_states=torch.randn(1, image_rows * width_tokens, config.in_channels, generator=g).to(device, dtype),
+        encoder_hidden_states=torch.randn(1, text, config.joint_attention_dim, generator=g).to(device, dtype),
+        pooled_projections=torch.randn(1, config.pooled_projection_dim, generator=g).to(device, dtype),
+        timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
+        img_ids=flux.image_ids(2 * image_rows, 2 * width_tokens).to(device),
+        txt_ids=torch.zeros(text, 3, device=device), return_dict=False)
     clock = StepClock(device)
     with torch.no_grad():
         model.transformer(**inputs)
@@ -82,11 +83,13 @@ def _forward_seconds(model, image_rows: int, width_tokens: int, text: int, repea
     return sorted(steps)[len(steps) // 2]
 
 
-def _attention_seconds(device, dtype, queries: int, keys: int, repeats: int = 5) -> float:
-    """Our attention kernel, Flux's 24 heads of 128, ``queries`` against ``keys``."""
-    kernel = attention.local_attention(device)
-    q, k, v = (torch.randn(1, s, 24, 128, device=device, dtype=dtype) for s in (queries, keys, keys))
-    clock = StepClock(device)
+def _attention_seconds(model, queries: int, keys: int, repeats: int = 5) -> float:
+    """Our attention kernel at the model's heads and head size, ``queries`` against ``keys``."""
+    config = model.transformer.config
+    kernel = attention.local_attention(model.device)
+    shape = (config.num_attention_heads, config.attention_head_dim)
+    q, k, v = (torch.randn(1, s, *shape, device=model.device, dtype=model.dtype) for s in (queries, keys, keys))
+    clock = StepClock(model.device)
     kernel(q, k, v)
     clock.mark()
     for _ in range(repeats):
@@ -96,20 +99,38 @@ def _attention_seconds(device, dtype, queries: int, keys: int, repeats: int = 5)
     return sorted(steps)[len(steps) // 2]
 
 
-def shard_compute(model, side: int = 1024, text: int = 512, layers: int = 57) -> dict[int, float]:
+def shard_compute(model, side: int = 1024, text: int = 512) -> dict[int, float]:
     """Seconds of compute one sequence rank does per step at degree P, from measured parts: a forward
     over its (image + text)/P tokens (its linear layers' exact work), plus, per attention layer, the
     difference between attending those queries to all keys (what Ulysses and Ring do) and to its own."""
+    config = model.transformer.config
+    layers = config.num_layers + config.num_single_layers
     rows, cols = side // 16, side // 16
     total = rows * cols + text
     shares = {}
     for p in SHARDS:
         forward = _forward_seconds(model, rows // p, cols, text // p)
         mine = total // p
-        extra = _attention_seconds(model.device, model.dtype, mine, total) - \
-            _attention_seconds(model.device, model.dtype, mine, mine)
+        extra = _attention_seconds(model, mine, total) - _attention_seconds(model, mine, mine)
         shares[p] = forward + layers * extra
     return shares
+
+
+def full_size_figures(checks: Checks, model, sizes: tuple[tuple[int, int], ...], text: int) -> None:
+    """The figures of ``full_size`` for a built Flux ``model``: shard compute at the first size, then
+    the backend against the plain loop at every size."""
+    shards = shard_compute(model, sizes[0][0], text)
+    checks.record(shard_compute_s={str(p): t for p, t in shards.items()},
+                  **{f"compute_1_of_{p}_ms": t * 1e3 for p, t in shards.items()})
+    dtype = str(model.dtype).removeprefix("torch.")
+    runs = tuple((side, side, steps) for side, steps in sizes)
+    for m in measure_overhead(model.name, model.device.type, dtype, runs, repeats=2, model=model):
+        side = m["width"]
+        checks.record(**{f"{side}_plain_step_ms": m["plain_step_s"] * 1e3, f"{side}_backend_step_ms":
+                         m["backend_step_s"] * 1e3, f"{side}_overhead_pct": m["overhead"] * 100,
+                         f"{side}_peak_gib": m["backend_peak_memory_bytes"] / 2**30, f"overhead_{side}": m})
+        checks.expect(m["overhead"] <= 0.03, f"{side}²: the backend's step is {m['overhead'] * 100:+.1f} % "
+                                             "over the plain loop (budget ≤ 3 %)")
 
 
 def full_size(ctx: Context, checks: Checks) -> None:
@@ -119,15 +140,4 @@ def full_size(ctx: Context, checks: Checks) -> None:
     model = registry.build("flux-dev-random", ctx.device, torch.bfloat16)
     checks.record(build_s=time.perf_counter() - started,
                   weights_gib=sum(p.numel() * p.element_size() for p in model.transformer.parameters()) / 2**30)
-    shards = shard_compute(model)
-    checks.record(shard_compute_s={str(p): t for p, t in shards.items()},
-                  **{f"compute_1_of_{p}_ms": t * 1e3 for p, t in shards.items()})
-    del model
-    torch.cuda.empty_cache()
-    for side, steps in SIZES:
-        m = measure_overhead("flux-dev-random", "cuda", "bfloat16", side, side, steps, repeats=2)
-        checks.record(**{f"{side}_plain_step_ms": m["plain_step_s"] * 1e3, f"{side}_backend_step_ms":
-                         m["backend_step_s"] * 1e3, f"{side}_overhead_pct": m["overhead"] * 100,
-                         f"{side}_peak_gib": m["backend_peak_memory_bytes"] / 2**30, f"overhead_{side}": m})
-        checks.expect(m["overhead"] <= 0.03, f"{side}²: the backend's step is {m['overhead'] * 100:+.1f} % "
-                                             "over the plain loop (budget ≤ 3 %)")
+    full_size_figures(checks, model, SIZES, text=512)
