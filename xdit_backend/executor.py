@@ -22,6 +22,7 @@ from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from .request import SampleRequest, compute_dtype
 from .runtime import Runtime
 from .sampling.generate import generate
+from .step_clock import StepClock
 
 FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
 
@@ -121,18 +122,13 @@ class Executor:
         if not request.profile:
             return self.generate(request, after_step), {}
         cuda = self.rt.device.type == "cuda"
-        # Step ends: CUDA events on a GPU (recorded in the stream, read after the generation: no
-        # synchronisation inside the loop that production does not have), wall time on the CPU.
-        clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else time.perf_counter
-        marks = [clock()]
+        clock = StepClock(self.rt.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.rt.device)
-            marks[0].record()
+        clock.mark()
 
         def timed(done: int, total: int) -> bool:
-            marks.append(clock())
-            if cuda:
-                marks[-1].record()
+            clock.mark()
             return after_step(done, total)
 
         groups_before = _process_groups()
@@ -140,12 +136,11 @@ class Executor:
         with traffic.counting(request.compile) as sent:  # None when compiled (traffic.py says why)
             latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
         denoise_s = time.perf_counter() - started
+        steps = clock.steps()
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.rt.device)
-            steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-            steps = [b - a for a, b in zip(marks, marks[1:])]
         dtype = compute_dtype(request.dtype, self.rt.device)
         head_dim = self.computing.transformer.config.attention_head_dim
         ours = request.parallel.sequence > 1 or request.parallel.pipefusion > 1  # our kernel, else diffusers' SDPA

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,27 +20,7 @@ from . import launcher
 from .client import Client
 from .launch_options import LaunchOptions
 from .request import compute_dtype
-
-
-class StepClock:
-    """Step ends: CUDA events on a GPU (read once at the end), wall time on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def steps(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+from .step_clock import StepClock
 
 
 def plain_loop(model, width: int, height: int, steps: int, seed: int = 3) -> list[float]:

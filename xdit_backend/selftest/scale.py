@@ -4,6 +4,7 @@ peak memory, and the compute one rank does on a 1/P share of the tokens (what ``
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -12,7 +13,8 @@ from torch._dynamo.utils import counters
 from .. import attention
 from ..compile import compile_blocks
 from ..models import flux, registry
-from ..overhead import StepClock, measure_overhead
+from ..overhead import measure_overhead
+from ..step_clock import StepClock
 from ..parallel.denoiser import Denoiser
 from ..protocol import Message
 from ..request import SampleRequest
@@ -72,15 +74,8 @@ def _forward_seconds(model, image_rows: int, width_tokens: int, text: int, repea
         timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
         img_ids=flux.image_ids(2 * image_rows, 2 * width_tokens).to(device),
         txt_ids=torch.zeros(text, 3, device=device), return_dict=False)
-    clock = StepClock(device)
     with torch.no_grad():
-        model.transformer(**inputs)
-        clock.mark()
-        for _ in range(repeats):
-            model.transformer(**inputs)
-            clock.mark()
-    steps = clock.steps()
-    return sorted(steps)[len(steps) // 2]
+        return _median_seconds(lambda: model.transformer(**inputs), device, repeats)
 
 
 def _attention_seconds(model, queries: int, keys: int, repeats: int = 5) -> float:
@@ -89,14 +84,18 @@ def _attention_seconds(model, queries: int, keys: int, repeats: int = 5) -> floa
     kernel = attention.local_attention(model.device)
     shape = (config.num_attention_heads, config.attention_head_dim)
     q, k, v = (torch.randn(1, s, *shape, device=model.device, dtype=model.dtype) for s in (queries, keys, keys))
-    clock = StepClock(model.device)
-    kernel(q, k, v)
+    return _median_seconds(lambda: kernel(q, k, v), model.device, repeats)
+
+
+def _median_seconds(run, device, repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``run`` after one untimed (warm-up) call."""
+    clock = StepClock(device)
+    run()
     clock.mark()
     for _ in range(repeats):
-        kernel(q, k, v)
+        run()
         clock.mark()
-    steps = clock.steps()
-    return sorted(steps)[len(steps) // 2]
+    return statistics.median(clock.steps())
 
 
 def shard_compute(model, side: int = 1024, text: int = 512) -> dict[int, float]:
