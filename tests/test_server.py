@@ -177,8 +177,11 @@ def test_another_uid_is_refused_even_past_the_directory():
     try:
         os.chmod(path.parent, 0o711)  # open both doors on purpose, to reach the check behind them
         os.chmod(path, 0o666)
-        probe = ("import os, socket, sys; os.setuid(65534); s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-                 "s.sendall(bytes.fromhex(sys.argv[2])); s.settimeout(10); print(s.recv(4096))")
+        # the whole reply, to the server's close (a reset, as it leaves unread bytes): one recv may get only its header
+        probe = ("import os, socket, sys\nos.setuid(65534)\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+                 "s.sendall(bytes.fromhex(sys.argv[2]))\ns.settimeout(10)\nreply = b''\ntry:\n"
+                 "    while chunk := s.recv(4096):\n        reply += chunk\nexcept ConnectionResetError:\n    pass\n"
+                 "print(reply)")
         hello = frame({"type": "hello", "id": "x"}).hex()
         out = subprocess.run([sys.executable, "-c", probe, str(path), hello], capture_output=True, text=True, timeout=30)
         assert '"kind":"forbidden"' in out.stdout, out.stderr  # the reply's bytes, as the child printed them
