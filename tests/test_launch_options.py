@@ -13,7 +13,7 @@ EVERY = LaunchOptions(socket=Path("/tmp/xdit-opts/b.sock"), nproc=3, device="cpu
                       collective_timeout=123.25, heartbeat=7.5, max_payload_mb=77,
                       model_roots=("/tmp/xdit-opts/a", "/tmp/xdit-opts/b"), tcp="127.0.0.1:8765",
                       token_file="/tmp/xdit-opts/token", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400",
-                      topology_probe="off")
+                      topology_probe="off", idle_unload=90.5, idle_stop=3600.0)
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -43,7 +43,8 @@ def test_absent_flags_take_the_dataclass_defaults():
     assert worker.parse_args(["--socket", "/tmp/xdit-opts/b.sock"]) == expected
     assert expected.to_argv() == ["--socket", "/tmp/xdit-opts/b.sock", "--collective-timeout", "600.0",
                                   "--heartbeat", "30.0", "--max-payload-mb", "1024", "--nnodes", "1",
-                                  "--node-rank", "0", "--topology-probe", "on"]
+                                  "--node-rank", "0", "--topology-probe", "on", "--idle-unload", "0.0",
+                                  "--idle-stop", "0.0"]
 
 
 def test_help_shows_the_declared_defaults():

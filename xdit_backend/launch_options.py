@@ -20,6 +20,7 @@ from pathlib import Path
 from . import paths
 from .errors import LaunchError
 from .gpus import VISIBLE_ENV, available_gpus, chosen_gpus
+from .idle import NODES_STOP_AFTER_S, NODES_UNLOAD_AFTER_S
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -91,6 +92,14 @@ class LaunchOptions:
     topology_probe: str = option("on", "time each pair of ranks' link and the compute rate at start, for status and "
                                        "--parallel auto (default on; off for multi-node or a faster start)",
                                  choices=("on", "off"))
+
+    # seconds without a request before the models are unloaded / the backend stops (idle.py); 0: never
+    idle_unload: float = option(0.0, "unload the models after this many seconds without a request; 0: never (a "
+                                     f"backend the ComfyUI nodes start uses {NODES_UNLOAD_AFTER_S:g})",
+                                type=float, metavar="S")
+    idle_stop: float = option(0.0, "stop the backend after this many seconds without a request; 0: never (a "
+                                   f"backend the ComfyUI nodes start uses {NODES_STOP_AFTER_S:g})",
+                              type=float, metavar="S")
 
     # ------------------------------------------------------------------ the command line
 
@@ -170,6 +179,10 @@ class LaunchOptions:
         if not 0 < self.heartbeat * 2 <= self.collective_timeout:
             raise LaunchError(f"--heartbeat {self.heartbeat:g} must be positive and at most half of "
                               f"--collective-timeout {self.collective_timeout:g}, so idle ranks never time out")
+        for name in ("idle_unload", "idle_stop"):
+            if getattr(self, name) < 0:
+                raise LaunchError(f"--{name.replace('_', '-')} {getattr(self, name):g} must be 0 (never) or a number "
+                                  "of seconds")
         return LaunchOptions(**{**asdict(self), "device": device, "nproc": nproc, "token_file": token_file})
 
     def to_json(self) -> dict:

@@ -19,6 +19,7 @@ from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
 from .control import StepGate, broadcast_message
 from .errors import UserError
 from .executor import Executor
+from .idle import STOP, UNLOAD, IdleClock
 from .models import registry
 from .protocol import Message
 from .request import RequestError, SampleRequest, compute_dtype
@@ -33,7 +34,8 @@ class Leader:
     """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
 
     def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
-                 model_roots: tuple[str, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None):
+                 model_roots: tuple[str, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None,
+                 idle: IdleClock | None = None):
         self.rt = rt
         # Asked here, on the rank's own thread and device, not on the server's thread at each status
         self.attention_kernel = attention.status_line(rt.device, compute_dtype("auto", rt.device))
@@ -43,6 +45,7 @@ class Leader:
         self.heartbeat = heartbeat
         self.gate = StepGate(rt.control)
         self.executor = Executor(rt)
+        self.idle = idle or IdleClock(0.0, 0.0)  # never, unless the launch options say when
 
     def status(self) -> dict:
         return {
@@ -55,29 +58,60 @@ class Leader:
             "topology": self.rt.topology.to_json(),
             "models": self.executor.loaded(),
             "uptime_s": round(time.time() - self.rt.started, 3),
+            "idle": self.idle.to_json(),
             "socket": str(self.server.path),
         }
 
     def serve(self) -> None:
         while True:
-            job = self.server.next_job(timeout=self.heartbeat)
+            job = self.server.next_job(timeout=self.idle.wait(self.heartbeat))
             if job is None:
-                broadcast_message(None, self.rt.control)  # heartbeat: the others' wait stays bounded
+                if not self.on_idle():
+                    return
                 continue
+            self.idle.touch()
             try:
                 if job.type == "shutdown":
-                    broadcast_message(job.message, self.rt.control)
-                    self.server.fail_all("shutdown", "the backend is shutting down", spare=job)
+                    self.shut_down(job.message, "the backend is shutting down", spare=job)
                     job.reply(Message("result", {"elapsed_s": 0.0, "info": {"stopped": True}}))
                     return
                 if job.type == "unload":
-                    broadcast_message(job.message, self.rt.control)
-                    unloaded = self.executor.unload(job.message.fields.get("model"))
+                    unloaded = self.unload(job.message)
                     job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
                 elif job.type == "sample":
                     self.sample(job)
             finally:
                 self.server.finish(job)
+                self.idle.touch()
+
+    def on_idle(self) -> bool:
+        """No job came: unload or stop if the idle clock says so (through the same broadcasts as a
+        requested unload or shutdown), else send the heartbeat. Returns False when the backend stops."""
+        due = self.idle.due(models_loaded=bool(self.executor.loaded()))
+        if due == STOP:
+            log.info("idle for %.0f s (--idle-stop %g): stopping", self.idle.idle_s(), self.idle.stop_after)
+            self.shut_down(Message("shutdown", {"id": "idle-stop"}),
+                           f"the backend stopped after {self.idle.stop_after:g} s without a request (--idle-stop)")
+            return False
+        if due == UNLOAD:
+            unloaded = self.unload(Message("unload", {"id": "idle-unload"}))
+            log.info("idle for %.0f s (--idle-unload %g): unloaded %s", self.idle.idle_s(), self.idle.unload_after,
+                     ", ".join(unloaded))
+            return True
+        broadcast_message(None, self.rt.control)  # heartbeat: the others' wait stays bounded
+        return True
+
+    def unload(self, message: Message) -> list[str]:
+        """Every rank drops the model ``message`` names, or all of them (follower.py does the same)."""
+        broadcast_message(message, self.rt.control)
+        return self.executor.unload(message.fields.get("model"))
+
+    def shut_down(self, message: Message, why: str, spare: Job | None = None) -> None:
+        """Every rank leaves its loop; queued and running jobs but ``spare`` are answered with ``why``."""
+        self.server.refuse_new(why)
+        broadcast_message(message, self.rt.control)
+        self.server.fail_all("shutdown", why, "the next request from the nodes (or `xdit-backend start`) starts it "
+                             "again", spare=spare)
 
     def resolve(self, job: Job) -> tuple[SampleRequest, str]:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""

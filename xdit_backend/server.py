@@ -89,7 +89,7 @@ class SocketServer:
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._listener: socket.socket | None = None
         self._tcp_listener: socket.socket | None = None
-        self.shutting_down = False
+        self.shutting_down = ""  # why new requests are refused, once the backend is going away
 
     # ------------------------------------------------------------------ life cycle
 
@@ -148,6 +148,11 @@ class SocketServer:
         with self._ready:
             return {"queued": len(self._queue), "running": self._running.id if self._running else None}
 
+    def refuse_new(self, why: str) -> None:
+        """From now on every new request is answered with ``why`` (the backend is going away)."""
+        with self._ready:
+            self.shutting_down = why
+
     def fail_all(self, kind: str, message: str, hint: str = "", *, spare: Job | None = None, **extra) -> None:
         """Answer every queued and running job but ``spare`` with the same error (the backend is going away)."""
         with self._ready:
@@ -161,7 +166,7 @@ class SocketServer:
     def _enqueue(self, job: Job) -> str | None:
         with self._ready:
             if self.shutting_down:
-                return "the backend is shutting down"
+                return self.shutting_down
             if not job.id:
                 return f"a {job.type!r} request needs an 'id'"
             if job.id in self._jobs:
@@ -170,7 +175,7 @@ class SocketServer:
             job.arrival = self._arrived
             self._arrived += 1
             if job.type == "shutdown":
-                self.shutting_down = True
+                self.shutting_down = "the backend is shutting down"
                 self._queue.appendleft(job)
             else:
                 self._queue.append(job)

@@ -28,6 +28,7 @@ from . import protocol
 from .control import PeerLost, gather_json, is_peer_failure
 from .errors import EXIT_PEER_LOST
 from .follower import follow
+from .idle import IdleClock
 from .launch_options import LaunchOptions, tcp_address
 from .leader import Leader
 from .runtime import describe_rank, leave_together, start_runtime
@@ -65,7 +66,8 @@ def run(options: LaunchOptions) -> None:
     limits = protocol.Limits(max_payload_bytes=options.max_payload_mb << 20)
     tcp = tcp_address(options.tcp) if options.tcp else None
     token = Path(options.token_file).read_text().strip() if options.tcp else None
-    leader = Leader(rt, ranks, options.socket, limits, options.heartbeat, options.model_roots, tcp, token)
+    leader = Leader(rt, ranks, options.socket, limits, options.heartbeat, options.model_roots, tcp, token,
+                    IdleClock(options.idle_unload, options.idle_stop))
     server = leader.server
     server.start()
     log.info("backend ready: world size %d, socket %s", rt.world_size, options.socket)
