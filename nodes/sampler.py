@@ -175,7 +175,9 @@ def backend_client(parallel: ParallelChoice | None):
     none runs: the first request starts one on the chosen GPUs). A running backend on other GPUs is
     an error that says how to restart it."""
     from xdit_backend.client import Client
+    from xdit_backend.errors import UserError
     from xdit_backend.gpus import running_elsewhere
+    from xdit_backend.idle import nodes_idle_times
     from xdit_backend.launch_options import LaunchError, LaunchOptions, cuda_device_count
     from xdit_backend.paths import default_socket
 
@@ -186,8 +188,13 @@ def backend_client(parallel: ParallelChoice | None):
     # a backend this node starts serves files from ComfyUI's model folders only
     roots = tuple(sorted({str(Path(p).resolve()) for kind in ("diffusion_models", "checkpoints", "loras")
                           for p in folder_paths.get_folder_paths(kind)}))
+    try:  # a backend this node starts lets the GPUs go when ComfyUI stops using it (idle.py)
+        idle_unload, idle_stop = nodes_idle_times(os.environ)
+    except UserError as exc:
+        raise RuntimeError(_readable(exc)) from None
     client = Client(socket, auto_start=True,
-                    launch=LaunchOptions(socket=socket, gpus=gpus, model_roots=roots))
+                    launch=LaunchOptions(socket=socket, gpus=gpus, model_roots=roots, idle_unload=idle_unload,
+                                         idle_stop=idle_stop))
     if client.hello_or_none() is None:
         return client, None
     status = client.status()

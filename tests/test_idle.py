@@ -8,7 +8,8 @@ from conftest import SMALL
 
 from xdit_backend import launcher
 from xdit_backend.client import NoBackend
-from xdit_backend.idle import STOP, UNLOAD, IdleClock
+from xdit_backend.errors import UserError
+from xdit_backend.idle import STOP, UNLOAD, IdleClock, nodes_idle_times
 from xdit_backend.launch_options import LaunchError, LaunchOptions
 
 
@@ -82,3 +83,11 @@ def test_a_request_in_between_resets_the_clock(backends):
     client.sample(SMALL)
     time.sleep(4.0)
     assert client.hello_or_none() is not None, "the second request must have reset the idle clock"
+
+
+def test_the_nodes_idle_times_default_to_30_minutes_and_4_hours_and_follow_the_environment():
+    assert nodes_idle_times({}) == (1800.0, 14400.0)
+    assert nodes_idle_times({"XDIT_IDLE_UNLOAD": "60", "XDIT_IDLE_STOP": "0"}) == (60.0, 0.0)
+    for bad in ("soon", "-5", "nan"):
+        with pytest.raises(UserError, match=f"XDIT_IDLE_STOP={bad!r} is not a number of seconds"):
+            nodes_idle_times({"XDIT_IDLE_STOP": bad})

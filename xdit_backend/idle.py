@@ -11,14 +11,35 @@ Rank 0's loop (leader.py) asks ``due`` whenever it wakes without a job and waits
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from .errors import UserError
 
 UNLOAD, STOP = "unload", "stop"
 
-# What a backend the ComfyUI nodes start uses (nodes/sampler.py; $XDIT_IDLE_UNLOAD / $XDIT_IDLE_STOP override)
+# What a backend the ComfyUI nodes start uses (nodes/sampler.py), unless the environment says otherwise
 NODES_UNLOAD_AFTER_S = 30 * 60.0
 NODES_STOP_AFTER_S = 4 * 3600.0
+UNLOAD_ENV, STOP_ENV = "XDIT_IDLE_UNLOAD", "XDIT_IDLE_STOP"
+
+
+def nodes_idle_times(environ: Mapping[str, str]) -> tuple[float, float]:
+    """(unload after, stop after) in seconds for a backend the nodes start: $XDIT_IDLE_UNLOAD and
+    $XDIT_IDLE_STOP (set where ComfyUI starts; 0: never), else 30 minutes and 4 hours."""
+    times = []
+    for name, default in ((UNLOAD_ENV, NODES_UNLOAD_AFTER_S), (STOP_ENV, NODES_STOP_AFTER_S)):
+        text = environ.get(name, "").strip()
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
+            raise UserError(f"${name}={text!r} is not a number of seconds",
+                            f"set it to 0 (never) or a number of seconds, e.g. {name}={default:g}, or unset it "
+                            f"(default {default:g})")
+        times.append(value)
+    return times[0], times[1]
 
 
 @dataclass
