@@ -155,6 +155,7 @@ def host(tmp_path_factory):
          "--port", str(port), "--base-directory", str(base), "--database-url", "sqlite:///:memory:"],
         cwd=COMFYUI_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
     host = Host(base, port, process)
+    host.socket = sock_dir / "backend.sock"  # the backend the pack's nodes start and use
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -333,6 +334,24 @@ def test_the_backend_node_shows_status_unloads_and_stops(host):
     assert "stopped" in run("stop backend")
     assert "no backend" in run("status")
     assert host.follow(host.queue(xdit_on_tiny_sd3(seed=32)))[0] == "success"  # the next run starts it again
+
+
+def test_comfyuis_unload_models_also_unloads_the_backends(host):
+    """POST /free {"unload_models": true}, as the page's "Unload Models" sends it: the backend started by
+    the nodes (with their idle times: 30 minutes, 4 hours) shows no models loaded."""
+    from xdit_backend.client import Client
+
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=41)))[0] == "success"
+    client = Client(host.socket)
+    status = client.status()
+    assert any("tiny-sd3.safetensors" in str(model) for model in status["models"]), status["models"]
+    assert (status["idle"]["unload_after_s"], status["idle"]["stop_after_s"]) == (1800.0, 14400.0)
+    host.post("/api/free", {"unload_models": True})
+    deadline = time.monotonic() + 60
+    while client.status()["models"]:
+        assert time.monotonic() < deadline, "the backend kept its models after POST /free"
+        time.sleep(0.2)
+    assert client.hello_or_none() is not None, "unloading must leave the backend running"
 
 
 def test_flux_guidance_from_comfyuis_node_reaches_the_model(host):

@@ -97,9 +97,10 @@ class Client:
         """Send tensors to the backend and back (a check and a measure of the transport)."""
         return self._call(Message("echo", {}, tensors)).tensors
 
-    def unload(self, model: str | None = None) -> list[str]:
+    def unload(self, model: str | None = None, timeout: float = 600.0) -> list[str]:
+        """Unload ``model``, or every model; waits (at most ``timeout`` s) for the requests queued before it."""
         fields = {"model": model} if model else {}
-        return self._call(Message("unload", fields), timeout=600.0).fields["info"]["unloaded"]
+        return self._call(Message("unload", fields), timeout=timeout).fields["info"]["unloaded"]
 
     def shutdown(self) -> None:
         self._call(Message("shutdown"), timeout=60.0)
