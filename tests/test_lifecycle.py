@@ -38,9 +38,12 @@ def test_start_status_stop(sock):
     assert {r["device"] for r in status["ranks"]} == {"cpu"}
     assert status["protocol"] == 1 and status["models"] == [] and status["uptime_s"] >= 0
 
-    asked = cli("status", "--socket", sock)
+    asked = cli("status", "--socket", sock, "--json")
     assert asked.returncode == 0
     assert json.loads(asked.stdout)["pid"] == status["pid"]
+    readable = cli("status", "--socket", sock).stdout
+    assert f"(pid {status['pid']}), world size 2" in readable and "rank 1: cpu" in readable
+    assert "models loaded: none" in readable and "unloads the models never, stops never" in readable
 
     again = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
     assert again.returncode == 1 and "already answers" in again.stderr

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import launcher, paths, schema
+from . import launcher, paths, schema, status_text
 from .client import BackendError, Client, NoBackend
 from .launch_options import LaunchError, LaunchOptions, int_list
 
@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     start = commands.add_parser("start", help="start a backend in the background; prints its status")
     LaunchOptions.add_arguments(start)
     start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every rank (default 180)")
-    _add_socket(commands.add_parser("status", help="the running backend's status as JSON; exit 1 if none"))
+    status = commands.add_parser("status", help="the running backend's GPUs, memory, models and idle times; exit 1 "
+                                 "if none")
+    _add_socket(status)
+    status.add_argument("--json", action="store_true", help="the status record as JSON")
     _add_socket(commands.add_parser("stop", help="stop the backend"))
 
     sample = commands.add_parser("sample", help="generate one latent through the backend")
@@ -125,7 +128,8 @@ def cmd_start(args) -> int:
 
 def cmd_status(args) -> int:
     try:
-        print(json.dumps(Client(args.socket).status(), indent=2))
+        status = Client(args.socket).status()
+        print(json.dumps(status, indent=2) if args.json else status_text.describe(status))
         return 0
     except NoBackend as exc:
         print(f"xdit-backend: {exc}", file=sys.stderr)
