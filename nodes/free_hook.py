@@ -21,7 +21,7 @@ from aiohttp import web  # ComfyUI's server library; this module is imported onl
 log = logging.getLogger("comfyui-xdit")
 
 FREE_PATHS = ("/free", "/api/free")
-UNLOAD_TIMEOUT_S = 120.0  # an unload waits for a running request to end first; the thread gives up after this
+UNLOAD_TIMEOUT_S = 600.0  # the unload waits for a generation already running; the thread gives up after this
 
 
 def install_on_comfyui() -> bool:

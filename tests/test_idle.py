@@ -34,7 +34,10 @@ def test_the_clock_unloads_then_stops_and_a_request_starts_it_again():
     assert clock.wait(heartbeat=30.0) == 30.0  # the unload deadline has passed; the stop is 540 s away
     now.t += 530.0
     assert clock.wait(heartbeat=30.0) == 10.0
-    clock.touch()  # a request: both deadlines are counted from now again
+    clock.request_started()
+    now.t += 5000.0  # a long request is not idle time
+    assert clock.idle_s() == 0.0 and clock.due(models_loaded=True) is None
+    clock.request_ended()  # both deadlines are counted from now again
     now.t += 20.0
     assert clock.due(models_loaded=True) is None and clock.wait(heartbeat=30.0) == 30.0
     now.t += 580.0

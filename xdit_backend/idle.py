@@ -47,17 +47,22 @@ class IdleClock:
     unload_after: float  # seconds without a request before the models are unloaded; 0: never
     stop_after: float  # seconds without a request before the backend stops; 0: never
     now: Callable[[], float] = time.monotonic
-    last_request: float = field(init=False)
+    last_request: float = field(init=False)  # when the last request ended (at first: when the backend started)
+    running: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self.last_request = self.now()
 
-    def touch(self) -> None:
-        """A request ran: the idle time starts again from now."""
+    def request_started(self) -> None:
+        self.running = True
+
+    def request_ended(self) -> None:
+        """The idle time starts again from now."""
+        self.running = False
         self.last_request = self.now()
 
     def idle_s(self) -> float:
-        return self.now() - self.last_request
+        return 0.0 if self.running else self.now() - self.last_request
 
     def due(self, models_loaded: bool) -> str | None:
         """What the backend should do now: STOP, UNLOAD (only with models to unload), or None."""

@@ -69,7 +69,7 @@ class Leader:
                 if not self.on_idle():
                     return
                 continue
-            self.idle.touch()
+            self.idle.request_started()
             try:
                 if job.type == "shutdown":
                     self.shut_down(job.message, "the backend is shutting down", spare=job)
@@ -82,7 +82,7 @@ class Leader:
                     self.sample(job)
             finally:
                 self.server.finish(job)
-                self.idle.touch()
+                self.idle.request_ended()
 
     def on_idle(self) -> bool:
         """No job came: unload or stop if the idle clock says so (through the same broadcasts as a
