@@ -24,7 +24,8 @@ def describe(status: dict) -> str:
         lines.append(f"rank {rank['rank']}: {device(rank)}")
         memory = rank_memory(status, rank["rank"])
         if memory:
-            lines.append("  memory: " + ", ".join(f"{human_bytes(memory[k])} {k}" for k in MEMORY_FIELDS if k in memory))
+            figures = [f"{human_bytes(memory[k])} {k}" for k in MEMORY_FIELDS if k in memory]
+            lines.append("  memory: " + ", ".join(figures))
     models = status.get("models", [])
     lines.append("models loaded:" + ("" if models else " none"))
     lines += ["  " + model_line(model) for model in models]
