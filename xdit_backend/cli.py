@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     scaling = bench_kinds.add_parser("scaling", help="MODELED step times on 2/4/8 GPUs, NVLink and PCIe (no GPU needed)")
     scaling.add_argument("--t1", type=float, default=None,
                          help="one GPU's step time in seconds (default: xDiT's published Flux.1-dev 1024² figure)")
+    bench_kinds.add_parser("memory", help="MODELED bytes per rank for the full-size models: storage × GPUs × "
+                           "sharding, and which cards they fit (no GPU, no weights needed)")
     versus = bench_kinds.add_parser("versus-diffusers", help="one Flux forward on the CPU: our sequence "
                                     "parallelism against diffusers' context parallelism, same model and inputs")
     versus.add_argument("--width", type=int, default=1024)
@@ -235,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         from .scaling import run_scaling_model
 
         handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
+    elif args.command == "bench" and args.bench == "memory":
+        from .memory_table import run_memory_table
+
+        handler = lambda a: run_memory_table()  # noqa: E731
     elif args.command == "bench" and args.bench == "versus-diffusers":
         from .versus import run_versus_diffusers_bench
 
