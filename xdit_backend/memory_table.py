@@ -72,7 +72,7 @@ ARCHITECTURES = (
     Architecture("Wan 2.2 A14B (one expert)", "WanTransformer3DModel", {}, 14.0, 75600, 0, "720p × 81", WAN_VAE,
                  "diffusers 0.42.1 WanTransformer3DModel's defaults (40 blocks, 40 heads × 128, FFN 13824, "
                  "16 channels) = the Wan team's wan/configs/wan_t2v_A14B.py; text by cross-attention"),
-    Architecture("HunyuanVideo 1.5", "HunyuanVideo15Transformer3DModel", {"in_channels": 65}, 8.3, 75600, 1256,
+    Architecture("HunyuanVideo 1.5", "HunyuanVideo15Transformer3DModel", {}, 8.3, 75600, 1256,
                  "720p × 81", WAN_VAE,
                  "diffusers 0.42.1 HunyuanVideo15Transformer3DModel's defaults (54 blocks, 16 heads × 128, "
                  "MLP ratio 4); text in the sequence: Qwen2.5-VL 1000 + byT5 256 tokens (the pipeline's); "
