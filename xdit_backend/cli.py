@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     scaling = bench_kinds.add_parser("scaling", help="MODELED step times on 2/4/8 GPUs, NVLink and PCIe (no GPU needed)")
     scaling.add_argument("--t1", type=float, default=None,
                          help="one GPU's step time in seconds (default: xDiT's published Flux.1-dev 1024² figure)")
+    memory = bench_kinds.add_parser("memory", help="MODELED bytes per rank for the full-size models: storage × "
+                                    "GPUs × sharding, and which cards they fit (no GPU, no weights needed)")
+    memory.add_argument("--measure", action="store_true",
+                        help="instead, check the model against measured CPU peaks of a full-width two-block Flux, "
+                             "serial and ulysses=2 (about 5 GB of RAM)")
+    memory.add_argument("--width", type=int, default=512)
+    memory.add_argument("--height", type=int, default=512)
+    memory.add_argument("--text-tokens", type=int, default=256)
     versus = bench_kinds.add_parser("versus-diffusers", help="one Flux forward on the CPU: our sequence "
                                     "parallelism against diffusers' context parallelism, same model and inputs")
     versus.add_argument("--width", type=int, default=1024)
@@ -239,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         from .scaling import run_scaling_model
 
         handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
+    elif args.command == "bench" and args.bench == "memory":
+        from .memory_measure import run_memory_check
+        from .memory_table import run_memory_table
+
+        handler = lambda a: (run_memory_check(a.width, a.height, a.text_tokens) if a.measure  # noqa: E731
+                             else run_memory_table())
     elif args.command == "bench" and args.bench == "versus-diffusers":
         from .versus import run_versus_diffusers_bench
 

@@ -92,6 +92,15 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=512,
         description="the full Flux.1-dev architecture (12 B parameters) with random weights, for GPU benchmarks",
     ),
+    "flux-dev-two-blocks": BuiltinModel(
+        family="flux",
+        config=dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                    guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        text_tokens=512,
+        description="Flux.1-dev's width (3072) with 1 double and 1 single block (545 M parameters), random weights: "
+                    "full-size activations on a CPU (bench memory --measure)",
+    ),
     "sd3-tiny": BuiltinModel(
         family="sd3",
         config=dict(
