@@ -1,0 +1,132 @@
+"""Weights stay in their storage precision (models/storage.py): an fp8 file's Linear weights are
+float8 on the device (1 byte a value) and upcast one layer at a time; weight_dtype fp8_* stores a
+16/32-bit file so; the output equals the model computed with the dequantised weights."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_model_files import bfl_state_dict, forward
+
+from xdit_backend.client import BackendError
+from xdit_backend.models import registry
+from xdit_backend.models.registry import ModelError
+from xdit_backend.models.storage import StoredLinear
+from xdit_backend.parallel.denoiser import Denoiser
+from xdit_backend.protocol import Message
+from xdit_backend.request import SampleRequest
+from xdit_backend.sampling.generate import generate
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return registry.build("flux-tiny", CPU)
+
+
+def linear_weights(transformer) -> dict[str, torch.Tensor]:
+    return {name: module.weight for name, module in transformer.named_modules()
+            if isinstance(module, torch.nn.Linear)}
+
+
+def parameter_bytes(transformer) -> int:
+    return sum(p.numel() * p.element_size() for p in transformer.parameters())
+
+
+def rounded(tiny, fp8: torch.dtype, linear_only: bool):
+    """The reference: flux-tiny with its weights rounded through ``fp8`` (every tensor, as a file
+    stored all in fp8; or only the Linear weights, as weight_dtype does), computed in float32."""
+    model = registry.build("flux-tiny", CPU)
+    linears = {f"{name}.weight" for name in linear_weights(model.transformer)}
+    state = {k: v.to(fp8).float() if not linear_only or k in linears else v
+             for k, v in tiny.transformer.state_dict().items()}
+    model.transformer.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_an_fp8_file_stays_fp8_at_one_byte_a_value(tiny, tmp_path, fp8):
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file({k: v.to(fp8) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    loaded = registry.build(str(path), CPU)
+    weights = linear_weights(loaded.transformer)
+    assert {w.dtype for w in weights.values()} == {fp8}
+    assert all(isinstance(m, StoredLinear) for m in loaded.transformer.modules() if isinstance(m, torch.nn.Linear))
+    matrix_values = sum(w.numel() for w in weights.values())
+    others = sum(p.numel() for p in loaded.transformer.parameters()) - matrix_values
+    # 1 byte per matrix value; biases, norms and the rest in the float32 compute dtype
+    assert parameter_bytes(loaded.transformer) == matrix_values * 1 + others * 4
+    assert parameter_bytes(loaded.transformer) < parameter_bytes(tiny.transformer) / 3
+    assert loaded.dtype == torch.float32 and loaded.storage_dtype == str(fp8).removeprefix("torch.")
+    difference = (forward(loaded.transformer) - forward(rounded(tiny, fp8, False).transformer)).abs().max()
+    assert difference <= 1e-5
+
+
+@pytest.mark.parametrize("name, fp8", [("fp8_e4m3fn", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_weight_dtype_fp8_stores_a_16_bit_file_in_fp8(tiny, tmp_path, name, fp8):
+    path = tmp_path / "flux-bf16.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    loaded = registry.build(str(path), CPU, weight_dtype=name)
+    assert {w.dtype for w in linear_weights(loaded.transformer).values()} == {fp8}
+    assert loaded.storage_dtype == str(fp8).removeprefix("torch.")
+    bf16 = registry.build("flux-tiny", CPU)
+    bf16.transformer.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in tiny.transformer.state_dict().items()})
+    reference = rounded(bf16, fp8, linear_only=True)
+    assert (forward(loaded.transformer) - forward(reference.transformer)).abs().max() <= 1e-5
+    default = registry.build(str(path), CPU)  # default: the file's precision, here the compute dtype's
+    assert {w.dtype for w in linear_weights(default.transformer).values()} == {torch.float32}
+    assert default.storage_dtype == "float32"
+
+
+def test_weight_dtype_fp8_saturates_instead_of_overflowing(tiny, tmp_path):
+    """A value beyond e4m3fn's ±448 becomes ±448 (a plain cast gives NaN)."""
+    state = bfl_state_dict(tiny.transformer)
+    state["img_in.weight"] = state["img_in.weight"].clone()
+    state["img_in.weight"][0, :2] = torch.tensor([1000.0, -1000.0])
+    path = tmp_path / "flux-big.safetensors"
+    save_file(state, str(path))
+    weight = registry.build(str(path), CPU, weight_dtype="fp8_e4m3fn").transformer.x_embedder.weight
+    assert weight[0, :2].float().tolist() == [448.0, -448.0]
+
+
+def test_a_builtin_stored_in_fp8_and_an_unknown_weight_dtype():
+    model = registry.build("flux-tiny", CPU, weight_dtype="fp8_e4m3fn")
+    assert model.storage_dtype == "float8_e4m3fn" and model.dtype == torch.float32
+    with pytest.raises(ModelError, match="weight_dtype 'int4' is not supported"):
+        registry.build("flux-tiny", CPU, weight_dtype="int4")
+
+
+def test_a_pipefusion_stage_of_an_fp8_file_reads_only_its_blocks(tiny, tmp_path):
+    from xdit_backend.parallel.pipefusion import keep_stage
+
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    stage = registry.build(str(path), CPU, blocks=(1, 4))
+    unread = {k.split(".")[0] + "." + k.split(".")[1] for k, p in stage.transformer.named_parameters() if p.is_meta}
+    assert unread == {"transformer_blocks.0", "single_transformer_blocks.2", "single_transformer_blocks.3",
+                      "single_transformer_blocks.4"}
+    kept = keep_stage(stage.transformer, stage.spec.stage_plan, 1, 4)
+    assert {m.weight.dtype for block in kept for m in block.modules() if isinstance(m, torch.nn.Linear)} == {
+        torch.float8_e4m3fn}
+    assert stage.storage_dtype == "float8_e4m3fn"
+
+
+def serial(fields: dict, model) -> torch.Tensor:
+    request = SampleRequest.parse(Message("sample", fields, {}))
+    spec = registry.spec(fields["model"])
+    positive, negative = registry.random_conditioning(fields["model"], 1, fields["seed"], spec)
+    with torch.no_grad():
+        return generate(Denoiser(model), request.generation(spec, positive, negative))
+
+
+def test_a_request_weight_dtype_reaches_every_rank(backend2):
+    """weight_dtype travels with the request to both ranks: ulysses=2 in fp8 storage equals the
+    serial fp8-stored model, and differs from the float32 one; a name outside the choices is refused."""
+    fields = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 4}
+    stored, _ = backend2.sample({**fields, "weight_dtype": "fp8_e4m3fn", "parallel": {"ulysses": 2}})
+    fp8 = serial({**fields, "weight_dtype": "fp8_e4m3fn"}, registry.build("flux-tiny", CPU, weight_dtype="fp8_e4m3fn"))
+    full = serial(fields, registry.build("flux-tiny", CPU))
+    assert (stored["samples"] - fp8).abs().max() <= 1e-4
+    assert (stored["samples"] - full).abs().max() > 1e-3
+    with pytest.raises(BackendError, match="weight_dtype 'int8' is not supported"):
+        backend2.sample({**fields, "weight_dtype": "int8"})
