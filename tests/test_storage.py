@@ -2,6 +2,9 @@
 float8 on the device (1 byte a value) and upcast one layer at a time; weight_dtype fp8_* stores a
 16/32-bit file so; the output equals the model computed with the dequantised weights."""
 
+import os
+import sys
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -130,3 +133,129 @@ def test_a_request_weight_dtype_reaches_every_rank(backend2):
     assert (stored["samples"] - full).abs().max() > 1e-3
     with pytest.raises(BackendError, match="weight_dtype 'int8' is not supported"):
         backend2.sample({**fields, "weight_dtype": "int8"})
+
+
+# ---------------------------------------------------------------- ComfyUI's scaled fp8 and mixed precision
+
+FP8 = torch.float8_e4m3fn
+
+
+def scaled(weight: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 values, float32 scale): absmax scaling, one scale per tensor or per output row [out, 1]."""
+    amax = weight.abs().amax(dim=1, keepdim=True) if per_row else weight.abs().max()
+    scale = (amax / 448).float()
+    return (weight / scale).to(FP8), scale
+
+
+def comfy_scaled_file(state: dict, path, per_row=False, mixed=False) -> dict[str, torch.Tensor]:
+    """Write a ComfyUI scaled-fp8 file (``scaled_fp8`` marker, ``scale_weight`` / ``scale_input`` per
+    Linear) or, ``mixed``, a mixed-precision one (``comfy_quant`` + ``weight_scale`` on every other
+    Linear, the rest bf16); everything else bf16. Returns the same model in plain float32 BFL layout,
+    dequantised as ComfyUI does (weight.to(float32) * scale): the reference."""
+    out, reference = {}, {}
+    linears = [key for key, value in state.items() if key.endswith(".weight") and value.dim() == 2]
+    quantized = linears[::2] if mixed else linears
+    for key, value in state.items():
+        layer = key.removesuffix(".weight")
+        if key in quantized:
+            out[key], scale = scaled(value, per_row)
+            if mixed:
+                out[f"{layer}.weight_scale"] = scale
+                out[f"{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+            else:
+                out[f"{layer}.scale_weight"] = scale
+                out[f"{layer}.scale_input"] = torch.ones(())
+            reference[key] = out[key].float() * scale
+        else:
+            out[key] = value.to(torch.bfloat16)
+            reference[key] = out[key].float()
+    if not mixed:
+        out["scaled_fp8"] = torch.empty(0, dtype=FP8)
+    save_file(out, str(path))
+    return reference
+
+
+@pytest.mark.parametrize("per_row, mixed", [(False, False), (True, False), (False, True)],
+                         ids=["scaled-fp8", "per-row-scales", "mixed-precision"])
+def test_a_comfyui_scaled_fp8_file_keeps_its_scales_and_matches_the_dequantised_model(tiny, tmp_path, per_row, mixed):
+    path = tmp_path / "flux-scaled.safetensors"
+    reference = comfy_scaled_file(bfl_state_dict(tiny.transformer), path, per_row, mixed)
+    save_file(reference, str(tmp_path / "reference.safetensors"))
+    expected = registry.build(str(tmp_path / "reference.safetensors"), CPU)
+    loaded = registry.build(str(path), CPU)
+    stored = [m for m in loaded.transformer.modules() if isinstance(m, StoredLinear)]
+    linears = [m for m in loaded.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.dtype == FP8 and "weight_scale" in m._buffers for m in stored)
+    if mixed:
+        assert 0 < len(stored) < len(linears)
+        assert set(loaded.storage_dtype.split("+")) == {"float8_e4m3fn scaled", "float32"}
+    else:
+        assert len(stored) == len(linears) and loaded.storage_dtype == "float8_e4m3fn scaled"
+    # the fused qkv's per-row scales went with their rows: each part is the dequantised reference's rows
+    for name, module in loaded.transformer.named_modules():
+        if isinstance(module, StoredLinear):
+            assert torch.equal(module.upcast(torch.float32), expected.transformer.get_submodule(name).weight), name
+    assert (forward(loaded.transformer) - forward(expected.transformer)).abs().max() <= 1e-5
+
+
+def test_a_wan_scaled_fp8_file_loads_its_float32_modules_dequantised(tmp_path):
+    """Wan's scaled-fp8 files were refused: now its Linear weights keep their scales, and the scaled
+    weights of its float32 modules (the time embedder) are dequantised at load."""
+    from test_wan_checkpoint import TINY, build, original_state_dict
+    from test_wan_checkpoint import forward as wan_forward
+
+    path = tmp_path / "wan-scaled.safetensors"
+    save_file(comfy_scaled_file(original_state_dict(build(TINY)), path), str(tmp_path / "reference.safetensors"))
+    loaded = registry.build(str(path), CPU).transformer
+    expected = registry.build(str(tmp_path / "reference.safetensors"), CPU).transformer
+    assert isinstance(loaded.blocks[0].attn1.to_q, StoredLinear)
+    assert loaded.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    difference = wan_forward(loaded, 16, TINY["text_dim"]) - wan_forward(expected, 16, TINY["text_dim"])
+    assert difference.abs().max() <= 1e-5
+
+
+def test_a_scale_without_its_weight_and_an_unknown_format_are_named(tiny, tmp_path):
+    state = {k: v.to(torch.bfloat16) for k, v in bfl_state_dict(tiny.transformer).items()}
+    path = tmp_path / "orphan.safetensors"
+    save_file({**state, "double_blocks.0.img_attn.qkx.scale_weight": torch.ones(())}, str(path))
+    with pytest.raises(ModelError, match=r"orphan.safetensors: scales without their weight: "
+                                         r"double_blocks.0.img_attn.qkx.scale_weight") as info:
+        registry.resolve(str(path))
+    assert "re-download" in info.value.hint
+    path = tmp_path / "nvfp4.safetensors"
+    save_file(state, str(path), metadata={"_quantization_metadata": '{"format_version": "1.0", "layers": '
+                                          '{"double_blocks.0.img_mlp.0": {"format": "nvfp4"}}}'})
+    with pytest.raises(ModelError, match=r"nvfp4.safetensors: layer double_blocks.0.img_mlp.0 is quantized as "
+                                         r"'nvfp4'") as info:
+        registry.resolve(str(path))
+    assert "GGUF" in info.value.hint
+
+
+needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to read the file with ComfyUI")
+
+
+@needs_comfyui
+def test_comfyuis_scaled_fp8_linear_reads_our_test_file_as_we_do(tiny, tmp_path):
+    """The layout check: ComfyUI's own scaled-fp8 Linear (comfy/ops.py), given the file's fused qkv
+    weight and scale, computes what our to_q, to_k, to_v weights compute together. (Without the
+    bias: ComfyUI's layer would hold it in float8 too, a rounding of its own.)"""
+    sys.path.insert(0, os.environ["COMFYUI_DIR"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.ops
+    from safetensors.torch import load_file
+
+    path = tmp_path / "flux-scaled.safetensors"
+    comfy_scaled_file(bfl_state_dict(tiny.transformer), path)
+    file = load_file(str(path))
+    theirs = comfy.ops.scaled_fp8_ops(override_dtype=file["scaled_fp8"].dtype).Linear(64, 192, bias=False)
+    layer = "double_blocks.0.img_attn.qkv"
+    theirs.load_state_dict({"weight": file[f"{layer}.weight"], "scale_weight": file[f"{layer}.scale_weight"]})
+    attn = registry.build(str(path), CPU).transformer.transformer_blocks[0].attn
+    weight = torch.cat([attn.to_q.upcast(torch.float32), attn.to_k.upcast(torch.float32),
+                        attn.to_v.upcast(torch.float32)])  # [3·64, 64], the fused rows in order
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (x @ weight.T - theirs(x)).abs().max() <= 1e-5

@@ -15,8 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, folder, lora, pixart_checkpoint, sd3_checkpoint, storage, wan_checkpoint, weights
-from .checkpoint import read_tensor
+from . import flux_checkpoint, folder, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -201,6 +200,14 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ModelError(f"{path} is not a readable safetensors file ({exc})",
                          "the file may be truncated (an interrupted download?): check its size, or re-download it") from None
+    try:
+        scaled_fp8.check(shapes, path)
+        with safe_open(path, "pt") as handle:
+            scaled_fp8.formats(handle, path)  # refuses quantization formats other than float8, by layer
+    except UserError as exc:
+        raise ModelError(exc.message, exc.hint) from None
+    float8 = float8 or bool(scaled_fp8.MARKER in {key.rpartition(".")[2] for key in shapes})
+    shapes = scaled_fp8.model_shapes(shapes)  # the layout without its scales and markers
     for family in FAMILIES.values():
         prefix = family.checkpoint.detect_prefix(shapes)
         if prefix is not None:
@@ -369,7 +376,8 @@ def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
     handle = stack.enter_context(safe_open(source.ref, "pt"))
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
-    return lambda key: read_tensor(handle, table[key])
+    reader = scaled_fp8.ScaledReader(handle, source.ref)  # a weight with a scale: storage.Quantized
+    return lambda key: reader.read(table[key])
 
 
 def random_conditioning(name: str, batch: int, seed: int, spec) -> tuple[dict, dict]:

@@ -126,11 +126,13 @@ def _moved(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | 
 
 def storage_dtype(transformer: torch.nn.Module, compute: torch.dtype) -> str:
     """What the model's Linear weights are stored in, by share of their values, largest first
-    ("float8_e4m3fn", "gguf Q4_K+gguf Q8_0", "bfloat16"); the compute dtype when none is stored."""
+    ("float8_e4m3fn", "float8_e4m3fn scaled+bfloat16", "gguf Q4_K+gguf Q8_0", "bfloat16"); the
+    compute dtype's name when no Linear weight is loaded (a stage on meta)."""
     counts: dict[str, int] = {}
     for module in transformer.modules():
-        if isinstance(module, StoredLinear) and not module.weight.is_meta:
-            counts[module.storage()] = counts.get(module.storage(), 0) + module.in_features * module.out_features
+        if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
+            name = module.storage() if isinstance(module, StoredLinear) else str(module.weight.dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + module.in_features * module.out_features
     if not counts:
         return str(compute).removeprefix("torch.")
     return "+".join(sorted(counts, key=lambda name: -counts[name]))
