@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, folder, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights
+from . import flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -172,6 +172,7 @@ class Source:
     prefix: str = ""  # the file's key prefix ("model.diffusion_model." in a ComfyUI checkpoint)
     describes: str = ""
     float8: bool = False  # the file holds float8 tensors (kept in float8 on the device)
+    gguf: bool = False  # a GGUF file (city96's layout), not a safetensors one
 
 
 def resolve(ref: str) -> Source:
@@ -193,6 +194,11 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     """Read a file's header (or a folder's config) once per version of the file."""
     if Path(path).is_dir():
         return _resolve_folder(path)
+    if gguf_file.is_gguf(path):
+        try:
+            return _resolve_shapes(path, gguf_file.shapes(gguf_file.open_reader(path), path), gguf=True)
+        except UserError as exc:
+            raise ModelError(exc.message, exc.hint) from None
     try:
         with safe_open(path, "pt") as handle:
             shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
@@ -207,7 +213,11 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
     float8 = float8 or bool(scaled_fp8.MARKER in {key.rpartition(".")[2] for key in shapes})
-    shapes = scaled_fp8.model_shapes(shapes)  # the layout without its scales and markers
+    return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
+
+
+def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> Source:
+    """The family whose original layout the file's tensor names and shapes are, and its config."""
     for family in FAMILIES.values():
         prefix = family.checkpoint.detect_prefix(shapes)
         if prefix is not None:
@@ -223,7 +233,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
         raise ModelError(exc.message, exc.hint) from None
     except KeyError as exc:
         raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
-    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8)
+    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
 
 
 def _resolve_folder(path: str) -> Source:
@@ -374,8 +384,11 @@ def _tensors(source: Source, transformer, keys: list[str]):
 
 def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
-    handle = stack.enter_context(safe_open(source.ref, "pt"))
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
+    if source.gguf:
+        read = gguf_file.file_reader(gguf_file.open_reader(source.ref))
+        return lambda key: read(table[key])
+    handle = stack.enter_context(safe_open(source.ref, "pt"))
     reader = scaled_fp8.ScaledReader(handle, source.ref)  # a weight with a scale: storage.Quantized
     return lambda key: reader.read(table[key])
 

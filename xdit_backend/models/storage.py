@@ -46,7 +46,7 @@ class Quantized:
     def dequantized(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype``, shaped ``shape`` (on ``data``'s device)."""
         if self.gguf_type is not None:
-            from .gguf_blocks import dequantize
+            from .gguf_file import dequantize
 
             return dequantize(self.data, self.gguf_type, shape, dtype)
         weight = self.data.to(dtype)
@@ -71,7 +71,7 @@ class StoredLinear(torch.nn.Linear):
         """The stored form's name: float8_e4m3fn, "float8_e4m3fn scaled", "gguf Q4_K"."""
         gguf_type = getattr(self, "gguf_type", None)
         if gguf_type is not None:
-            from .gguf_blocks import type_name
+            from .gguf_file import type_name
 
             return f"gguf {type_name(gguf_type)}"
         name = str(self.weight.dtype).removeprefix("torch.")
