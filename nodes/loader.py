@@ -18,14 +18,26 @@ CHECKPOINTS = "checkpoints/"  # files from models/checkpoints are listed with th
 
 
 def model_names() -> list[str]:
-    """Files from diffusion_models (and unet), then checkpoints/…, then the built-in test models."""
+    """Files from diffusion_models (and unet; .gguf included), then checkpoints/…, then the built-in test models."""
     import folder_paths
 
     from xdit_backend.models.registry import BUILTINS
 
-    return [*folder_paths.get_filename_list("diffusion_models"),
+    return [*folder_paths.get_filename_list("diffusion_models"), *gguf_names(),
             *(CHECKPOINTS + name for name in folder_paths.get_filename_list("checkpoints")),
             *(TEST_PREFIX + name for name in BUILTINS)]
+
+
+def gguf_names() -> list[str]:
+    """GGUF files in diffusion_models (and unet), where city96's ComfyUI-GGUF users keep them:
+    ComfyUI's own list leaves the .gguf extension out."""
+    import folder_paths
+
+    names = set()
+    for root in folder_paths.get_folder_paths("diffusion_models"):
+        files, _ = folder_paths.recursive_search(root)
+        names.update(folder_paths.filter_files_extensions(files, {".gguf"}))
+    return sorted(names)
 
 
 def model_path(name: str) -> str:
