@@ -111,3 +111,37 @@ def test_a_gguf_type_the_backend_cannot_dequantize_is_named(tiny, tmp_path):
                                          r"as IQ2_XXS") as info:
         registry.build(str(path), CPU)
     assert "Q8_0" in info.value.hint
+
+
+def sharded_against_whole(rank: int, paths: list[str]) -> list[tuple[str, int, float]]:
+    """On each rank: every block of each model sharded with FSDP2 over the 2 ranks (the stored
+    weights split on dim 0), against the same model unsharded: (storage, rows held, max difference)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    answers = []
+    for path in paths:
+        sharded, whole = registry.build(path, CPU), registry.build(path, CPU)
+        for block in [*sharded.transformer.transformer_blocks, *sharded.transformer.single_transformer_blocks]:
+            fully_shard(block, mesh=mesh)
+        weight = sharded.transformer.transformer_blocks[0].attn.to_q.weight
+        difference = (forward(sharded.transformer) - forward(whole.transformer)).abs().max().item()
+        answers.append((sharded.storage_dtype, weight.to_local().shape[0], difference))
+    return answers
+
+
+def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path):
+    """The contract with weight sharding: GGUF blocks and scaled-fp8 weights (per-row scales) are
+    plain Parameters FSDP2 shards on dim 0, and the sharded model computes exactly the unsharded one."""
+    from spawned import on_ranks
+    from test_storage import comfy_scaled_file
+
+    gguf_path, fp8_path = tmp_path / "flux-q8.gguf", tmp_path / "flux-scaled.safetensors"
+    gguf_file(bfl_state_dict(tiny.transformer), gguf_path, GGML.Q8_0)
+    comfy_scaled_file(bfl_state_dict(tiny.transformer), fp8_path, per_row=True)
+    for answers in on_ranks(sharded_against_whole, 2, [str(gguf_path), str(fp8_path)]):
+        (q8, q8_rows, q8_difference), (fp8, fp8_rows, fp8_difference) = answers
+        assert q8.startswith("gguf Q8_0") and fp8 == "float8_e4m3fn scaled"
+        assert q8_rows == fp8_rows == 32  # half of to_q's 64 output rows on each rank
+        assert q8_difference == 0 and fp8_difference == 0
