@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from test_model_files import bfl_state_dict, forward
 
 from xdit_backend.client import BackendError
+from xdit_backend.errors import UserError
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear
@@ -259,3 +260,57 @@ def test_comfyuis_scaled_fp8_linear_reads_our_test_file_as_we_do(tiny, tmp_path)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (x @ weight.T - theirs(x)).abs().max() <= 1e-5
+
+
+def test_a_lora_on_a_scaled_fp8_file_is_merged_through_its_scale(tiny, tmp_path):
+    """W + s·(B·A)·(α/r), with W the dequantised weight, stored back in fp8 under the same scale:
+    the float8 rounding of (W + delta) / scale, times the scale (ComfyUI re-rounds its fp8 weights so)."""
+    from xdit_backend.models.lora import LoraSpec
+
+    path = tmp_path / "flux-scaled.safetensors"
+    comfy_scaled_file(bfl_state_dict(tiny.transformer), path, per_row=True)
+    g = torch.Generator().manual_seed(5)
+    up, down = torch.randn(192, 2, generator=g) * 0.1, torch.randn(2, 64, generator=g) * 0.1
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": down,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": up,
+               "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(2.0)}, str(tmp_path / "lora.safetensors"))
+    base = registry.build(str(path), CPU).transformer.transformer_blocks[0].attn.to_k
+    model = registry.build(str(path), CPU, loras=[LoraSpec(str(tmp_path / "lora.safetensors"), 0.5)])
+    to_k = model.transformer.transformer_blocks[0].attn.to_k
+    assert model.lora_reports[0]["merged_modules"] == 1 and to_k.weight.dtype == FP8
+    scale = base.weight_scale  # [64, 1]: to_k's rows of the qkv's per-row scales
+    wanted = base.upcast(torch.float32) + 0.5 * (up @ down)[64:128] * (2.0 / 2)
+    assert torch.equal(to_k.upcast(torch.float32), (wanted / scale).to(FP8).float() * scale)
+
+
+def test_a_lora_on_weights_kept_as_gguf_blocks_is_refused(tmp_path, tiny):
+    gguf = pytest.importorskip("gguf")
+    from test_gguf import gguf_file
+
+    from xdit_backend.models.lora import LoraSpec
+
+    path = tmp_path / "flux-q8.gguf"
+    gguf_file(bfl_state_dict(tiny.transformer), path, gguf.GGMLQuantizationType.Q8_0)
+    up, down = torch.ones(64, 2), torch.ones(2, 64)
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": down,
+               "transformer_blocks.0.attn.to_q.lora_B.weight": up}, str(tmp_path / "lora.safetensors"))
+    with pytest.raises(ModelError, match=r"a LoRA cannot be merged into GGUF weights \(gguf Q8_0\)"):
+        registry.build(str(path), CPU, loras=[LoraSpec(str(tmp_path / "lora.safetensors"), 1.0)])
+
+
+def test_a_device_without_float8_is_refused_before_loading(tiny, tmp_path, monkeypatch):
+    from xdit_backend.models import storage
+
+    def no_float8(device):
+        raise RuntimeError(f'"copy_" not implemented for \'Float8_e4m3fn\' on {device}')
+
+    monkeypatch.setattr(storage, "float8_round_trip", no_float8)
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file({k: v.to(FP8) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    with pytest.raises(UserError, match=r"flux-fp8.safetensors: its weights are float8, which this torch cannot "
+                                         r"keep on cpu") as info:
+        registry.build(str(path), CPU)
+    assert "bf16" in info.value.hint
+    with pytest.raises(UserError, match="flux-tiny: its weights are float8"):
+        registry.build("flux-tiny", CPU, weight_dtype="fp8_e5m2")
+    assert registry.build("flux-tiny", CPU).storage_dtype == "float32"  # nothing float8: not asked
