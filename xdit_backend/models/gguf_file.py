@@ -45,8 +45,8 @@ def open_reader(path: str):
     except UserError:
         raise
     except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors on damaged files
-        raise UserError(f"{path} is not a readable GGUF file ({exc})",
-                        "the file may be truncated (an interrupted download?): check its size, or re-download it") from None
+        raise UserError(f"{path} is not a readable GGUF file ({exc})", "the file may be truncated (an "
+                        "interrupted download?): check its size, or re-download it") from None
 
 
 def _dequantizers() -> dict:

@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights
+from . import (flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage,
+               wan_checkpoint, weights)
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec

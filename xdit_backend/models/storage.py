@@ -95,11 +95,13 @@ def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype
     if isinstance(value, Quantized):
         if not linear:  # a convolution's or a float32 module's: dequantized at load
             shape = module._parameters[leaf].shape
-            return Quantized(value.data.to(device), _moved(value.scale, device), value.gguf_type).dequantized(shape, dtype)
+            moved = Quantized(value.data.to(device), _moved(value.scale, device), value.gguf_type)
+            return moved.dequantized(shape, dtype)
         data = value.data.to(device)
         _store(module, value.gguf_type)
         if value.scale is not None:
-            module.register_buffer("weight_scale", _row_scale(value.scale.to(device, torch.float32), 2), persistent=False)
+            scale = _row_scale(value.scale.to(device, torch.float32), 2)  # a scalar, or [out, 1]
+            module.register_buffer("weight_scale", scale, persistent=False)
         return data
     tensor = value.to(device)  # moved first: a cast on the device, not on the host
     if not tensor.is_floating_point():
@@ -159,7 +161,8 @@ def storage_dtype(transformer: torch.nn.Module, compute: torch.dtype) -> str:
     counts: dict[str, int] = {}
     for module in transformer.modules():
         if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
-            name = module.storage() if isinstance(module, StoredLinear) else str(module.weight.dtype).removeprefix("torch.")
+            stored = isinstance(module, StoredLinear)
+            name = module.storage() if stored else str(module.weight.dtype).removeprefix("torch.")
             counts[name] = counts.get(name, 0) + module.in_features * module.out_features
     if not counts:
         return str(compute).removeprefix("torch.")
