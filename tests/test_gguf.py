@@ -145,3 +145,21 @@ def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path):
         assert q8.startswith("gguf Q8_0") and fp8 == "float8_e4m3fn scaled"
         assert q8_rows == fp8_rows == 32  # half of to_q's 64 output rows on each rank
         assert q8_difference == 0 and fp8_difference == 0
+
+
+def test_a_pipefusion_stage_of_a_gguf_file_reads_only_its_blocks(tiny, tmp_path):
+    from xdit_backend.parallel.pipefusion import keep_stage
+
+    path = tmp_path / "flux-q8.gguf"
+    gguf_file(bfl_state_dict(tiny.transformer), path, GGML.Q8_0)
+    stage = registry.build(str(path), CPU, blocks=(1, 4))
+    unread = {k.split(".")[0] + "." + k.split(".")[1] for k, p in stage.transformer.named_parameters() if p.is_meta}
+    assert unread == {"transformer_blocks.0", "single_transformer_blocks.2", "single_transformer_blocks.3",
+                      "single_transformer_blocks.4"}
+    whole = registry.build(str(path), CPU).transformer
+    kept = keep_stage(stage.transformer, stage.spec.stage_plan, 1, 4)
+    names = ("transformer_blocks.1", "single_transformer_blocks.0", "single_transformer_blocks.1")
+    for block, name in zip(kept, names):
+        expected = whole.get_submodule(name).state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in block.state_dict().items()), name
+        assert block.attn.to_q.weight.dtype == torch.uint8
