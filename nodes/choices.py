@@ -7,7 +7,7 @@ run the sampler again when a file behind them changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from xdit_backend import schema
@@ -22,19 +22,22 @@ class ModelChoice:
     loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), in order
     shift: float | None = None  # flow shift (ComfyUI's ModelSamplingFlux/SD3 nodes); None: the model's
     compile: bool = False  # torch.compile the transformer's blocks (the backend caches the compiled model)
+    weight_dtype: str = "default"  # how Linear weights are stored: default (the file's), fp8_e4m3fn, fp8_e5m2
 
     def with_lora(self, path: str, strength: float) -> ModelChoice:
-        return ModelChoice(self.ref, self.dtype, (*self.loras, (path, strength)), self.shift, self.compile)
+        return replace(self, loras=(*self.loras, (path, strength)))
 
     def request_fields(self) -> dict:
-        return schema.fields(model=self.ref, dtype=self.dtype, compile=self.compile, shift=self.shift,
+        return schema.fields(model=self.ref, dtype=self.dtype, weight_dtype=self.weight_dtype, compile=self.compile,
+                             shift=self.shift,
                              loras=[{"path": path, "strength": strength} for path, strength in self.loras])
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what
         uses it. A string: ComfyUI stores it in the prompt, which SaveLatent writes out as JSON."""
         files = [self.ref, *(path for path, _ in self.loras)]
-        return repr((self.ref, self.dtype, self.loras, self.shift, self.compile, [_mtime(path) for path in files]))
+        return repr((self.ref, self.dtype, self.weight_dtype, self.loras, self.shift, self.compile,
+                     [_mtime(path) for path in files]))
 
 
 def _mtime(path: str) -> int:

@@ -8,19 +8,36 @@ from comfy_api.latest import io
 from .choices import TEST_PREFIX, ModelChoice
 from .comfy_types import CATEGORY, XDiTModel
 
-DTYPES = {"default": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# weight_dtype → (the backend's compute dtype, its storage weight_dtype). ComfyUI's UNETLoader
+# choices first: default keeps the file's precision (an fp8 or GGUF file stays so, computed in bf16
+# on GPUs, fp32 on the CPU); fp8_* store a 16/32-bit file's Linear weights in that float8. Then the
+# compute dtypes, for a 16/32-bit model held and computed in one.
+DTYPES = {"default": ("auto", "default"), "fp8_e4m3fn": ("auto", "fp8_e4m3fn"), "fp8_e5m2": ("auto", "fp8_e5m2"),
+          "bf16": ("bfloat16", "default"), "fp16": ("float16", "default"), "fp32": ("float32", "default")}
 CHECKPOINTS = "checkpoints/"  # files from models/checkpoints are listed with this prefix
 
 
 def model_names() -> list[str]:
-    """Files from diffusion_models (and unet), then checkpoints/…, then the built-in test models."""
+    """Files from diffusion_models (and unet; .gguf included), then checkpoints/…, then the built-in test models."""
     import folder_paths
 
     from xdit_backend.models.registry import BUILTINS
 
-    return [*folder_paths.get_filename_list("diffusion_models"),
+    return [*folder_paths.get_filename_list("diffusion_models"), *gguf_names(),
             *(CHECKPOINTS + name for name in folder_paths.get_filename_list("checkpoints")),
             *(TEST_PREFIX + name for name in BUILTINS)]
+
+
+def gguf_names() -> list[str]:
+    """GGUF files in diffusion_models (and unet), where city96's ComfyUI-GGUF users keep them:
+    ComfyUI's own list leaves the .gguf extension out."""
+    import folder_paths
+
+    names = set()
+    for root in folder_paths.get_folder_paths("diffusion_models"):
+        files, _ = folder_paths.recursive_search(root)
+        names.update(folder_paths.filter_files_extensions(files, {".gguf"}))
+    return sorted(names)
 
 
 def model_path(name: str) -> str:
@@ -49,7 +66,10 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
                 io.Combo.Input("model_name", options=model_names(),
                                tooltip="[test] models have random weights and need no file"),
                 io.Combo.Input("weight_dtype", options=list(DTYPES), default="default",
-                               tooltip="default: bf16 on GPUs (fp8 files are cast), fp32 on the CPU"),
+                               tooltip="default: the file's precision (an fp8 or GGUF file stays so on the GPUs, "
+                                       "upcast one layer at a time), computed in bf16 on GPUs, fp32 on the CPU. "
+                                       "fp8_e4m3fn / fp8_e5m2: a bf16/fp16 file's weights stored in fp8 (half "
+                                       "the memory). bf16 / fp16 / fp32: weights and compute in that dtype."),
                 io.Combo.Input("lora_name", options=["None", *folder_paths.get_filename_list("loras")],
                                default="None", optional=True),
                 io.Float.Input("lora_strength", default=1.0, min=-10.0, max=10.0, step=0.01, optional=True),
@@ -67,7 +87,8 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
     @classmethod
     def choice(cls, model_name, weight_dtype, lora_name="None", lora_strength=1.0, shift=0.0,
                compile=False) -> ModelChoice:
-        choice = ModelChoice(model_path(model_name), DTYPES[weight_dtype], shift=shift or None, compile=compile)
+        dtype, storage = DTYPES[weight_dtype]
+        choice = ModelChoice(model_path(model_name), dtype, shift=shift or None, compile=compile, weight_dtype=storage)
         if lora_name and lora_name != "None":
             import folder_paths
 

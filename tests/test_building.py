@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from test_model_files import bfl_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xdit_backend.models import registry
+from xdit_backend.models import registry, scaled_fp8
 from xdit_backend.parallel.pipefusion import keep_stage
 
 CUDA = torch.device("cuda", 0)  # a rank's device, as runtime.py pins it
@@ -101,7 +101,7 @@ def test_a_file_is_read_one_tensor_at_a_time(tmp_path, monkeypatch):
     tensors = bfl_state_dict(registry.build("flux-tiny", torch.device("cpu")).transformer)
     save_file(tensors, str(path))
     live, peak = [0], [0]
-    read_tensor = registry.read_tensor
+    read_tensor = scaled_fp8.read_tensor  # every single-file tensor is read there (with its scale, if any)
 
     def watched(*args):
         tensor = read_tensor(*args)
@@ -111,7 +111,7 @@ def test_a_file_is_read_one_tensor_at_a_time(tmp_path, monkeypatch):
         weakref.finalize(tensor, lambda: live.__setitem__(0, live[0] - size))
         return tensor
 
-    monkeypatch.setattr(registry, "read_tensor", watched)
+    monkeypatch.setattr(scaled_fp8, "read_tensor", watched)
     model = registry.build(str(path), torch.device("meta"), torch.bfloat16)
     assert all(p.is_meta for p in model.transformer.parameters())
     largest = max(t.numel() * t.element_size() for t in tensors.values())

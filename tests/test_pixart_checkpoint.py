@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from xdit_backend.errors import UserError
 from xdit_backend.models import checkpoint, pixart_checkpoint, registry
+from xdit_backend.models.storage import StoredLinear
 
 COMMON = {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
           "norm_type": "ada_norm_single", "num_embeds_ada_norm": 1000, "activation_fn": "gelu-approximate",
@@ -124,15 +125,18 @@ def test_original_file_loads_as_the_same_model(tiny, tmp_path, prefix):
     assert pixart_checkpoint.variant(config) == "PixArt architecture, width 144, 2 blocks"
 
 
-def test_fp8_file_is_cast_to_the_compute_dtype(tiny, tmp_path):
-    """A float8_e4m3fn file loads as float32 equal to the fp8-rounded weights."""
+def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tiny, tmp_path):
+    """A float8_e4m3fn file: Linear weights stay float8 (models/storage.py), the rest loads as
+    float32; all equal to the fp8-rounded weights."""
     model, tokens = tiny
     path = tmp_path / "pixart-fp8.safetensors"
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in original_state_dict(model, tokens).items()}, str(path))
     loaded, _ = load(path)
+    stored = {f"{name}.weight" for name, module in loaded.named_modules() if isinstance(module, StoredLinear)}
+    assert "transformer_blocks.0.attn1.to_q.weight" in stored
     for key, value in model.state_dict().items():
-        assert loaded.state_dict()[key].dtype == torch.float32
-        assert torch.equal(loaded.state_dict()[key], value.to(torch.float8_e4m3fn).float()), key
+        assert loaded.state_dict()[key].dtype == (torch.float8_e4m3fn if key in stored else torch.float32), key
+        assert torch.equal(loaded.state_dict()[key].float(), value.to(torch.float8_e4m3fn).float()), key
 
 
 def test_config_is_recovered_from_the_shapes(tiny):

@@ -19,7 +19,7 @@ def every_field(tmp_path) -> dict:
     lora.write_bytes(b"")  # parsing checks only that the file exists
     return {"model": "wan-tiny", "width": 96, "height": 80, "batch": 2, "steps": 6, "seed": 2**64 - 2, "cfg": 2.5,
             "guidance": 4.25, "shift": 2.75, "parallel": ParallelConfig(cfg=2).to_json(), "profile": True,
-            "dtype": "bfloat16", "loras": [{"path": str(lora.resolve()), "strength": 0.5}], "frames": 5,
+            "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}], "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
             "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True}
 

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from xdit_backend.errors import UserError
 from xdit_backend.models import checkpoint, registry, sd3_checkpoint
+from xdit_backend.models.storage import StoredLinear
 
 TINY = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 64,
         "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 128,
@@ -137,15 +138,19 @@ def test_conversion_matches_diffusers_own_converter(tiny, tmp_path):
     assert [key for key in expected if not torch.equal(ours[key], expected[key])] == []
 
 
-def test_fp8_file_is_cast_to_float32(tiny, tmp_path):
-    """A float8_e4m3fn file loads as float32 equal to the fp8-rounded weights."""
+def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tiny, tmp_path):
+    """A float8_e4m3fn file: Linear weights stay float8 (models/storage.py), the rest loads as
+    float32; all equal to the fp8-rounded weights."""
     _, model = tiny
     path = tmp_path / "sd3-fp8.safetensors"
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in original_state_dict(model).items()}, str(path))
     loaded = load(path)[1]
-    assert loaded.dtype == torch.float32
+    stored = {f"{name}.weight" for name, module in loaded.named_modules() if isinstance(module, StoredLinear)}
+    assert "transformer_blocks.0.attn.to_q.weight" in stored
     rounded = {k: v.to(torch.float8_e4m3fn).float() for k, v in model.state_dict().items()}
-    assert [key for key, value in loaded.state_dict().items() if not torch.equal(value, rounded[key])] == []
+    assert [key for key, value in loaded.state_dict().items()
+            if value.dtype != (torch.float8_e4m3fn if key in stored else torch.float32)] == []
+    assert [key for key, value in loaded.state_dict().items() if not torch.equal(value.float(), rounded[key])] == []
 
 
 @pytest.mark.parametrize("name", list(FULL))

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from xdit_backend.errors import UserError
 from xdit_backend.models import wan_checkpoint, registry
+from xdit_backend.models.storage import StoredLinear
 
 TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 32, "in_channels": 16,
         "out_channels": 16, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2,
@@ -120,15 +121,20 @@ def test_conversion_matches_diffusers_own_converter(model, tmp_path):
     assert [key for key in theirs if not torch.equal(ours[key], theirs[key])] == []
 
 
-def test_fp8_file_is_cast_to_float32(tmp_path):
-    """A float8_e4m3fn file loads to float32 tensors equal to the fp8-rounded weights."""
+def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path):
+    """A float8_e4m3fn file: the Linear weights stay float8 (models/storage.py), except under the
+    float32 modules (the time embedder); everything else loads to float32; all equal the fp8-rounded weights."""
     built = build(TINY)
     path = tmp_path / "wan-fp8.safetensors"
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in original_state_dict(built).items()}, str(path))
     loaded, _ = load(path)
+    stored = {f"{name}.weight" for name, module in loaded.named_modules() if isinstance(module, StoredLinear)}
+    assert "blocks.0.attn1.to_q.weight" in stored and "proj_out.weight" in stored
+    assert not any("time_embedder" in key for key in stored)
     for key, value in built.state_dict().items():
-        tensor = loaded.state_dict()[key]
-        assert tensor.dtype == torch.float32 and torch.equal(tensor, value.to(torch.float8_e4m3fn).float()), key
+        tensor, rounded = loaded.state_dict()[key], value.to(torch.float8_e4m3fn)
+        assert tensor.dtype == (torch.float8_e4m3fn if key in stored else torch.float32), key
+        assert torch.equal(tensor.float(), rounded.float()), key
 
 
 @pytest.mark.parametrize("name", list(FULL))
@@ -192,8 +198,7 @@ def test_image_to_video_is_refused(changes):
 
 @pytest.mark.parametrize("changes, words", [
     ({"vace_blocks.0.after_proj.weight": [64, 64]}, "extra modules (vace_blocks)"),
-    ({"scaled_fp8": [2], "blocks.0.ffn.0.scale_weight": [1]}, "scaled-fp8"),
-], ids=["vace", "scaled-fp8"])
+], ids=["vace"])
 def test_other_wan_variants_are_refused(changes, words):
     """Files with more than a plain Wan text-to-video model are refused, not silently half-loaded."""
     with pytest.raises(UserError, match="other.safetensors") as info:

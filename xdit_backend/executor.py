@@ -40,15 +40,17 @@ class Executor:
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
-    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False):
-        """The loaded model, cached by identity, dtype, LoRAs and compilation: a changed file (new mtime)
-        is loaded again. A compiled model is a separate entry (its own weights), reused by later requests."""
+    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
+              weight_dtype: str = "default"):
+        """The loaded model, cached by identity, dtype, LoRAs, compilation and weight_dtype: a changed file
+        (new mtime) is loaded again. A compiled model is a separate entry (its own weights), reused by later requests."""
         torch_dtype = compute_dtype(dtype, self.rt.device)
         path, version = registry.identity(name)
-        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled)
+        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
+               weight_dtype)
         if key not in self.models:
             self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
-            model = registry.build(name, self.rt.device, torch_dtype, loras)
+            model = registry.build(name, self.rt.device, torch_dtype, loras, weight_dtype=weight_dtype)
             self.models[key] = compile_blocks(model) if compiled else model
         return self.models[key]
 
@@ -82,18 +84,19 @@ class Executor:
             torch.cuda.empty_cache()
 
     def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
-                    compiled: bool = False) -> tuple[object, list]:
+                    compiled: bool = False, weight_dtype: str = "default") -> tuple[object, list]:
         """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
         torch_dtype = compute_dtype(dtype, self.rt.device)
         key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
-               start, end)
+               start, end, weight_dtype)
         if key not in self.stages:
             # Only this stage's tensors are drawn or read, straight onto the device (the same
             # values as the whole model's); the other stages' blocks stay on meta and are dropped.
-            model = registry.build(name, self.rt.device, torch_dtype, loras, blocks=(start, end))
+            model = registry.build(name, self.rt.device, torch_dtype, loras, blocks=(start, end),
+                                   weight_dtype=weight_dtype)
             blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
             self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]
@@ -104,10 +107,12 @@ class Executor:
         spec = registry.spec(request.model)
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         if layout is None or layout.config.pipefusion == 1:
-            self.computing = self.model(request.model, request.dtype, request.loras, request.compile)
+            self.computing = self.model(request.model, request.dtype, request.loras, request.compile,
+                                        request.weight_dtype)
             _inject_fault(self.computing, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
-        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile)
+        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile,
+                                         request.weight_dtype)
         self.computing = stage
         _inject_fault(stage, self.rt.rank, blocks[0])
         denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather

@@ -197,7 +197,7 @@ def _read(field: schema.Field, fields: dict):
         raise RequestError(f"{field.name} {value!r} is not supported",
                            f"use one of: {', '.join(CHOICES[field.choices])}")
     if field.kind == "dtype" and value not in field.choices:
-        raise RequestError(f"dtype {value!r} is not supported", f"use {', '.join(field.choices)}")
+        raise RequestError(f"{field.name} {value!r} is not supported", f"use {', '.join(field.choices)}")
     if field.kind == "layout":
         return _parallel(value)
     if field.kind == "loras":

@@ -23,6 +23,7 @@ MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
 MAX_FRAMES = 1025
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
+WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)
 
 # How request.py reads a field's wire value into the request (and writes it back for the ranks):
@@ -77,6 +78,10 @@ SAMPLE: tuple[Field, ...] = (
           help="report step times, traffic, memory and the request each rank ran (the bench asks for it)"),
     Field("dtype", str, "dtype", "str", "auto", choices=DTYPE_NAMES,
           help="weights and compute (auto: float32 on the CPU; bfloat16 on CUDA from sm 8.0, float16 before)"),
+    Field("weight_dtype", str, "dtype", "str", "default", choices=WEIGHT_DTYPE_NAMES,
+          help="how Linear weights are stored on the device: default keeps the file's precision (an fp8 "
+               "or GGUF file stays so, upcast one layer at a time); fp8_e4m3fn / fp8_e5m2 store a 16/32-bit "
+               "file's in that float8 (half a bf16 model's memory)"),
     Field("loras", list, "loras", "tuple", [], flag="--lora",
           help="LoRA files merged into the weights at load, in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),

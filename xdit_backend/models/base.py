@@ -110,11 +110,17 @@ class DiffusionModel(ABC):
     ``output`` (the transformer's raw prediction in latent shape).
     """
 
-    def __init__(self, transformer, name: str, spec, lora_reports: list | None = None):
+    def __init__(self, transformer, name: str, spec, lora_reports: list | None = None,
+                 compute_dtype: torch.dtype | None = None, storage_dtype: str | None = None):
         self.transformer = transformer.eval().requires_grad_(False)
         self.name = name
         self.spec = spec
         self.lora_reports = lora_reports or []  # per LoRA file: merged modules, unmatched keys
+        # What it computes in, and what its Linear weights are stored in (models/storage.py:
+        # "float8_e4m3fn", "float8_e4m3fn scaled", "gguf Q4_K", or the compute dtype's name).
+        # diffusers' transformer.dtype would name the first parameter's, float8 for an fp8 file.
+        self.compute_dtype = compute_dtype or transformer.dtype
+        self.storage_dtype = storage_dtype or str(self.compute_dtype).removeprefix("torch.")
 
     @property
     def latent_format(self):
@@ -122,7 +128,7 @@ class DiffusionModel(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        return self.compute_dtype
 
     @property
     def device(self) -> torch.device:

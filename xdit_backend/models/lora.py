@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
+from . import storage
 from .checkpoint import Source
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
@@ -42,10 +43,10 @@ def merge(transformer, loras: list[LoraSpec], table: dict[str, Source]) -> list[
         if key in params:
             by_original.setdefault(source.key.removesuffix(".weight"), []).append((key, source))
     kohya = {name.replace(".", "_"): name for name in by_original}
-    return [_merge_one(params, by_original, kohya, lora) for lora in loras]
+    return [_merge_one(transformer, params, by_original, kohya, lora) for lora in loras]
 
 
-def _merge_one(params, by_original, kohya, lora: LoraSpec) -> dict:
+def _merge_one(transformer, params, by_original, kohya, lora: LoraSpec) -> dict:
     try:
         tensors = load_file(lora.path)
     except Exception as exc:
@@ -78,11 +79,12 @@ def _merge_one(params, by_original, kohya, lora: LoraSpec) -> dict:
                 up, down = up.to(weight.device, torch.float32), down.to(weight.device, torch.float32)
                 delta = (up @ down) * scale * lora.strength
             part = source.select(delta) if source else delta
-            if part.shape != weight.shape:
+            owner = transformer.get_submodule(key.rpartition(".")[0])
+            if part.shape != storage.weight_shape(owner):
                 unmatched.append(module)
                 break
-            with torch.no_grad():  # a new tensor: weights loaded from a file may be memory-mapped
-                weight.data = (weight.float() + part).to(weight.dtype)
+            with torch.no_grad():  # in the weight's storage form (float8 re-rounded with its scale)
+                storage.add_to_weight(owner, part)
         else:
             merged += 1
     return {"file": lora.path, "strength": lora.strength, "merged_modules": merged,

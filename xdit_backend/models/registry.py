@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import flux_checkpoint, folder, lora, pixart_checkpoint, sd3_checkpoint, wan_checkpoint, weights
-from .checkpoint import read_tensor
+from . import (flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage,
+               wan_checkpoint, weights)
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -181,6 +181,8 @@ class Source:
     config: dict
     prefix: str = ""  # the file's key prefix ("model.diffusion_model." in a ComfyUI checkpoint)
     describes: str = ""
+    float8: bool = False  # the file holds float8 tensors (kept in float8 on the device)
+    gguf: bool = False  # a GGUF file (city96's layout), not a safetensors one
 
 
 def resolve(ref: str) -> Source:
@@ -202,12 +204,30 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     """Read a file's header (or a folder's config) once per version of the file."""
     if Path(path).is_dir():
         return _resolve_folder(path)
+    if gguf_file.is_gguf(path):
+        try:
+            return _resolve_shapes(path, gguf_file.shapes(gguf_file.open_reader(path), path), gguf=True)
+        except UserError as exc:
+            raise ModelError(exc.message, exc.hint) from None
     try:
         with safe_open(path, "pt") as handle:
             shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
+            float8 = any(handle.get_slice(key).get_dtype().startswith("F8") for key in handle.keys())
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ModelError(f"{path} is not a readable safetensors file ({exc})",
                          "the file may be truncated (an interrupted download?): check its size, or re-download it") from None
+    try:
+        scaled_fp8.check(shapes, path)
+        with safe_open(path, "pt") as handle:
+            scaled_fp8.formats(handle, path)  # refuses quantization formats other than float8, by layer
+    except UserError as exc:
+        raise ModelError(exc.message, exc.hint) from None
+    float8 = float8 or bool(scaled_fp8.MARKER in {key.rpartition(".")[2] for key in shapes})
+    return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
+
+
+def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> Source:
+    """The family whose original layout the file's tensor names and shapes are, and its config."""
     for family in FAMILIES.values():
         prefix = family.checkpoint.detect_prefix(shapes)
         if prefix is not None:
@@ -223,7 +243,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
         raise ModelError(exc.message, exc.hint) from None
     except KeyError as exc:
         raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
-    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config))
+    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
 
 
 def _resolve_folder(path: str) -> Source:
@@ -282,28 +302,43 @@ def spec(ref: str):
 
 
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
-          blocks: tuple[int, int] | None = None):
-    """Build or load a model onto ``device`` in ``dtype`` (seeded weights for a built-in, else its
-    file or folder), with ``loras`` (lora.LoraSpec) merged into its weights.
+          blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
+    """Build or load a model onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
+    else its file or folder), with ``loras`` (lora.LoraSpec) merged into its weights.
 
     Constructed on the meta device, then each tensor drawn or read, moved and cast on its own
     (weights.put): the host never holds the whole model, and a built-in is the same model on every
-    device. ``blocks`` = (start, end): a PipeFusion stage; only those blocks' tensors (and the
-    embeddings around them) are drawn or read, the other blocks stay on the meta device for the
-    caller to drop (parallel/pipefusion.keep_stage).
+    device. Linear weights keep their storage precision (an fp8 or GGUF file's; ``weight_dtype``
+    "fp8_e4m3fn" / "fp8_e5m2" stores a 16/32-bit model's in that float8), upcast one layer at a
+    time at compute (storage.py). ``blocks`` = (start, end): a PipeFusion stage; only those blocks'
+    tensors (and the embeddings around them) are drawn or read, the other blocks stay on the meta
+    device for the caller to drop (parallel/pipefusion.keep_stage).
     """
     source = resolve(ref)
     family = FAMILIES[source.family]
+    fp8 = _weight_dtype(weight_dtype)
+    if fp8 is not None or source.float8:
+        storage.check_fp8(device, source.ref)
     transformer = _construct(source)
     keys = _stage_keys(transformer, family, blocks)
     with _tensors(source, transformer, keys) as tensor_of:
-        weights.put(transformer, keys, tensor_of, device, dtype)
+        weights.put(transformer, keys, tensor_of, device, dtype, fp8)
     table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
     try:
         reports = lora.merge(transformer, list(loras), table) if loras else []
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
-    return family.model(transformer, ref, family.spec(source.config), reports)
+    return family.model(transformer, ref, family.spec(source.config), reports, dtype,
+                        storage.storage_dtype(transformer, dtype))
+
+
+def _weight_dtype(name: str) -> torch.dtype | None:
+    """A request's weight_dtype as the float8 to store 16/32-bit Linear weights in; None: the file's."""
+    if name == "default":
+        return None
+    if name not in storage.FP8:
+        raise ModelError(f"weight_dtype {name!r} is not supported", f"use default, {', '.join(storage.FP8)}")
+    return storage.FP8[name]
 
 
 def _stage_keys(transformer, family: Family, blocks: tuple[int, int] | None) -> list[str]:
@@ -359,9 +394,13 @@ def _tensors(source: Source, transformer, keys: list[str]):
 
 def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
-    handle = stack.enter_context(safe_open(source.ref, "pt"))
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
-    return lambda key: read_tensor(handle, table[key])
+    if source.gguf:
+        read = gguf_file.file_reader(gguf_file.open_reader(source.ref))
+        return lambda key: read(table[key])
+    handle = stack.enter_context(safe_open(source.ref, "pt"))
+    reader = scaled_fp8.ScaledReader(handle, source.ref)  # a weight with a scale: storage.Quantized
+    return lambda key: reader.read(table[key])
 
 
 def random_conditioning(name: str, batch: int, seed: int, spec) -> tuple[dict, dict]:

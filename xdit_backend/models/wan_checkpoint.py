@@ -90,9 +90,6 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
             f"{path}: image-to-video Wan is not supported yet (input channels {in_channels}, output "
             f"channels {out_channels}{', an image embedder' if 'img_emb' in tops else ''})",
             "use a Wan text-to-video file (Wan2.1-T2V, Wan2.2-T2V-A14B expert, Wan2.2-TI2V-5B)")
-    if any("scale" in key for key in own):  # no original Wan key has "scale" in it
-        raise UserError(f"{path}: scaled-fp8 Wan files (weights with scale factors) are not supported",
-                        "use a plain fp8_e4m3fn, bf16 or fp16 Wan file")
     if tops - KNOWN:
         raise UserError(f"{path}: a Wan variant with extra modules ({', '.join(sorted(tops - KNOWN))}) "
                         "is not supported", "use a plain Wan text-to-video file")

@@ -18,7 +18,8 @@ constructed (a stage is pruned afterwards), so a stage's values are the whole mo
 
 dtypes: floating tensors take the compute dtype, except those under the family's
 ``_keep_in_fp32_modules`` (Wan: time embedder, modulation tables, norms), which stay float32 as
-diffusers' ``from_pretrained`` keeps them. Buffers the constructor computes and no file holds (RoPE
+diffusers' ``from_pretrained`` keeps them, and Linear weights kept in their storage precision
+(float8, scaled float8, GGUF blocks; storage.py), upcast one layer at a time at compute. Buffers the constructor computes and no file holds (RoPE
 tables, PixArt's position embedding) keep the dtype it gave them; they only move to the device.
 """
 
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from . import storage
 from .checkpoint import empty_weights
 
 
@@ -81,19 +83,21 @@ def _redraw(module: torch.nn.Module, seed: int) -> None:
         module.reset_parameters()
 
 
-def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[str], torch.Tensor],
-        device: torch.device, dtype: torch.dtype) -> None:
+def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[str], object],
+        device: torch.device, dtype: torch.dtype, fp8: torch.dtype | None = None) -> None:
     """Give each state-dict key in ``keys`` its tensor ``tensor_of(key)`` (from anywhere: a CPU
-    slice of a file, a drawn module), moved to ``device`` and cast there, one key at a time; then
-    move the buffers no key covers (computed at construction) to ``device``, in their own dtype."""
+    slice of a file, a drawn module; or a storage.Quantized weight), moved to ``device`` and cast
+    there, one key at a time; then move the buffers no key covers (computed at construction) to
+    ``device``, in their own dtype. Linear weights keep their storage form (float8, GGUF blocks;
+    ``fp8``: 16/32-bit ones stored in that float8): storage.place."""
     modules = dict(transformer.named_modules())
     kept_float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
     with torch.no_grad():  # weights, not a computation to differentiate
         for key in keys:
             owner, _, leaf = key.rpartition(".")
-            tensor = tensor_of(key).to(device)  # moved first: an fp8 → bf16 cast doubles the size, on the device
-            if tensor.is_floating_point():
-                tensor = tensor.to(torch.float32 if kept_float32.intersection(key.split(".")) else dtype)
+            float32 = bool(kept_float32.intersection(key.split(".")))
+            tensor = storage.place(modules[owner], leaf, tensor_of(key), device,
+                                   torch.float32 if float32 else dtype, fp8, stored=not float32)
             _replace(modules[owner], leaf, tensor)
         for module in modules.values():
             for name, buffer in module._buffers.items():
@@ -104,7 +108,7 @@ def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[
 def _replace(module: torch.nn.Module, leaf: str, tensor: torch.Tensor) -> None:
     """Put ``tensor`` in place of ``module``'s parameter or buffer ``leaf``; the old one is released."""
     if leaf in module._parameters:
-        requires_grad = module._parameters[leaf].requires_grad
+        requires_grad = module._parameters[leaf].requires_grad and tensor.is_floating_point()
         module._parameters[leaf] = torch.nn.Parameter(tensor.detach(), requires_grad=requires_grad)
     else:
         module._buffers[leaf] = tensor

@@ -1,0 +1,183 @@
+"""Weights kept on the device in their storage precision, upcast one layer at a time at compute.
+
+A Linear layer's weight is kept as the file stores it (float8_e4m3fn / float8_e5m2, ComfyUI's
+scaled fp8 with its scale, GGUF's raw quantized blocks) or, with a request's ``weight_dtype``
+fp8_e4m3fn / fp8_e5m2, a 16- or 32-bit file's weight is stored in that fp8 format (as ComfyUI's
+UNETLoader does). Such a layer becomes a ``StoredLinear``: its forward builds the compute-dtype
+weight into a temporary, ``F.linear(x, upcast(self.weight), bias)``, so only one layer's weight
+exists at full precision at a time, never the whole model.
+
+The contract with weight sharding (parallel/shard.py, FSDP2): a stored weight is an ordinary
+``nn.Parameter`` of a plain dtype (float8, uint8 GGUF blocks) whose dim 0 is the output rows, and
+the forward only reads ``self.weight``, never replaces it; so FSDP2 may shard it on dim 0 and swap
+the Parameter for its gathered one. A scale is a small non-persistent buffer beside it (a scalar,
+or one per output row [out, 1]), not sharded.
+
+Everything else (biases, norms, modulation tables, convolutions, the family's
+``_keep_in_fp32_modules``) is put in the compute dtype (or float32) as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+
+FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # weight_dtype → storage
+FLOAT8 = frozenset(FP8.values())
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A weight as the file stores it when it is more than a tensor (a reader's answer for one key).
+
+    data:  float8 values (scaled fp8), or GGUF's raw uint8 blocks [rows, bytes per row];
+    scale: scaled fp8: the weight is data.to(dtype) * scale; a scalar or one per row [rows];
+    gguf_type: GGUF's quantization type (gguf.GGMLQuantizationType) of ``data``, else None.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    gguf_type: int | None = None
+
+    def dequantized(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype``, shaped ``shape`` (on ``data``'s device)."""
+        if self.gguf_type is not None:
+            from .gguf_file import dequantize
+
+            return dequantize(self.data, self.gguf_type, shape, dtype)
+        weight = self.data.to(dtype)
+        return weight if self.scale is None else weight * _row_scale(self.scale, weight.dim()).to(dtype)
+
+
+class StoredLinear(torch.nn.Linear):
+    """A Linear whose weight stays in its storage form (float8, scaled float8, GGUF blocks); the
+    forward upcasts it into a temporary in the input's dtype. Made by ``place`` from a loaded
+    nn.Linear (its class is switched: the Parameter objects and their names stay)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.upcast(x.dtype), bias)
+
+    def upcast(self, dtype: torch.dtype) -> torch.Tensor:
+        """This layer's weight [out, in] in ``dtype``: a new tensor, the stored one untouched."""
+        stored = Quantized(self.weight, self._buffers.get("weight_scale"), getattr(self, "gguf_type", None))
+        return stored.dequantized(torch.Size((self.out_features, self.in_features)), dtype)
+
+    def storage(self) -> str:
+        """The stored form's name: float8_e4m3fn, "float8_e4m3fn scaled", "gguf Q4_K"."""
+        gguf_type = getattr(self, "gguf_type", None)
+        if gguf_type is not None:
+            from .gguf_file import type_name
+
+            return f"gguf {type_name(gguf_type)}"
+        name = str(self.weight.dtype).removeprefix("torch.")
+        return f"{name} scaled" if "weight_scale" in self._buffers else name
+
+
+def _row_scale(scale: torch.Tensor, dims: int) -> torch.Tensor:
+    """A scalar scale as it is, a per-row [rows] scale as [rows, 1, …] to broadcast over a weight."""
+    return scale if scale.dim() == 0 else scale.reshape(-1, *([1] * (dims - 1)))
+
+
+def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype: torch.dtype,
+          fp8: torch.dtype | None, stored: bool) -> torch.Tensor:
+    """The tensor to put as ``module``'s ``leaf`` for a reader's ``value`` (a tensor, or Quantized).
+
+    ``stored``: the weight may keep a storage form (a Linear's weight outside the float32 modules);
+    ``fp8``: the request's weight_dtype for 16/32-bit weights (None: "default", the file's precision).
+    A Linear given a storage form becomes a StoredLinear (its scale registered beside the weight);
+    everything else comes back in ``dtype``, moved to ``device`` before it is cast."""
+    linear = stored and leaf == "weight" and isinstance(module, torch.nn.Linear)
+    if isinstance(value, Quantized):
+        if not linear:  # a convolution's or a float32 module's: dequantized at load
+            shape = module._parameters[leaf].shape
+            moved = Quantized(value.data.to(device), _moved(value.scale, device), value.gguf_type)
+            return moved.dequantized(shape, dtype)
+        data = value.data.to(device)
+        _store(module, value.gguf_type)
+        if value.scale is not None:
+            scale = _row_scale(value.scale.to(device, torch.float32), 2)  # a scalar, or [out, 1]
+            module.register_buffer("weight_scale", scale, persistent=False)
+        return data
+    tensor = value.to(device)  # moved first: a cast on the device, not on the host
+    if not tensor.is_floating_point():
+        return tensor
+    if linear and tensor.dtype in FLOAT8:
+        _store(module, None)
+        return tensor
+    if linear and fp8 is not None:
+        _store(module, None)
+        limit = torch.finfo(fp8).max  # a plain cast overflows to NaN (e4m3fn has no infinity): saturate
+        return tensor.to(torch.float32).clamp_(-limit, limit).to(fp8)
+    return tensor.to(dtype)
+
+
+def _store(module: torch.nn.Linear, gguf_type: int | None) -> None:
+    module.__class__ = StoredLinear
+    if gguf_type is not None:
+        module.gguf_type = gguf_type
+
+
+def _moved(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def weight_shape(module: torch.nn.Module) -> torch.Size:
+    """The shape ``module.weight`` stands for: [out, in] for a Linear, whatever its stored form
+    (GGUF blocks are [out, bytes per row])."""
+    if isinstance(module, torch.nn.Linear):
+        return torch.Size((module.out_features, module.in_features))
+    return module.weight.shape
+
+
+def add_to_weight(module: torch.nn.Module, delta: torch.Tensor) -> None:
+    """``module.weight += delta`` (a merged LoRA, float32 on the weight's device), kept in the
+    weight's storage form: a float8 weight is re-rounded (divided by its scale first, saturated), as
+    ComfyUI patches its fp8 weights. GGUF blocks cannot be re-quantized on the device: refused."""
+    weight = module.weight
+    if not isinstance(module, StoredLinear):
+        weight.data = (weight.float() + delta).to(weight.dtype)  # a new tensor: a file's may be memory-mapped
+        return
+    if getattr(module, "gguf_type", None) is not None:
+        raise UserError(f"a LoRA cannot be merged into GGUF weights ({module.storage()}): their blocks are not "
+                        "re-quantized on the device",
+                        "use the model's bf16, fp16 or fp8 file with this LoRA")
+    total = module.upcast(torch.float32) + delta  # [out, in]
+    scale = module._buffers.get("weight_scale")
+    if scale is not None:
+        total = total / scale
+    limit = torch.finfo(weight.dtype).max
+    weight.data = total.clamp_(-limit, limit).to(weight.dtype)
+
+
+def storage_dtype(transformer: torch.nn.Module, compute: torch.dtype) -> str:
+    """What the model's Linear weights are stored in, by share of their values, largest first
+    ("float8_e4m3fn", "float8_e4m3fn scaled+bfloat16", "gguf Q4_K+gguf Q8_0", "bfloat16"); the
+    compute dtype's name when no Linear weight is loaded (a stage on meta)."""
+    counts: dict[str, int] = {}
+    for module in transformer.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
+            stored = isinstance(module, StoredLinear)
+            name = module.storage() if stored else str(module.weight.dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + module.in_features * module.out_features
+    if not counts:
+        return str(compute).removeprefix("torch.")
+    return "+".join(sorted(counts, key=lambda name: -counts[name]))
+
+
+def check_fp8(device: torch.device, path: str) -> None:
+    """Refuse, before loading, a device where float8 weights cannot be kept and upcast."""
+    try:
+        float8_round_trip(device)
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path}: its weights are float8, which this torch cannot keep on {device} ({exc})",
+                        "use a bf16 or fp16 file of the model (or a GGUF file) with weight_dtype default; "
+                        "float8 needs torch ≥ 2.1 on CUDA or the CPU") from None
+
+
+def float8_round_trip(device: torch.device) -> None:
+    torch.zeros(2, dtype=torch.float8_e4m3fn, device=device).to(torch.float32)
