@@ -1,0 +1,143 @@
+"""Weight sharding (FSDP2, parallel/shard.py): exact in every layout, 1/S of the blocks per rank, counted gathers."""
+
+import math
+
+import pytest
+import torch
+
+from xdit_backend.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
+from xdit_backend.models import registry
+from xdit_backend.parallel.denoiser import Denoiser
+from xdit_backend.protocol import Message
+from xdit_backend.request import SampleRequest
+from xdit_backend.sampling.generate import generate
+
+TOLERANCE = 1e-4
+FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 3, "seed": 21, "cfg": 3.5, "batch": 2}
+
+# (world, degrees): sharded runs compared with the serial latent
+PARITY = [
+    (2, {"ulysses": 2}),
+    (2, {"ring": 2}),
+    (2, {"cfg": 2}),
+    (2, {"dp": 2}),
+    (4, {"ulysses": 2, "ring": 2}),
+]
+# PipeFusion is approximate by design (stale K/V): sharded equals the same layout unsharded
+PIPEFUSION = {"pipefusion": 2, "ulysses": 2, "warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def conditioning():
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
+    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
+    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def serial(conditioning):
+    request = SampleRequest.parse(Message("sample", FIELDS, conditioning))
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    positive, negative = request.conditioning(model.spec)
+    with torch.no_grad():
+        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    """flux-tiny's blocks (float32, as the requests run) and the parameters outside them, counted here."""
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    transformer = model.transformer
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    outside = sum(p.numel() * p.element_size() for p in transformer.parameters() if id(p) not in inside)
+    return blocks, outside
+
+
+def shard_bytes(blocks, ranks: int) -> int:
+    """A rank's share of the blocks: ⌈rows/S⌉ rows of each parameter (FSDP2 pads dim 0 to a multiple of S)."""
+    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]) * p.element_size()
+               for block in blocks for p in block.parameters())
+
+
+def run(client, degrees, conditioning, **extra):
+    return client.sample({**FIELDS, **extra, "parallel": degrees}, conditioning)
+
+
+@pytest.mark.parametrize("case", PARITY, ids=lambda case: "x".join(f"{k}{v}" for k, v in case[1].items()))
+def test_sharded_layout_equals_serial(case, serial, conditioning, blocks, request):
+    """The latent equals serial; each rank holds ≤ 1/S of the blocks (+ padding) plus the whole other layers."""
+    world, degrees = case
+    client = request.getfixturevalue(f"backend{world}")
+    result, info = run(client, {**degrees, "shard_weights": True}, conditioning, profile=True)
+    assert "weights sharded" in info["layout"]
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= TOLERANCE, f"{degrees}: max |sharded − serial| = {difference:.3g}"
+    block_list, outside = blocks
+    whole = sum(p.numel() * p.element_size() for b in block_list for p in b.parameters()) + outside
+    for record in info["profile"]:
+        resident = record["resident_parameter_bytes"]
+        assert resident <= shard_bytes(block_list, world) + outside, record
+        assert resident < whole
+
+
+def test_sharded_pipefusion_equals_it_unsharded(backend4, conditioning):
+    """Sharded over each stage's two ranks, PipeFusion gives what it gives unsharded."""
+    unsharded, _ = run(backend4, PIPEFUSION, conditioning)
+    sharded, info = run(backend4, {**PIPEFUSION, "shard_weights": True}, conditioning)
+    assert "weights sharded 2 ways" in info["layout"]
+    difference = (sharded["samples"] - unsharded["samples"]).abs().max().item()
+    assert difference <= TOLERANCE
+
+
+def test_gathered_bytes_equal_the_formula(backend2, conditioning, blocks):
+    """Each rank sends (S − 1)·⌈rows/S⌉·bytes per row per parameter, once per block per model call."""
+    _, info = run(backend2, {"ulysses": 2, "shard_weights": True}, conditioning, profile=True)
+    block_list, _ = blocks
+    per_pass = sum((2 - 1) * math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * p.element_size()
+                   for block in block_list for p in block.parameters())
+    for record in info["profile"]:  # euler: one model call per step
+        assert record["sent_bytes"]["shard_all_gather"] == per_pass * FIELDS["steps"]
+        assert record["shard_bytes_per_pass"] == per_pass
+
+
+def test_unsharded_layouts_gather_nothing(backend2, conditioning):
+    _, info = run(backend2, {"ulysses": 2}, conditioning, profile=True)
+    assert all("shard_all_gather" not in record["sent_bytes"] for record in info["profile"])
+
+
+# ---------------------------------------------------------------- the option and auto (no processes)
+
+FLUX = ModelFacts("flux-tiny", heads=4, supports=frozenset({"cfg", "ulysses", "ring", "dp", "pipefusion"}), blocks=7)
+REQUEST = RequestFacts(batch=2, image_tokens=32, cfg_scale=3.5, has_negative=True, token_rows=4)
+
+
+def test_sharding_one_rank_is_refused():
+    with pytest.raises(ConfigError, match="one rank would keep all of it"):
+        ParallelConfig(shard_weights=True).validate(1, FLUX, REQUEST)
+
+
+def test_sharding_a_stage_of_one_rank_is_refused():
+    with pytest.raises(ConfigError, match="each stage's blocks are held by one rank"):
+        ParallelConfig(pipefusion=2, shard_weights=True).validate(2, FLUX, REQUEST)
+
+
+def test_shard_weights_travels_in_the_layout_json():
+    config = ParallelConfig(ulysses=2, shard_weights=True)
+    assert ParallelConfig.from_json(config.to_json()) == config
+    assert "shard_weights" not in ParallelConfig(ulysses=2).to_json()  # unsharded layouts' JSON is unchanged
+    with pytest.raises(ConfigError, match="true or false"):
+        ParallelConfig.from_json({"ulysses": 2, "shard_weights": 1})
+
+
+def test_auto_shards_only_when_the_weights_would_not_fit():
+    fits = MemoryFit(weight_bytes=10 * 2**30, free_bytes=20 * 2**30)
+    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=fits)
+    assert not config.shard_weights
+    tight = MemoryFit(weight_bytes=24 * 2**30, free_bytes=20 * 2**30)
+    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=tight)
+    assert config.shard_weights and "weights sharded 2 ways" in why and "24.0 GiB" in why
+    config, _ = ParallelConfig.auto(1, FLUX, REQUEST, memory=tight)  # nothing to share with
+    assert not config.shard_weights
