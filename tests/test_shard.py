@@ -141,3 +141,16 @@ def test_auto_shards_only_when_the_weights_would_not_fit():
     assert config.shard_weights and "weights sharded 2 ways" in why and "24.0 GiB" in why
     config, _ = ParallelConfig.auto(1, FLUX, REQUEST, memory=tight)  # nothing to share with
     assert not config.shard_weights
+
+
+def sample_args(*flags):
+    from xdit_backend import cli
+
+    parser = cli.build_parser()
+    return cli.sample_fields(parser.parse_args(["sample", "--model", "flux-tiny", "--out", "o.safetensors", *flags]))
+
+
+def test_the_cli_flag_asks_for_sharding_with_degrees_only():
+    assert sample_args("--ulysses", "2", "--shard-weights")["parallel"] == {"ulysses": 2, "shard_weights": True}
+    with pytest.raises(SystemExit, match="--shard-weights goes with degrees"):
+        sample_args("--shard-weights")
