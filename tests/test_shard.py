@@ -233,3 +233,30 @@ def test_a_block_of_fp8_bf16_and_fp32_parameters_shards_and_gathers_exactly():
             else:
                 assert local_size == size, name
         assert result["sent"] == result["formula"] > 0
+
+
+def test_compiled_blocks_run_sharded(backend2, serial, conditioning):
+    """compile.py's compiled block forward runs between FSDP2's eager hooks (gather, then free)."""
+    result, _ = run(backend2, {"ulysses": 2, "shard_weights": True}, conditioning, compile=True)
+    assert (result["samples"] - serial).abs().max().item() <= TOLERANCE
+
+
+def test_after_a_failed_request_the_sharded_model_is_sharded_again_over_the_new_groups(backends, monkeypatch):
+    """A simulated out-of-memory in rank 1's 3rd model call: the failure destroys the layout's groups,
+    the shard group with them, so the next request shards the model anew over the rebuilt mesh and
+    gives the unsharded latent. (On gloo a destroyed group's object still runs collectives, so this
+    checks the path and the result; what the re-sharding prevents is NCCL's: aborted communicators.)"""
+    from conftest import SMALL
+
+    from xdit_backend.client import BackendError
+
+    monkeypatch.setenv("XDIT_TEST_FAULT", "1:3")
+    client = backends.start(2, collective_timeout=10.0, heartbeat=4.0)
+    fields = {**SMALL, "steps": 4, "parallel": {"ulysses": 2, "shard_weights": True}}
+    with pytest.raises(BackendError, match="simulated"):
+        client.sample(fields)
+    fields["steps"] = 2  # two model calls: the rebuilt model's fault hook (its own count) does not reach its 3rd
+    result, info = client.sample(fields)
+    assert "weights sharded 2 ways" in info["layout"]
+    whole, _ = client.sample({**fields, "parallel": {"ulysses": 2}})
+    assert (result["samples"] - whole["samples"]).abs().max() <= TOLERANCE
