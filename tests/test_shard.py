@@ -208,13 +208,24 @@ def _sharded_mixed_dtypes(rank: int) -> dict:
                    for p in transformer.blocks.parameters())
     model = SimpleNamespace(transformer=transformer, spec=SimpleNamespace(stage_plan=SimpleNamespace(block_lists=("blocks",))))
     shard.shard_blocks(model, init_device_mesh("cpu", (world,)), torch.device("cpu"))
+    order = []  # the first pass: each all-gather, and each block's start (after FSDP's own pre-hook)
+    for index, block in enumerate(transformer.blocks):
+        block.register_forward_pre_hook(lambda module, args, index=index: order.append(f"run {index}"))
     with torch.no_grad(), traffic.counting(False) as sent:
+        gather = torch.distributed.all_gather_single  # traffic's counting wrapper
+
+        def logged(*args, **kwargs):
+            order.append("gather")
+            return gather(*args, **kwargs)
+
+        torch.distributed.all_gather_single = logged
         through_root = transformer(x)
+        torch.distributed.all_gather_single = gather
         for block in transformer.blocks:  # as PipeFusion calls them: without the transformer's forward
             by_blocks = block(by_blocks)
     local = {name: (p.dtype, shard.resident_bytes(torch.nn.ParameterList([p]))) for name, p in transformer.named_parameters()}
     return {"root": (through_root - expected).abs().max().item(), "blocks": (by_blocks - expected).abs().max().item(),
-            "whole": whole, "local": local, "sent": sent["shard_all_gather"],
+            "whole": whole, "local": local, "sent": sent["shard_all_gather"], "order": order,
             "formula": 2 * per_pass}  # two passes: through the transformer, then block by block
 
 
@@ -233,6 +244,8 @@ def test_a_block_of_fp8_bf16_and_fp32_parameters_shards_and_gathers_exactly():
             else:
                 assert local_size == size, name
         assert result["sent"] == result["formula"] > 0
+        # forward prefetch: block i + 1's gather is issued before block i runs
+        assert result["order"][:6] == ["gather", "gather", "run 0", "gather", "run 1", "run 2"]  # the first pass
 
 
 def test_compiled_blocks_run_sharded(backend2, serial, conditioning):

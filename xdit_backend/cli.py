@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--repeats", type=int, default=200)
     layouts = bench_kinds.add_parser("layouts", help="parallel layouts: step time, bytes sent per rank, peak memory")
     layouts.add_argument("--layouts", nargs="+", default=None,
-                         help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 (default: the world-2 and world-4 set)")
+                         help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 ulysses=2,shard (,shard: weights sharded; "
+                              "default: the world-2 and world-4 set)")
     layouts.add_argument("--model", default="flux-tiny",
                          help="a built-in (flux-tiny…, or flux-dev-random: the full Flux.1-dev architecture with "
                               "random weights, for GPUs), a model file or folder")
