@@ -83,13 +83,24 @@ def test_sharded_layout_equals_serial(case, serial, conditioning, blocks, reques
         assert resident < whole
 
 
-def test_sharded_pipefusion_equals_it_unsharded(backend4, conditioning):
-    """Sharded over each stage's two ranks, PipeFusion gives what it gives unsharded."""
+def test_sharded_pipefusion_equals_it_unsharded(backend4, conditioning, blocks):
+    """Sharded over each stage's two ranks, PipeFusion gives what it gives unsharded; a stage gathers its
+    own blocks once per chunk it runs (the whole latent in the warm-up step, then each patch)."""
+    from xdit_backend.parallel.pipefusion import stage_bounds
+
     unsharded, _ = run(backend4, PIPEFUSION, conditioning)
-    sharded, info = run(backend4, {**PIPEFUSION, "shard_weights": True}, conditioning)
+    sharded, info = run(backend4, {**PIPEFUSION, "shard_weights": True}, conditioning, profile=True)
     assert "weights sharded 2 ways" in info["layout"]
     difference = (sharded["samples"] - unsharded["samples"]).abs().max().item()
     assert difference <= TOLERANCE
+    block_list, _ = blocks
+    bounds = stage_bounds(registry.block_sizes("flux-tiny"), 2)
+    chunks = 1 + (FIELDS["steps"] - 1) * 2  # warm-up 1, then 2 patches (the default: as many as stages)
+    for record in info["profile"]:
+        start, end = bounds[record["rank"] // 2]  # ranks [0, 1] run stage 0, [2, 3] stage 1
+        per_chunk = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * p.element_size()
+                        for block in block_list[start:end] for p in block.parameters())
+        assert record["sent_bytes"]["shard_all_gather"] == per_chunk * chunks, record["rank"]
 
 
 def test_gathered_bytes_equal_the_formula(backend2, conditioning, blocks):

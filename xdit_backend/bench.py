@@ -157,6 +157,16 @@ def method_of(layout: str) -> str:
     return f"{method}+shard" if degrees.get("shard_weights") else method
 
 
+def block_passes(degrees: dict, steps: int) -> int:
+    """Passes of a rank through its blocks in a request: one per model call (the bench's sampler, euler,
+    calls the model once a step); under PipeFusion one per chunk: the whole latent in each warm-up step,
+    then each of the M patches."""
+    if degrees.get("pipefusion", 1) == 1:
+        return steps
+    warmup = min(degrees.get("warmup_steps", 1), steps)
+    return warmup + (steps - warmup) * degrees.get("num_pipeline_patch", degrees["pipefusion"])
+
+
 def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
     """The figures of one layout's profiled request, from every rank's record."""
     ranks = record["profile"]
@@ -172,11 +182,12 @@ def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
         "sent_bytes_per_rank_per_step": max(sum(v for k, v in r["sent_bytes"].items()
                                                 if k not in ("control", "shard_all_gather"))
                                             for r in ranks) / fields["steps"],
-        # weight sharding's gathers, counted, and their formula (parallel/shard.gathered_bytes per pass through
-        # the blocks, one pass per model call: the bench's sampler, euler, calls the model once a step)
+        # weight sharding's gathers, counted, and their formula: parallel/shard.gathered_bytes per pass of a
+        # rank through its blocks, times the passes per step (block_passes)
         "gathered_bytes_per_rank_per_step": max(r["sent_bytes"].get("shard_all_gather", 0)
                                                 for r in ranks) / fields["steps"],
-        "gathered_formula_bytes": max(r.get("shard_bytes_per_pass") or 0 for r in ranks),
+        "gathered_formula_bytes": max(r.get("shard_bytes_per_pass") or 0 for r in ranks)
+                                  * block_passes(parse_layout(record["layout"]), fields["steps"]) / fields["steps"],
         "largest_rank_parameter_bytes": max(r["resident_parameter_bytes"] for r in ranks),
         "dtype": ranks[0]["dtype"], "attention": ranks[0]["attention"],
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
