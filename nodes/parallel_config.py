@@ -29,6 +29,10 @@ class XDiTParallelConfig(io.ComfyNode):
                 io.Int.Input("warmup_steps", default=1, min=0, max=1000, tooltip="PipeFusion's exact first steps"),
                 io.Boolean.Input("cfg_parallel", default=False, tooltip="cond and uncond on two halves of the GPUs"),
                 io.Int.Input("dp", default=1, min=1, max=64, tooltip="data parallel: the batch split across groups"),
+                io.Boolean.Input("shard_weights", default=False, optional=True,
+                                 tooltip="each GPU keeps 1/N of every transformer block (FSDP2), N = the GPUs that "
+                                         "run the same blocks; with auto on, the backend shards by itself when the "
+                                         "model would not fit"),
             ],
             outputs=[XDiTParallel.Output(display_name="XDIT_PARALLEL")],
         )
@@ -43,15 +47,20 @@ class XDiTParallelConfig(io.ComfyNode):
 
     @classmethod
     def execute(cls, gpus, auto, ulysses, ring, pipefusion, num_pipeline_patch, warmup_steps, cfg_parallel,
-                dp) -> io.NodeOutput:
+                dp, shard_weights=False) -> io.NodeOutput:
         from xdit_backend.config import ParallelConfig
 
         degrees = None
+        if auto and shard_weights:
+            raise ValueError("shard_weights goes with degrees: turn auto off and set them (auto shards the "
+                             "weights by itself when the model would not fit)")
         if not auto:
             degrees = {"ulysses": ulysses, "ring": ring, "pipefusion": pipefusion, "cfg": 2 if cfg_parallel else 1,
                        "dp": dp, "warmup_steps": warmup_steps}
             if num_pipeline_patch:
                 degrees["num_pipeline_patch"] = num_pipeline_patch
+            if shard_weights:
+                degrees["shard_weights"] = True
             ParallelConfig.from_json(degrees)  # the per-layout rules, before anything runs (ConfigError)
         return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus)))
 

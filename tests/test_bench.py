@@ -11,7 +11,8 @@ FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 
           "dtype": "auto"}
 SUMMARY_FIELDS = {"layout", "method", "world", "described", "step_median_s", "step_min_s", "step_max_s",
                   "step_spread", "denoise_s", "sent_bytes_per_rank_per_step", "peak_memory_bytes", "memory_kind",
-                  "largest_rank_parameters", "process_groups_created", "speedup", "efficiency", "dtype", "attention"}
+                  "largest_rank_parameters", "process_groups_created", "speedup", "efficiency", "dtype", "attention",
+                  "gathered_bytes_per_rank_per_step", "gathered_formula_bytes", "largest_rank_parameter_bytes"}
 
 
 def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
@@ -38,8 +39,8 @@ def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
 
 
 def test_methods_are_named_without_their_degrees():
-    assert [method_of(t) for t in ("serial", "ulysses=4", "cfg=2,ring=2", "pipefusion=2,patches=4")] == [
-        "serial", "ulysses", "cfg×ring", "pipefusion"]
+    assert [method_of(t) for t in ("serial", "ulysses=4", "cfg=2,ring=2", "pipefusion=2,patches=4", "cfg=2,shard")] == [
+        "serial", "ulysses", "cfg×ring", "pipefusion", "cfg+shard"]
 
 
 def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
@@ -66,14 +67,20 @@ def table_rows(table: str) -> dict[str, dict[str, str]]:
 
 def test_the_formula_counts_bytes_in_the_request_dtype(capsys):
     """In bfloat16 the model's traffic (all-to-all, ring, velocity) is 2 bytes a value and CFG's x0
-    stays float32: the counted bytes equal the formula's, layout by layout."""
+    stays float32: the counted bytes equal the formula's, layout by layout; so do weight sharding's
+    gathers (bf16 weights), in their own columns."""
     fields = {**FIELDS, "dtype": "bfloat16"}
-    assert run_layout_bench(["ulysses=2", "ring=2", "cfg=2"], fields) == 0
+    assert run_layout_bench(["ulysses=2", "ring=2", "cfg=2", "ulysses=2,shard"], fields) == 0
     rows = table_rows(capsys.readouterr().out)
-    assert set(rows) == {"ulysses=2", "ring=2", "cfg=2"}
+    assert set(rows) == {"ulysses=2", "ring=2", "cfg=2", "ulysses=2,shard"}
     for layout, row in rows.items():
         assert float(row["sent/rank/step KiB"]) > 0
         assert row["sent/rank/step KiB"] == row["formula KiB"], (layout, row)
+        assert row["weights gathered/rank/step KiB"] == row["its formula KiB"], (layout, row)
+    assert float(rows["ulysses=2,shard"]["weights gathered/rank/step KiB"]) > 0
+    assert float(rows["ulysses=2"]["weights gathered/rank/step KiB"]) == 0
+    sharded, whole = (float(rows[k]["largest rank's parameters MiB"]) for k in ("ulysses=2,shard", "ulysses=2"))
+    assert sharded < whole
 
 
 @pytest.mark.parametrize("model", ["flux-tiny", "flux-dev-random"])

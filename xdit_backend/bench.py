@@ -73,12 +73,15 @@ DEGREE_NAMES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 
 
 def parse_layout(text: str) -> dict:
-    """"cfg=2,ulysses=2" → {"cfg": 2, "ulysses": 2}; "pipefusion=2,patches=4,warmup=1"; "serial" → {}."""
+    """"cfg=2,ulysses=2" → {"cfg": 2, "ulysses": 2}; "pipefusion=2,patches=4,warmup=1"; "serial" → {};
+    "ulysses=2,shard" → {"ulysses": 2, "shard_weights": True} (weight sharding, parallel/shard.py)."""
     if text == "serial":
         return {}
+    parts = [part.strip() for part in text.split(",")]
+    sharding = {"shard_weights": True} if "shard" in parts else {}
     try:
-        pairs = (part.split("=") for part in text.split(","))
-        return {_LAYOUT_KEYS.get(name.strip(), name.strip()): int(value) for name, value in pairs}
+        pairs = (part.split("=") for part in parts if part != "shard")
+        return {**{_LAYOUT_KEYS.get(name.strip(), name.strip()): int(value) for name, value in pairs}, **sharding}
     except ValueError:
         raise SystemExit(f"xdit-backend: layout {text!r} is not like ulysses=2,ring=2 (or serial)") from None
 
@@ -150,7 +153,18 @@ def flux_dims(model: str) -> dict | None:
 def method_of(layout: str) -> str:
     """The method a layout uses, without its degrees: "cfg=2,ulysses=2" → "cfg×ulysses"."""
     degrees = parse_layout(layout)
-    return "×".join(name for name in DEGREE_NAMES if degrees.get(name, 1) > 1) or "serial"
+    method = "×".join(name for name in DEGREE_NAMES if degrees.get(name, 1) > 1) or "serial"
+    return f"{method}+shard" if degrees.get("shard_weights") else method
+
+
+def block_passes(degrees: dict, steps: int) -> int:
+    """Passes of a rank through its blocks in a request: one per model call (the bench's sampler, euler,
+    calls the model once a step); under PipeFusion one per chunk: the whole latent in each warm-up step,
+    then each of the M patches."""
+    if degrees.get("pipefusion", 1) == 1:
+        return steps
+    warmup = min(degrees.get("warmup_steps", 1), steps)
+    return warmup + (steps - warmup) * degrees.get("num_pipeline_patch", degrees["pipefusion"])
 
 
 def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
@@ -165,8 +179,16 @@ def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
         "step_median_s": median, "step_min_s": min(steps), "step_max_s": max(steps),
         "step_spread": (max(steps) - min(steps)) / median,
         "denoise_s": max(r["denoise_s"] for r in ranks),  # end to end on the slowest rank, no VAE anywhere
-        "sent_bytes_per_rank_per_step": max(sum(v for k, v in r["sent_bytes"].items() if k != "control")
+        "sent_bytes_per_rank_per_step": max(sum(v for k, v in r["sent_bytes"].items()
+                                                if k not in ("control", "shard_all_gather"))
                                             for r in ranks) / fields["steps"],
+        # weight sharding's gathers, counted, and their formula: parallel/shard.gathered_bytes per pass of a
+        # rank through its blocks, times the passes per step (block_passes)
+        "gathered_bytes_per_rank_per_step": max(r["sent_bytes"].get("shard_all_gather", 0)
+                                                for r in ranks) / fields["steps"],
+        "gathered_formula_bytes": max(r.get("shard_bytes_per_pass") or 0 for r in ranks)
+                                  * block_passes(parse_layout(record["layout"]), fields["steps"]) / fields["steps"],
+        "largest_rank_parameter_bytes": max(r["resident_parameter_bytes"] for r in ranks),
         "dtype": ranks[0]["dtype"], "attention": ranks[0]["attention"],
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
         "memory_kind": ranks[0]["memory_kind"],
@@ -209,8 +231,9 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
     print(f"{fields['model']}, {fields['width']}×{fields['height']}, batch {fields['batch']}, cfg {fields['cfg']}, "
           f"{fields['steps']} steps (step times: first excluded), {fields.get('dtype', 'auto')}, {device}\n")
     print("| layout | ranks | step median ms | min–max ms | denoise s (end to end) | speed-up | efficiency | "
-          "sent/rank/step KiB | formula KiB | largest rank's parameters M | peak memory/rank MiB | new groups | "
-          "attention |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sent/rank/step KiB | formula KiB | weights gathered/rank/step KiB | its formula KiB | "
+          "largest rank's parameters MiB | peak memory/rank MiB | new groups | "
+          "attention |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for summary in summaries:
         element_bytes = getattr(torch, summary["dtype"]).itemsize
         formula = (traffic_formula(parse_layout(summary["layout"]), dims, fields, element_bytes)[0] / 1024
@@ -219,7 +242,9 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
               f"{summary['step_min_s'] * 1e3:.1f}–{summary['step_max_s'] * 1e3:.1f} | {summary['denoise_s']:.2f} | "
               f"{_ratio(summary['speedup'], '×')} | {_ratio(summary['efficiency'], '')} | "
               f"{summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
-              f"{'—' if formula is None else f'{formula:.1f}'} | {summary['largest_rank_parameters'] / 1e6:.2f} | "
+              f"{'—' if formula is None else f'{formula:.1f}'} | "
+              f"{summary['gathered_bytes_per_rank_per_step'] / 1024:.1f} | {summary['gathered_formula_bytes'] / 1024:.1f} | "
+              f"{summary['largest_rank_parameter_bytes'] / 2**20:.2f} | "
               f"{summary['peak_memory_bytes'] / 2**20:.0f} | {summary['process_groups_created']} | "
               f"{summary['attention']} |")
     if serial is None:

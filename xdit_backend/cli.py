@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PipeFusion's first steps on the whole latent, exact (default 1)")
     layout.add_argument("--stage-blocks", type=int_list, default=None,
                         help="PipeFusion blocks per stage, e.g. 2,5 (default: balanced by parameters)")
+    layout.add_argument("--shard-weights", action="store_true",
+                        help="keep 1/S of every transformer block per rank (FSDP2), S = the ranks that run the same "
+                             "blocks; goes with degrees (auto shards by itself when the model would not fit)")
     layout.add_argument("--parallel", choices=("auto",), default=None,
                         help="let the backend pick degrees for its world size (the default without degrees)")
 
@@ -73,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--repeats", type=int, default=200)
     layouts = bench_kinds.add_parser("layouts", help="parallel layouts: step time, bytes sent per rank, peak memory")
     layouts.add_argument("--layouts", nargs="+", default=None,
-                         help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 (default: the world-2 and world-4 set)")
+                         help="e.g. serial ulysses=2 ring=2 cfg=2,ulysses=2 ulysses=2,shard (,shard: weights sharded; "
+                              "default: the world-2 and world-4 set)")
     layouts.add_argument("--model", default="flux-tiny",
                          help="a built-in (flux-tiny…, or flux-dev-random: the full Flux.1-dev architecture with "
                               "random weights, for GPUs), a model file or folder")
@@ -171,7 +175,11 @@ def requested_layout(args) -> dict | str:
     pipeline = {name: value for name, value in pipeline.items() if value is not None}
     if pipeline and not degrees.get("pipefusion"):
         raise SystemExit("xdit-backend: --patches, --warmup-steps and --stage-blocks go with --pipefusion")
-    return {**degrees, **pipeline} if degrees else "auto"
+    if args.shard_weights and not degrees:
+        raise SystemExit("xdit-backend: --shard-weights goes with degrees (e.g. --ulysses 2 --shard-weights); "
+                         "with --parallel auto the backend shards by itself when the model would not fit")
+    sharding = {"shard_weights": True} if args.shard_weights else {}
+    return {**degrees, **pipeline, **sharding} if degrees else "auto"
 
 
 def sample_fields(args) -> dict:

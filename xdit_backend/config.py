@@ -6,7 +6,7 @@ Each violated rule raises ConfigError with the rule, the actual values and a way
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from math import prod
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -73,6 +73,9 @@ class ParallelConfig:
     num_pipeline_patch: PipeFusion's patches per step (default: the number of stages; more overlaps better).
     warmup_steps: PipeFusion's first steps, run synchronously on the whole latent (exact).
     pipefusion_blocks: blocks per stage, in order (default: as even as possible).
+    shard_weights: FSDP2 weight sharding (parallel/shard.py): each rank keeps 1/S of every transformer block
+                 and gathers a block just before it runs, S = the ranks that run the same blocks (all of
+                 them; with PipeFusion, a stage's). Orthogonal to the degrees; exact.
     """
 
     dp: int = 1
@@ -83,10 +86,16 @@ class ParallelConfig:
     num_pipeline_patch: int | None = None
     warmup_steps: int = 1
     pipefusion_blocks: tuple[int, ...] | None = None
+    shard_weights: bool = False
 
     @property
     def world_size(self) -> int:
         return self.dp * self.cfg * self.pipefusion * self.ring * self.ulysses
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks that run the same blocks and so share their weights when sharded: all but PipeFusion's stages."""
+        return self.world_size // self.pipefusion
 
     @property
     def sequence(self) -> int:
@@ -98,10 +107,13 @@ class ParallelConfig:
         text = " × ".join(parts) or "serial"
         if self.pipefusion > 1:
             text += f" ({self.num_pipeline_patch or self.pipefusion} patches, warm-up {self.warmup_steps})"
+        if self.shard_weights:
+            text += f", weights sharded {self.shard_size} ways"
         return text
 
     def to_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
+                if v is not None and not (k == "shard_weights" and not v)}
 
     @classmethod
     def from_json(cls, data: dict) -> ParallelConfig:
@@ -112,7 +124,11 @@ class ParallelConfig:
         data = dict(data)
         if isinstance(data.get("pipefusion_blocks"), list):
             data["pipefusion_blocks"] = tuple(data["pipefusion_blocks"])
+        if not isinstance(data.get("shard_weights", False), bool):
+            raise ConfigError(f"parallel setting shard_weights must be true or false, got {data['shard_weights']!r}")
         for name, value in data.items():
+            if name == "shard_weights":
+                continue
             values = value if isinstance(value, tuple) else (value,)
             if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
                 raise ConfigError(f"parallel setting {name} must be whole numbers, got {value!r}")
@@ -164,6 +180,25 @@ class ParallelConfig:
                               f"use a batch that is a multiple of {self.dp}, or dp=1")
         if self.pipefusion > 1:
             self._check_pipefusion(model, request)
+        if self.shard_weights:
+            self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        """Sharding needs two or more ranks running the same blocks. (Those ranks always call the blocks
+        the same number of times in the same order, as FSDP's all-gathers require: CFG halves, sequence
+        ranks and dp groups (equal batch slices: the dp rule above) each call the model once per model
+        call of the sampler, and a PipeFusion stage's ranks run the same work list (parallel/shard.py).)"""
+        if self.shard_size > 1:
+            return
+        if self.pipefusion > 1:
+            raise ConfigError(f"shard_weights with pipefusion={self.pipefusion} on {self.world_size} ranks: each stage's "
+                              "blocks are held by one rank, so there is no other rank to share them with "
+                              "(sharding splits a block over the ranks that run it)",
+                              "drop shard_weights (PipeFusion already gives each rank only its stage), or give "
+                              "each stage more ranks (cfg, ulysses, ring or dp > 1)")
+        raise ConfigError(f"shard_weights on {self.world_size} rank: sharding splits each block over the ranks, and "
+                          "one rank would keep all of it",
+                          "drop shard_weights, start the backend on more GPUs, or use an fp8 or GGUF file")
 
     def _check_pipefusion(self, model: ModelFacts, request: RequestFacts) -> None:
         if self.pipefusion > model.blocks:
@@ -204,8 +239,16 @@ class ParallelConfig:
 
     @classmethod
     def auto(cls, world_size: int, model: ModelFacts, request: RequestFacts,
-             topology: Topology | None = None) -> tuple[ParallelConfig, str]:
-        """Pick degrees for this world size, and say why in a sentence.
+             topology: Topology | None = None, memory: MemoryFit | None = None) -> tuple[ParallelConfig, str]:
+        """Pick degrees for this world size, and say why in a sentence; then turn weight sharding on
+        when ``memory`` says the unsharded weights would not fit (``with_sharding_if_needed``)."""
+        config, why = cls._auto_degrees(world_size, model, request, topology)
+        return with_sharding_if_needed(config, why, memory)
+
+    @classmethod
+    def _auto_degrees(cls, world_size: int, model: ModelFacts, request: RequestFacts,
+                      topology: Topology | None) -> tuple[ParallelConfig, str]:
+        """The degrees auto picks.
 
         The fixed order first (``fixed_order``). With a measured topology (topology.py), every valid
         layout's step is modeled (scaling.predict: compute at the measured rate, the method's traffic
@@ -276,6 +319,28 @@ class ParallelConfig:
         """Every pair of ranks that share a group of some degree > 1: the links this layout's traffic uses."""
         return sorted({(a, b) for axis in DEGREES if getattr(self, axis) > 1 for group in self.rank_groups(axis)
                        for a in group for b in group if a < b})
+
+
+class MemoryFit(NamedTuple):
+    """What auto's sharding decision weighs, per rank (the memory model's estimate, memory_model.py)."""
+
+    weight_bytes: int  # the model's weights one rank would hold unsharded (with PipeFusion: its stage's)
+    free_bytes: int  # free memory of the tightest rank, less what the request's activations need
+
+
+def needs_sharding(weight_bytes: int, free_bytes: int) -> bool:
+    """Whether a rank's unsharded weights (bytes) exceed what it has free for them (bytes)."""
+    return weight_bytes > free_bytes
+
+
+def with_sharding_if_needed(config: ParallelConfig, why: str, memory: MemoryFit | None) -> tuple[ParallelConfig, str]:
+    """``config`` with shard_weights on when the weights would not fit unsharded and there are ranks to
+    share them; ``why`` says so. Without an estimate (``memory`` None), as it is."""
+    if memory is None or config.shard_size == 1 or not needs_sharding(*memory):
+        return config, why
+    sharded = replace(config, shard_weights=True)
+    return sharded, (f"{why}; weights sharded {config.shard_size} ways: {memory.weight_bytes / 2**30:.1f} GiB of "
+                     f"weights per rank would not fit the {memory.free_bytes / 2**30:.1f} GiB free")
 
 
 def _valid_layouts(world_size: int, model: ModelFacts, request: RequestFacts) -> list[ParallelConfig]:

@@ -16,7 +16,7 @@ from . import attention
 from .compile import compile_blocks
 from .mesh import MeshCache
 from .models import lora, registry
-from .parallel import traffic
+from .parallel import shard, traffic
 from .parallel.denoiser import Denoiser
 from .parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from .request import SampleRequest, compute_dtype
@@ -32,7 +32,7 @@ class Executor:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled) → model
+        self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled, weight_dtype, shard ranks) → model
         self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
         # The layouts' data collectives wait half as long as the control group: after a rank raises,
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
@@ -41,24 +41,33 @@ class Executor:
         self.computing = None  # the model (or stage) the last request ran on
 
     def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
-              weight_dtype: str = "default"):
-        """The loaded model, cached by identity, dtype, LoRAs, compilation and weight_dtype: a changed file
-        (new mtime) is loaded again. A compiled model is a separate entry (its own weights), reused by later requests."""
+              weight_dtype: str = "default", shard_mesh=None):
+        """The loaded model, cached by identity, dtype, LoRAs, compilation, weight_dtype and shard mesh (its
+        blocks sharded over it, parallel/shard.py): a changed file (new mtime) is loaded again. A compiled
+        model is a separate entry (its own weights), reused by later requests."""
         torch_dtype = compute_dtype(dtype, self.rt.device)
         path, version = registry.identity(name)
         key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
-               weight_dtype)
-        if key not in self.models:
+               weight_dtype, _shard_key(shard_mesh))
+        if not _current(self.models.get(key), shard_mesh):
             self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
-            model = registry.build(name, self.rt.device, torch_dtype, loras, weight_dtype=weight_dtype)
+            model = registry.build(name, self._load_device(shard_mesh), torch_dtype, loras, weight_dtype=weight_dtype)
+            if shard_mesh is not None:
+                shard.shard_blocks(model, shard_mesh, self.rt.device)
             self.models[key] = compile_blocks(model) if compiled else model
         return self.models[key]
+
+    def _load_device(self, shard_mesh) -> torch.device:
+        """Where a model is built: its device, or for a sharded model the CPU, from where each block
+        moves to the device as it is sharded (the device never holds a whole copy; shard.py)."""
+        return torch.device("cpu") if shard_mesh is not None else self.rt.device
 
     def loaded(self) -> list[str]:
         def describe(key):
             loras = f", {len(key[3])} LoRA" if key[3] else ""
             compiled = ", compiled" if key[4] else ""
-            return f"{key[0]} ({key[2]}{loras}{compiled})"
+            sharded = f", sharded {len(key[6])} ways" if key[6] else ""
+            return f"{key[0]} ({key[2]}{loras}{compiled}{sharded})"
 
         return sorted({describe(key) for key in [*self.models, *self.stages]})
 
@@ -85,19 +94,22 @@ class Executor:
 
     def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
                     compiled: bool = False, weight_dtype: str = "default") -> tuple[object, list]:
-        """The model with only this rank's PipeFusion stage of blocks (cached per stage), and those blocks."""
+        """The model with only this rank's PipeFusion stage of blocks (cached per stage; sharded over the
+        stage's ranks with shard_weights), and those blocks."""
         config = layout.config
         bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
         start, end = bounds[layout.index("pipefusion")]
         torch_dtype = compute_dtype(dtype, self.rt.device)
         key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
-               start, end, weight_dtype)
-        if key not in self.stages:
+               weight_dtype, _shard_key(layout.shard_mesh), start, end)
+        if not _current(self.stages.get(key, (None,))[0], layout.shard_mesh):
             # Only this stage's tensors are drawn or read, straight onto the device (the same
             # values as the whole model's); the other stages' blocks stay on meta and are dropped.
-            model = registry.build(name, self.rt.device, torch_dtype, loras, blocks=(start, end),
+            model = registry.build(name, self._load_device(layout.shard_mesh), torch_dtype, loras, blocks=(start, end),
                                    weight_dtype=weight_dtype)
             blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
+            if layout.shard_mesh is not None:
+                shard.shard_blocks(model, layout.shard_mesh, self.rt.device)
             self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
         return self.stages[key]
 
@@ -107,8 +119,9 @@ class Executor:
         spec = registry.spec(request.model)
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         if layout is None or layout.config.pipefusion == 1:
+            shard_mesh = layout.shard_mesh if layout else None
             self.computing = self.model(request.model, request.dtype, request.loras, request.compile,
-                                        request.weight_dtype)
+                                        request.weight_dtype, shard_mesh)
             _inject_fault(self.computing, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
         stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile,
@@ -157,6 +170,11 @@ class Executor:
                         "memory_kind": "cuda allocated" if cuda else "process peak RSS",
                         "process_groups_created": _process_groups() - groups_before,
                         "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
+                        "resident_parameter_bytes": shard.resident_bytes(self.computing.transformer),
+                        # bytes a rank sends (= receives) to gather its blocks once each: the count's formula
+                        "shard_bytes_per_pass": (shard.gathered_bytes(shard.blocks_of(self.computing),
+                                                                      request.parallel.shard_size)
+                                                 if request.parallel.shard_weights else None),
                         "pipeline_trace": self.last_trace}
 
 
@@ -178,6 +196,17 @@ def _inject_fault(model, rank: int, first_block=None) -> None:
 
     first_block.register_forward_pre_hook(hook)
     model.fault_injected = True
+
+
+def _shard_key(shard_mesh) -> tuple[int, ...]:
+    """The ranks a model's blocks are sharded over, for its cache key (() when whole)."""
+    return () if shard_mesh is None else tuple(shard_mesh.mesh.tolist())
+
+
+def _current(model, shard_mesh) -> bool:
+    """Whether a cached ``model`` (None: none) can serve: a sharded one only over the very mesh it was
+    sharded over (after a failed request the meshes' groups are destroyed and built again)."""
+    return model is not None and (shard_mesh is None or shard.mesh_of(model) is shard_mesh)
 
 
 def _process_groups() -> int:

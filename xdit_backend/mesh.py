@@ -5,8 +5,11 @@ because it talks most (an all-to-all per attention layer), so its ranks are adja
 fastest links). Rank r sits at mesh coordinates given by that order in row-major layout, e.g.
 world 4 with cfg=2 × ulysses=2: ranks (0, 1) are the cond half, (2, 3) the uncond half.
 
-Besides the mesh's axes, a layout has the flattened ring × ulysses group (when both are > 1) and,
-with PipeFusion, one 2-rank group per pipeline link (``link_ranks``; why: parallel/pipefusion.py).
+Besides the mesh's axes, a layout has the flattened ring × ulysses group (when both are > 1),
+with PipeFusion one 2-rank group per pipeline link (``link_ranks``; why: parallel/pipefusion.py),
+and with ``shard_weights`` the 1-D shard mesh FSDP2 shards the blocks over: every axis but
+pipefusion, flattened (the ranks that run the same blocks; parallel/shard.py). It is built on the
+first request of its shape that shards, by every rank (that request reaches them all).
 Every rank creates all of them when a layout shape is first used, in the same order, members or
 not (torch's rule for new groups; NCCL splits them off the world communicator, a collective). Each
 group gets its own options object carrying the timeout (torch writes the group's name and ranks
@@ -58,6 +61,7 @@ class Layout:
     mesh: DeviceMesh
     sequence_group: object = None  # ring × ulysses: the ranks that hold slices of one sequence (None without SP)
     links: Links | None = None  # PipeFusion's links (None without PipeFusion)
+    shard_mesh: DeviceMesh | None = None  # the ranks sharing each block's weights (None without shard_weights)
 
     def group(self, axis: str):
         return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
@@ -80,6 +84,7 @@ class _Built:
     sequence_group: object
     links: Links | None
     created: list = field(default_factory=list)
+    shard_mesh: DeviceMesh | None = None  # built on first use (MeshCache.get)
 
 
 class MeshCache:
@@ -96,7 +101,12 @@ class MeshCache:
         if shape not in self._built:
             self._built[shape] = self._build(config, shape)
         built = self._built[shape]
-        return Layout(config, built.mesh, built.sequence_group, built.links)
+        if config.shard_weights and built.shard_mesh is None:
+            built.shard_mesh = self._shard_mesh(built.mesh)
+            if built.shard_mesh.get_group() is not dist.group.WORLD:
+                built.created.append(built.shard_mesh.get_group())
+        return Layout(config, built.mesh, built.sequence_group, built.links,
+                      built.shard_mesh if config.shard_weights else None)
 
     def clear(self) -> None:
         """Destroy every group the cache created and forget the meshes (after a failed request: a group
@@ -125,6 +135,12 @@ class MeshCache:
         world = dist.group.WORLD  # a full-world axis without an override is the default group: never ours
         created = [group for group in created if group is not world]
         return _Built(mesh, sequence, links, created)
+
+    def _shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of the ranks that run the same blocks: [dp, cfg, ring, ulysses] flattened
+        (world 4, pipefusion=2 × ulysses=2: [0, 1] hold stage 0, [2, 3] stage 1; without PipeFusion, all)."""
+        same_blocks = tuple(axis for axis in AXES if axis != "pipefusion")
+        return mesh[same_blocks]._flatten("shard", backend_override=self.override())
 
     def _links(self, mesh: DeviceMesh) -> Links:
         """Every rank creates every link group, in ``link_ranks`` order, and keeps its own two (it is

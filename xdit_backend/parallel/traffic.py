@@ -3,7 +3,8 @@
 Opt-in, per request: while counting, the torch.distributed entry points that the data plane
 uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well as our own.
 "Sent" is the algorithmic volume each rank must put on the wire:
-all_gather: its piece to every other rank, (W−1)·n; all_to_all_single: all but its own share,
+all_gather: its piece to every other rank, (W−1)·n; all_gather_single (FSDP2's gather of a sharded
+block's weights, parallel/shard.py; counted as ``shard_all_gather``): the same, (W−1)·n; all_to_all_single: all but its own share,
 (W−1)/W·n; isend: n (point-to-point goes through batch_isend_irecv, ours as yunchang's).
 Broadcasts are the control plane (the step gate) and counted apart.
 
@@ -34,12 +35,16 @@ def counting(compiled: bool):
         yield None
         return
     sent: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in ("all_gather", "all_to_all_single", "batch_isend_irecv",
-                                                        "broadcast")}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_single", "all_to_all_single",
+                                                        "batch_isend_irecv", "broadcast")}
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         sent["all_gather"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
         return originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+
+    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+        sent["shard_all_gather"] += _nbytes(input_tensor) * (dist.get_world_size(group) - 1)
+        return originals["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
 
     def all_to_all_single(output, input, *args, group=None, **kwargs):
         world = dist.get_world_size(group)
@@ -55,7 +60,7 @@ def counting(compiled: bool):
             sent["control"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
         return originals["broadcast"](tensor, src=src, group=group, async_op=async_op)
 
-    wrappers = {"all_gather": all_gather, "all_to_all_single": all_to_all_single,
+    wrappers = {"all_gather": all_gather, "all_gather_single": all_gather_single, "all_to_all_single": all_to_all_single,
                 "batch_isend_irecv": batch_isend_irecv, "broadcast": broadcast}
     for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)

@@ -1,0 +1,114 @@
+"""Weight sharding on torch's FSDP2: each rank keeps 1/S of every transformer block's weights.
+
+S is the size of the layout's shard mesh (mesh.py): the ranks that run the same blocks, all of
+them, or under PipeFusion the ranks of one stage. What ``shard_blocks`` does to a model:
+
+- Every block of the family's StagePlan block lists (a PipeFusion stage: the blocks it kept) gets
+  ``fully_shard(block, mesh, reshard_after_forward=True)``. Its parameters become DTensors of
+  ⌈rows/S⌉ dim-0 rows each (the last rank's padded), all-gathered together, one collective per
+  block call, in the block's forward pre-hook, and freed again in its forward hook.
+- The transformer gets ``fully_shard`` as well, with every parameter outside the blocks ignored:
+  the embeddings and the final norm and projection stay whole on every rank, and the transformer
+  is the one FSDP root that owns the blocks' shared state (streams, the all-gather in flight).
+- Forward prefetch: block i's pre-hook starts block i + 1's all-gather (across the block lists:
+  Flux's last double block prefetches its first single block), so on CUDA the gather runs on
+  FSDP's all-gather stream while block i computes. Peak: two gathered blocks besides the shards.
+- The root is initialised at once: PipeFusion calls the blocks without the transformer's forward,
+  and the first block called would otherwise make itself a root (and its prefetch target, not
+  initialised yet, would have no streams).
+
+The rule FSDP relies on: every rank of the shard mesh calls the blocks the same number of times,
+in the same order (each call's all-gather is a collective over the mesh). It holds for every
+layout ParallelConfig accepts: CFG's halves each run one pass per model call (cond on one, uncond
+on the other); sequence ranks each run the blocks on their slice of the tokens; dp groups run
+equal batch slices (the dp rule), one model call per sampler call each; a PipeFusion stage's
+ranks (across cfg, dp and sequence) run the same work list (schedule.items) through its blocks.
+What would break it, a rank skipping a model call, no layout does; validate refuses the one case
+where sharding means nothing (a shard mesh of one rank).
+
+Loading: the executor builds a sharded model on the CPU (a file's tensors are memory-mapped there,
+shared by the ranks through the page cache) and ``fully_shard`` moves each block to the device as
+it shards it, so a device never holds more than the shards, the replicated layers and one whole
+block.
+
+Storage precision: parameters of several dtypes in one block (an fp8 file's float8 matrices next to
+its bf16 norms) are all-gathered as bytes in the same single collective (FSDP2 views them as uint8).
+
+Traffic: per call of a block, each rank sends its shard to the S − 1 others and receives theirs:
+(S − 1) · ⌈rows/S⌉ · (bytes per row), summed over the block's parameters, ≈ (S − 1)/S of the
+block's bytes (``gathered_bytes``; traffic.py counts it as ``shard_all_gather``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def blocks_of(model) -> list[nn.Module]:
+    """The transformer's blocks in execution order (its family's StagePlan block lists, concatenated)."""
+    transformer = model.transformer
+    return [block for name in model.spec.stage_plan.block_lists for block in getattr(transformer, name)]
+
+
+def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
+    """Shard every block of ``model`` over ``mesh`` (1-D) with forward prefetch, keep the other
+    layers whole, and put those on ``device``; returns the model."""
+    transformer = model.transformer
+    blocks = blocks_of(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)  # moves the block to the mesh's device
+    replicated = {p for p in transformer.parameters() if not isinstance(p, DTensor)}
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    _place_outside(transformer, blocks, device)
+    fully_shard.state(transformer)._lazy_init()  # the root now, not the first block PipeFusion calls
+    model.shard_mesh = mesh
+    return model
+
+
+def _place_outside(transformer: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
+    """Move the parameters and buffers outside the blocks (ignored by FSDP: it leaves them where they are) to ``device``."""
+    inside = {id(module) for block in blocks for module in block.modules()}
+    with torch.no_grad():
+        for module in transformer.modules():
+            if id(module) in inside:
+                continue
+            for name, param in module._parameters.items():
+                if param is not None and param.device != device:
+                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+
+
+def mesh_of(model) -> DeviceMesh | None:
+    """The mesh ``model``'s blocks are sharded over (None: not sharded)."""
+    return getattr(model, "shard_mesh", None)
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of parameters this rank holds for ``module``: a sharded parameter's local shard only."""
+    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
+
+
+def gathered_bytes(blocks: list[nn.Module], shard_size: int) -> int:
+    """Bytes each rank sends (and receives) to gather ``blocks`` once each over ``shard_size`` ranks:
+    (S − 1) · ⌈rows/S⌉ · bytes per row, per parameter (the all-gather's input is the padded shard)."""
+    total = 0
+    for block in blocks:
+        for param in block.parameters():
+            rows = param.shape[0] if param.dim() else 1
+            per_row = param.numel() // rows * param.element_size()
+            total += (shard_size - 1) * math.ceil(rows / shard_size) * per_row
+    return total
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
