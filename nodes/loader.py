@@ -114,8 +114,8 @@ class XDiTLoraLoader(io.ComfyNode):
             node_id="XDiTLoraLoader",
             display_name="xDiT LoRA",
             category=CATEGORY,
-            description="Adds a LoRA (kohya, ComfyUI or diffusers layout) to an xDiT model; merged into the "
-                        "weights when the backend loads it. Chain several for several LoRAs.",
+            description="Adds a LoRA (kohya, ComfyUI or diffusers layout) to an xDiT model; patched onto the "
+                        "loaded model (no copy of it). Chain several for several LoRAs.",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras")),

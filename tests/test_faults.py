@@ -131,7 +131,9 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
         client.sample(fields)
     took = time.monotonic() - started
     assert info.value.kind == "model_error" and info.value.rank == failing_rank
-    assert f"rank {failing_rank}: MemoryError: CUDA out of memory (simulated" in info.value.message
+    assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
+            "of memory (simulated") in info.value.message
+    assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
     assert "keeps serving" in info.value.hint and took < 10 + 20, f"took {took:.1f} s"
     result, _ = client.sample(fields)  # the fault fires once: this one runs whole
     assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
@@ -155,7 +157,9 @@ def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backen
         client.sample(fields)  # calls: step 0 whole (warm-up), then 4 patches a step: the 4th is step 1's 3rd
     took = time.monotonic() - started
     assert info.value.kind == "model_error" and info.value.rank == failing_rank
-    assert f"rank {failing_rank}: MemoryError: CUDA out of memory (simulated" in info.value.message
+    assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
+            "of memory (simulated") in info.value.message
+    assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
     assert took < 10 + 20, f"took {took:.1f} s"
     fields["parallel"]["warmup_steps"] = 4  # the fault fires once; warm-up over every step: exact
     result, _ = client.sample(fields)

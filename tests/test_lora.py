@@ -1,5 +1,9 @@
-"""LoRA merging: strength 0 is the base model, strength s is W + s·(B·A)·(alpha/rank), in every key
-layout ComfyUI users have; keys that match nothing are reported."""
+"""LoRA patches: strength 0 is the base model, strength s acts as W + s·(B·A)·(alpha/rank), in every key
+layout ComfyUI users have; keys that match nothing are reported.
+
+The LoRAs are unmerged (forward hooks: models/lora.py), so the weight a patched Linear acts with is
+read off its forward: W + (its output on the identity − the unpatched output)ᵀ (``effective``).
+"""
 
 import pytest
 import torch
@@ -23,11 +27,23 @@ def base():
     return registry.build("flux-tiny", torch.device("cpu")).transformer.state_dict()
 
 
+def effective(model) -> dict:
+    """The transformer's state dict, each patched Linear's weight as the LoRA makes it act."""
+    weights = model.transformer.state_dict()
+    for name, module in model.transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and module._forward_hooks:
+            eye = torch.eye(module.in_features, dtype=module.weight.dtype, device=module.weight.device)
+            with torch.no_grad():  # [in, out]: row i is the output for the i-th unit input
+                delta = module(eye) - torch.nn.functional.linear(eye, module.weight, module.bias)
+            weights[f"{name}.weight"] = module.weight + delta.T
+    return weights
+
+
 def merged(tmp_path, tensors, strength):
     path = tmp_path / "lora.safetensors"
     save_file(tensors, str(path))
     model = registry.build("flux-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), strength)])
-    return model.transformer.state_dict(), model.lora_reports[0]
+    return effective(model), model.lora_reports[0]
 
 
 def test_peft_layout_strength_zero_and_s(tmp_path, base):
@@ -113,10 +129,10 @@ def test_sd3_lora_on_the_fused_qkv_equals_a_manual_merge(tmp_path, sd3_base, lay
     path = tmp_path / "sd3.safetensors"
     save_file({f"{name}.{suffixes[0]}": down, f"{name}.{suffixes[1]}": up, f"{name}.alpha": torch.tensor(ALPHA)},
               str(path))
-    zero = registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.0)]).transformer.state_dict()
+    zero = effective(registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.0)]))
     assert all(torch.equal(zero[k], sd3_base[k]) for k in sd3_base)
     model = registry.build("sd3-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.6)])
-    weights = model.transformer.state_dict()
+    weights = effective(model)
     delta = 0.6 * (up @ down) * (ALPHA / RANK)  # [3·D, D]: q, k, v rows
     for i, proj in enumerate(("to_q", "to_k", "to_v")):
         key = f"transformer_blocks.1.attn.{proj}.weight"
@@ -133,12 +149,12 @@ def test_a_flux_lora_on_an_sd3_model_is_reported_not_merged(tmp_path, sd3_base):
     report = model.lora_reports[0]
     assert report["merged_modules"] == 0 and report["unmatched_keys"] == 1
     assert report["unmatched_examples"] == ["lora_unet_double_blocks_0_img_attn_qkv"]
-    assert all(torch.equal(model.transformer.state_dict()[k], sd3_base[k]) for k in sd3_base)
+    assert all(torch.equal(effective(model)[k], sd3_base[k]) for k in sd3_base)
 
 
-def test_a_lora_merges_into_weights_on_a_gpu(tmp_path, monkeypatch):
-    """On a GPU the LoRA file is read on the CPU and the weights sit on cuda:0: the delta must be
-    computed and added on the weight's device. FakeTensorMode gives the weights a CUDA device with
+def test_a_lora_patches_a_model_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU the LoRA file is read on the CPU and the weights sit on cuda:0: the LoRA's tensors
+    must move to the weight's device, and its patch be computed there. FakeTensorMode gives the weights a CUDA device with
     no GPU, and raises the same "found at least two devices, cuda:0 and cpu" error CUDA raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -157,7 +173,7 @@ def test_a_lora_merges_into_weights_on_a_gpu(tmp_path, monkeypatch):
     cuda = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = registry.build("flux-tiny", cuda, torch.bfloat16, loras=[LoraSpec(str(path), 0.8)])
+        weights = effective(model)  # the patched forwards run on cuda:0
     assert model.lora_reports[0]["merged_modules"] == 2 and model.lora_reports[0]["unmatched_keys"] == 0
-    merged = [model.transformer.get_parameter(f"transformer_blocks.{key}.weight")
-              for key in ("0.attn.to_q", "1.attn.to_k")]
+    merged = [weights[f"transformer_blocks.{key}.weight"] for key in ("0.attn.to_q", "1.attn.to_k")]
     assert all(w.device == cuda and w.dtype == torch.bfloat16 for w in merged)

@@ -262,9 +262,9 @@ def test_comfyuis_scaled_fp8_linear_reads_our_test_file_as_we_do(tiny, tmp_path)
         assert (x @ weight.T - theirs(x)).abs().max() <= 1e-5
 
 
-def test_a_lora_on_a_scaled_fp8_file_is_merged_through_its_scale(tiny, tmp_path):
-    """W + s·(B·A)·(α/r), with W the dequantised weight, stored back in fp8 under the same scale:
-    the float8 rounding of (W + delta) / scale, times the scale (ComfyUI re-rounds its fp8 weights so)."""
+def test_a_lora_on_a_scaled_fp8_file_adds_its_term_and_leaves_the_fp8_weight(tiny, tmp_path):
+    """The LoRA is a patch (models/lora.py): the layer gives its dequantised W·x + s·(α/r)·(x·Aᵀ)·Bᵀ,
+    and the float8 weight and its scale are untouched (no re-rounding)."""
     from xdit_backend.models.lora import LoraSpec
 
     path = tmp_path / "flux-scaled.safetensors"
@@ -278,12 +278,14 @@ def test_a_lora_on_a_scaled_fp8_file_is_merged_through_its_scale(tiny, tmp_path)
     model = registry.build(str(path), CPU, loras=[LoraSpec(str(tmp_path / "lora.safetensors"), 0.5)])
     to_k = model.transformer.transformer_blocks[0].attn.to_k
     assert model.lora_reports[0]["merged_modules"] == 1 and to_k.weight.dtype == FP8
-    scale = base.weight_scale  # [64, 1]: to_k's rows of the qkv's per-row scales
-    wanted = base.upcast(torch.float32) + 0.5 * (up @ down)[64:128] * (2.0 / 2)
-    assert torch.equal(to_k.upcast(torch.float32), (wanted / scale).to(FP8).float() * scale)
+    assert torch.equal(to_k.weight, base.weight)
+    x = torch.randn(3, 64, generator=g)
+    wanted = x @ (base.upcast(torch.float32) + 0.5 * (up @ down)[64:128] * (2.0 / 2)).T + base.bias
+    with torch.no_grad():
+        assert (to_k(x) - wanted).abs().max() <= 1e-5
 
 
-def test_a_lora_on_weights_kept_as_gguf_blocks_is_refused(tmp_path, tiny):
+def test_a_lora_on_weights_kept_as_gguf_blocks_adds_its_term(tmp_path, tiny):
     gguf = pytest.importorskip("gguf")
     from test_gguf import gguf_file
 
@@ -291,11 +293,17 @@ def test_a_lora_on_weights_kept_as_gguf_blocks_is_refused(tmp_path, tiny):
 
     path = tmp_path / "flux-q8.gguf"
     gguf_file(bfl_state_dict(tiny.transformer), path, gguf.GGMLQuantizationType.Q8_0)
-    up, down = torch.ones(64, 2), torch.ones(2, 64)
+    g = torch.Generator().manual_seed(6)
+    up, down = torch.randn(64, 2, generator=g), torch.randn(2, 64, generator=g)
     save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": down,
                "transformer_blocks.0.attn.to_q.lora_B.weight": up}, str(tmp_path / "lora.safetensors"))
-    with pytest.raises(ModelError, match=r"a LoRA cannot be merged into GGUF weights \(gguf Q8_0\)"):
-        registry.build(str(path), CPU, loras=[LoraSpec(str(tmp_path / "lora.safetensors"), 1.0)])
+    base = registry.build(str(path), CPU).transformer.transformer_blocks[0].attn.to_q
+    model = registry.build(str(path), CPU, loras=[LoraSpec(str(tmp_path / "lora.safetensors"), 1.0)])
+    x = torch.randn(3, 64, generator=g)
+    with torch.no_grad():
+        got = model.transformer.transformer_blocks[0].attn.to_q(x)
+        assert (got - (base(x) + x @ (up @ down).T)).abs().max() <= 1e-4
+    assert model.lora_reports[0]["merged_modules"] == 1
 
 
 def test_a_device_without_float8_is_refused_before_loading(tiny, tmp_path, monkeypatch):

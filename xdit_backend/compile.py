@@ -1,4 +1,12 @@
-"""torch.compile of a model's transformer blocks, one block at a time.
+"""torch.compile of a model's transformer blocks, one block at a time, sharing the model's weights.
+
+The compiled forwards sit next to the eager ones on the same blocks (no second copy of any weight):
+``use_compiled(model, on)`` picks per request, and compiles on the first request that asks.
+LoRAs are forward hooks on the Linear modules inside the blocks (models/lora.py), added, removed and
+re-weighted between requests: dynamo does not guard on submodule hooks by default
+(``skip_nnmodule_hook_guards``), so a graph traced without a LoRA would keep running without it.
+The guard is turned on: a new set of patched modules compiles again; a strength change (a 0-dim
+tensor written in place) or another file of the same shape compiles nothing.
 
 Only the blocks are compiled, never the whole transformer: sequence parallelism attaches its
 forward hooks (patch embedding, RoPE, output projection, Wan's first block) and attention
@@ -37,15 +45,35 @@ import torch
 RECOMPILE_LIMIT = 64  # cached graphs per code object (a block class's forward), all layouts and batches
 
 
+def use_compiled(model, on: bool):
+    """Run ``model``'s blocks compiled (compiling them on the first call that asks) or eagerly."""
+    if on and model.compiled_blocks is None:
+        compile_blocks(model)
+    if model.compiled_blocks is not None:
+        model.compiled_blocks["on"] = on
+    return model
+
+
 def compile_blocks(model):
-    """Compile each block of ``model``'s transformer in place (its family's StagePlan block lists);
-    returns the model. Compilation itself happens on the first call of each block."""
+    """Give each block of ``model``'s transformer (its family's StagePlan block lists) a compiled
+    forward next to its eager one, and run the compiled ones; returns the model. Compilation itself
+    happens on the first call of each block."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # see the module docstring: LoRA hooks
+    switch = {"on": True}
     transformer = model.transformer
     for name in model.spec.stage_plan.block_lists:
         for block in getattr(transformer, name):
-            block.forward = _dynamic(torch.compile(block.forward))
+            block.forward = _switched(block.forward, _dynamic(torch.compile(block.forward)), switch)
+    model.compiled_blocks = switch
     return model
+
+
+def _switched(eager, compiled, switch: dict):
+    def forward(*args, **kwargs):
+        return (compiled if switch["on"] else eager)(*args, **kwargs)
+
+    return forward
 
 
 def _dynamic(compiled):

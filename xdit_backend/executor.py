@@ -6,15 +6,18 @@ import gc
 import os
 import resource
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import attention
-from .compile import compile_blocks
+from . import attention, device_memory, memory_fit
+from .control import gather_json
+from .compile import use_compiled
 from .mesh import MeshCache
+from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
 from .models import lora, registry
 from .parallel import shard, traffic
 from .parallel.denoiser import Denoiser
@@ -32,53 +35,87 @@ class Executor:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.models: dict[tuple, object] = {}  # (name or path, file version, dtype, LoRAs, compiled, weight_dtype, shard ranks) → model
-        self.stages: dict[tuple, tuple[object, list]] = {}  # + PipeFusion block range
+        self.cache = ModelCache()  # one resident base per file version, precision, sharding and stage
+        self.lora_files = lora.LoraFiles(rt.device)  # the LoRA tensors the loaded models carry
         # The layouts' data collectives wait half as long as the control group: after a rank raises,
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
         self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.computing = None  # the model (or stage) the last request ran on
 
-    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
-              weight_dtype: str = "default", shard_mesh=None):
-        """The loaded model, cached by identity, dtype, LoRAs, compilation, weight_dtype and shard mesh (its
-        blocks sharded over it, parallel/shard.py): a changed file (new mtime) is loaded again. A compiled
-        model is a separate entry (its own weights), reused by later requests."""
-        torch_dtype = compute_dtype(dtype, self.rt.device)
+    def key(self, name: str, dtype: str = "auto", weight_dtype: str = "default", shard_mesh=None,
+            stage: tuple[int, int] | None = None) -> ModelKey:
         path, version = registry.identity(name)
-        key = (path, version, str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
-               weight_dtype, _shard_key(shard_mesh))
-        if not _current(self.models.get(key), shard_mesh):
-            self.models = {k: m for k, m in self.models.items() if k[0] != path or k[1] == version}  # stale file
-            model = registry.build(name, self._load_device(shard_mesh), torch_dtype, loras, weight_dtype=weight_dtype)
-            if shard_mesh is not None:
-                shard.shard_blocks(model, shard_mesh, self.rt.device)
-            self.models[key] = compile_blocks(model) if compiled else model
-        return self.models[key]
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        shard_ranks = () if shard_mesh is None else tuple(shard_mesh.mesh.tolist())
+        return ModelKey(path, version, str(torch_dtype).removeprefix("torch."), weight_dtype, shard_ranks, stage)
 
-    def _load_device(self, shard_mesh) -> torch.device:
-        """Where a model is built: its device, or for a sharded model the CPU, from where each block
-        moves to the device as it is sharded (the device never holds a whole copy; shard.py)."""
-        return torch.device("cpu") if shard_mesh is not None else self.rt.device
+    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
+              weight_dtype: str = "default", shard_mesh=None, stage: tuple[int, int] | None = None) -> Entry:
+        """The resident base for ``name`` (loaded once per file version, precision, shard ranks and
+        PipeFusion stage), made to carry exactly ``loras`` and to run compiled or not: neither makes
+        another copy of its weights. A changed file (new mtime) replaces the old version; a sharded
+        model is loaded again when its mesh was rebuilt (after a failed request: agreement.py)."""
+        key = self.key(name, dtype, weight_dtype, shard_mesh, stage)
+        entry = self.cache.get(key)
+        if entry is not None and shard_mesh is not None and shard.mesh_of(entry.model) is not shard_mesh:
+            self.cache.drop([key])
+            entry = None
+        if entry is None:
+            self.cache.drop(k for k in self.cache.least_recent_first() if k.name == key.name and k.version != key.version)
+            entry = self.load(name, key, shard_mesh)
+            self.cache.put(key, entry)
+        entry.model.lora_reports = entry.model.patches.carry(list(loras), self.lora_files)
+        self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
+        use_compiled(entry.model, compiled)
+        return entry
+
+    def load(self, name: str, key: ModelKey, shard_mesh) -> Entry:
+        """Build the model of ``key`` on this rank's device: the whole of it, or only a PipeFusion
+        stage's tensors (the other stages' blocks stay on meta and are dropped); with ``shard_mesh``,
+        built on the CPU and each block sharded onto the device (it never holds a whole copy: shard.py)."""
+        device = torch.device("cpu") if shard_mesh is not None else self.rt.device
+        model = registry.build(name, device, getattr(torch, key.compute_dtype), blocks=key.stage,
+                               weight_dtype=key.weight_dtype)
+        blocks = None if key.stage is None else keep_stage(model.transformer, model.spec.stage_plan, *key.stage)
+        if shard_mesh is not None:
+            shard.shard_blocks(model, shard_mesh, self.rt.device)
+        return Entry(model, blocks)
 
     def loaded(self) -> list[str]:
-        def describe(key):
-            loras = f", {len(key[3])} LoRA" if key[3] else ""
-            compiled = ", compiled" if key[4] else ""
-            sharded = f", sharded {len(key[6])} ways" if key[6] else ""
-            return f"{key[0]} ({key[2]}{loras}{compiled}{sharded})"
+        """One line per loaded model, least recently used first, with the LoRAs it carries and whether
+        its last request ran compiled."""
+        return [key.describe(*([f"{len(entry.model.lora_reports)} LoRA"] if entry.model.lora_reports else []),
+                             *(["compiled"] if _compiled(entry.model) else []))
+                for key, entry in self.cache.entries.items()]
 
-        return sorted({describe(key) for key in [*self.models, *self.stages]})
+    def describe_models(self) -> list[dict]:
+        """Per loaded model: what it is, what it carries, and the bytes it holds on this rank."""
+        return [{"name": key.name, "storage_dtype": entry.model.storage_dtype, "compute_dtype": key.compute_dtype,
+                 "weight_dtype": key.weight_dtype, "sharded": bool(key.shard_ranks),
+                 "blocks": list(key.stage) if key.stage else None,
+                 "loras": [{"path": report["file"], "strength": report["strength"]}
+                           for report in entry.model.lora_reports],
+                 "compiled": _compiled(entry.model),
+                 "bytes": resident_bytes(entry.model)}
+                for key, entry in self.cache.entries.items()]
+
+    def held_bytes(self) -> int:
+        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry."""
+        return sum(resident_bytes(entry.model) for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+
+    def memory_record(self) -> dict:
+        """What ``status`` shows of this rank: its device's memory and its loaded models."""
+        return {"rank": self.rt.rank, "memory": device_memory.snapshot(self.rt.device, self.held_bytes()),
+                "models": self.describe_models()}
 
     def unload(self, model: str | None) -> list[str]:
         """Drop a model (every version, dtype and stage of it), or all of them; returns what was loaded."""
-        names = {key[0] for key in [*self.models, *self.stages]}
+        names = self.cache.names()
         if model:
-            wanted = {model, str(Path(model).expanduser().resolve())}
-            names &= wanted
-        self.models = {k: v for k, v in self.models.items() if k[0] not in names}
-        self.stages = {k: v for k, v in self.stages.items() if k[0] not in names}
+            names &= {model, str(Path(model).expanduser().resolve())}
+        self.cache.drop(k for k in self.cache.least_recent_first() if k.name in names)
+        self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
         if self.computing is not None and self.computing.name in names:
             self.computing = None  # the last request's model, held for its profile: not past an unload
         self.release_memory()
@@ -92,44 +129,75 @@ class Executor:
         if self.rt.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def stage_model(self, name: str, layout, dtype: str = "auto", loras=(),
-                    compiled: bool = False, weight_dtype: str = "default") -> tuple[object, list]:
-        """The model with only this rank's PipeFusion stage of blocks (cached per stage; sharded over the
-        stage's ranks with shard_weights), and those blocks."""
-        config = layout.config
-        bounds = stage_bounds(registry.block_sizes(name), config.pipefusion, config.pipefusion_blocks)
-        start, end = bounds[layout.index("pipefusion")]
-        torch_dtype = compute_dtype(dtype, self.rt.device)
-        key = (*registry.identity(name), str(torch_dtype).removeprefix("torch."), lora.identity(list(loras)), compiled,
-               weight_dtype, _shard_key(layout.shard_mesh), start, end)
-        if not _current(self.stages.get(key, (None,))[0], layout.shard_mesh):
-            # Only this stage's tensors are drawn or read, straight onto the device (the same
-            # values as the whole model's); the other stages' blocks stay on meta and are dropped.
-            model = registry.build(name, self._load_device(layout.shard_mesh), torch_dtype, loras, blocks=(start, end),
-                                   weight_dtype=weight_dtype)
-            blocks = keep_stage(model.transformer, model.spec.stage_plan, start, end)
-            if layout.shard_mesh is not None:
-                shard.shard_blocks(model, layout.shard_mesh, self.rt.device)
-            self.stages[key] = (compile_blocks(model) if compiled else model, blocks)
-        return self.stages[key]
+    def spare_shared_gpu(self) -> None:
+        """After a request, on the GPU a backend's local rank 0 shares with ComfyUI (its text encoders
+        and VAE live on GPU 0): hand the allocator's cached blocks back, so that VAE Decode has them."""
+        if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
+            torch.cuda.empty_cache()
+
+    def make_room(self, name: str, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
+        """Before loading: every rank checks that the model and the request's activations fit its
+        device, counting what evicting least-recently-used models would free; the ranks agree (one
+        small gather on the control group, every request), then evict, or all raise the refusal of
+        the first rank that cannot fit (nothing loaded, nothing evicted)."""
+        verdict, plan = None, []
+        if key not in self.cache.entries:
+            config = request.parallel
+            shard_ranks = len(key.shard_ranks) or 1
+            tokens, rows = memory_fit.request_shape(request, registry.spec(name), text_tokens)
+            estimate = memory_fit.needed(name, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
+                                         config, tokens, rows)
+            free = memory_fit.available(self.rt.device, self.held_bytes())
+            loaded = [(k, resident_bytes(e.model)) for k, e in self.cache.entries.items()]
+            plan = memory_fit.eviction_plan(estimate.total, free, loaded)
+            if plan is None:
+                verdict = {"rank": self.rt.rank, "model": name, "device": str(self.rt.device), "needed": estimate.total,
+                           "weights": estimate.weights, "activations": estimate.activations,
+                           "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in loaded)}
+        verdicts = gather_json(verdict, self.rt.control) if self.rt.world_size > 1 else [verdict]
+        refused = next((v for v in verdicts if v), None)
+        if refused:
+            raise memory_fit.refusal(refused)
+        if plan:
+            self.cache.drop(plan)
+            if all(e.model is not self.computing for e in self.cache.entries.values()):
+                self.computing = None  # evicted: the last request's model must not keep its memory
+            self.release_memory()
 
     def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
-        """Run a validated request (its layout and conditioning resolved by rank 0) on this rank."""
+        """Run a validated request (its layout and conditioning resolved by rank 0) on this rank. An
+        out-of-memory is reported with this rank's bytes and the fixes (the failed request's memory is
+        released by agreement.agree_on_failure)."""
+        try:
+            return self._generate(request, after_step)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            traceback.clear_frames(exc.__traceback__)  # its frames hold the request's tensors: release_memory frees them
+            raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
+        finally:
+            self.spare_shared_gpu()
+
+    def _generate(self, request: SampleRequest, after_step) -> torch.Tensor:
         layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
         spec = registry.spec(request.model)
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
-        if layout is None or layout.config.pipefusion == 1:
-            shard_mesh = layout.shard_mesh if layout else None
-            self.computing = self.model(request.model, request.dtype, request.loras, request.compile,
-                                        request.weight_dtype, shard_mesh)
+        shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
+        stage = None
+        if layout is not None and layout.config.pipefusion > 1:
+            config = layout.config
+            bounds = stage_bounds(registry.block_sizes(request.model), config.pipefusion, config.pipefusion_blocks)
+            stage = bounds[layout.index("pipefusion")]
+        key = self.key(request.model, request.dtype, request.weight_dtype, shard_mesh, stage)
+        text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
+        self.make_room(request.model, key, request, text_tokens)
+        entry = self.model(request.model, request.dtype, request.loras, request.compile, request.weight_dtype,
+                           shard_mesh, stage)
+        self.computing = entry.model
+        if stage is None:
             _inject_fault(self.computing, self.rt.rank)
             return generate(Denoiser(self.computing, layout), gen, after_step)
-        stage, blocks = self.stage_model(request.model, layout, request.dtype, request.loras, request.compile,
-                                         request.weight_dtype)
-        self.computing = stage
-        _inject_fault(stage, self.rt.rank, blocks[0])
-        denoiser = Denoiser(stage, layout)  # the batch rows of this dp group, and their gather
-        pipeline = PipeFusion(stage, layout, self.rt.device, blocks)
+        _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
+        denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
+        pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks)
         self.last_trace = pipeline.trace
         latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
         return denoiser.gather_rows(latent).cpu()
@@ -178,6 +246,10 @@ class Executor:
                         "pipeline_trace": self.last_trace}
 
 
+def _compiled(model) -> bool:
+    return model.compiled_blocks is not None and model.compiled_blocks["on"]
+
+
 def _inject_fault(model, rank: int, first_block=None) -> None:
     """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
     as an out-of-memory inside the model would. A model call is a pass through the first block this
@@ -196,17 +268,6 @@ def _inject_fault(model, rank: int, first_block=None) -> None:
 
     first_block.register_forward_pre_hook(hook)
     model.fault_injected = True
-
-
-def _shard_key(shard_mesh) -> tuple[int, ...]:
-    """The ranks a model's blocks are sharded over, for its cache key (() when whole)."""
-    return () if shard_mesh is None else tuple(shard_mesh.mesh.tolist())
-
-
-def _current(model, shard_mesh) -> bool:
-    """Whether a cached ``model`` (None: none) can serve: a sharded one only over the very mesh it was
-    sharded over (after a failed request the meshes' groups are destroyed and built again)."""
-    return model is not None and (shard_mesh is None or shard.mesh_of(model) is shard_mesh)
 
 
 def _process_groups() -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .agreement import run_request
-from .control import StepGate, broadcast_message
+from .control import StepGate, broadcast_message, gather_json
 from .executor import Executor
 from .request import SampleRequest
 from .runtime import Runtime
@@ -19,7 +19,9 @@ def follow(rt: Runtime) -> None:
             continue  # heartbeat
         if command.type == "shutdown":
             return
-        if command.type == "unload":
+        if command.type == "status":  # rank 0 gathers every rank's memory (leader.refresh_memory)
+            gather_json(executor.memory_record(), rt.control)
+        elif command.type == "unload":
             executor.unload(command.fields.get("model"))
         elif command.type == "sample":
             request = SampleRequest.parse(command)  # rank 0's to_fields(): the request it runs

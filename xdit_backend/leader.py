@@ -16,7 +16,7 @@ from pathlib import Path
 from . import __version__, attention, paths, protocol
 from .agreement import run_request
 from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
-from .control import StepGate, broadcast_message
+from .control import StepGate, broadcast_message, gather_json
 from .errors import UserError
 from .executor import Executor
 from .idle import STOP, UNLOAD, IdleClock
@@ -46,6 +46,8 @@ class Leader:
         self.gate = StepGate(rt.control)
         self.executor = Executor(rt)
         self.idle = idle or IdleClock(0.0, 0.0)  # never, unless the launch options say when
+        self.memory: list[dict] = []  # every rank's last memory record, by rank (refresh_memory)
+        self.memory_at = 0.0
 
     def status(self) -> dict:
         return {
@@ -53,16 +55,26 @@ class Leader:
             "protocol": protocol.PROTOCOL_VERSION,
             "version": __version__,
             "world_size": self.rt.world_size,
-            "ranks": self.ranks,
+            "ranks": [{**rank, "memory": record["memory"]} for rank, record in zip(self.ranks, self.memory)]
+            if self.memory else self.ranks,
+            "memory_age_s": round(time.time() - self.memory_at, 3),  # gathered after each request and heartbeat
             "attention_kernel": self.attention_kernel,
             "topology": self.rt.topology.to_json(),
-            "models": self.executor.loaded(),
+            "models": loaded_models(self.memory),
             "uptime_s": round(time.time() - self.rt.started, 3),
             "idle": self.idle.to_json(),
             "socket": str(self.server.path),
         }
 
+    def refresh_memory(self) -> None:
+        """Every rank's memory and loaded models, gathered on this thread (the socket server's thread
+        only reads the result): the others answer a ``status`` command with their record."""
+        broadcast_message(Message("status", {}), self.rt.control)  # follower.py
+        records = gather_json(self.executor.memory_record(), self.rt.control)
+        self.memory, self.memory_at = records, time.time()
+
     def serve(self) -> None:
+        self.refresh_memory()
         while True:
             job = self.server.next_job(timeout=self.idle.wait(self.heartbeat))
             if job is None:
@@ -98,13 +110,15 @@ class Leader:
             log.info("idle for %.0f s (--idle-unload %g): unloaded %s", self.idle.idle_s(), self.idle.unload_after,
                      ", ".join(unloaded))
             return True
-        broadcast_message(None, self.rt.control)  # heartbeat: the others' wait stays bounded
+        self.refresh_memory()  # also the heartbeat: the others' wait stays bounded
         return True
 
     def unload(self, message: Message) -> list[str]:
         """Every rank drops the model ``message`` names, or all of them (follower.py does the same)."""
         broadcast_message(message, self.rt.control)
-        return self.executor.unload(message.fields.get("model"))
+        unloaded = self.executor.unload(message.fields.get("model"))
+        self.refresh_memory()  # before the reply: a status asked next sees it
+        return unloaded
 
     def shut_down(self, message: Message, why: str, spare: Job | None = None) -> None:
         """Every rank leaves its loop; queued and running jobs but ``spare`` are answered with ``why``."""
@@ -184,6 +198,7 @@ class Leader:
             return self.gate.passes(stop=job.cancelled)
 
         outcome = run_request(self.rt, self.gate, self.executor, request, after_step)
+        self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
         if outcome.failures is not None:
             self.report_failure(job, outcome.failures)
             return
@@ -207,3 +222,18 @@ class Leader:
         job.fail("model_error", f"rank {cause['rank']}: {cause['error']}",
                  "the other ranks left their collectives and the backend keeps serving; see the backend log "
                  "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])
+
+
+def loaded_models(records: list[dict]) -> list[dict]:
+    """The models every rank holds, as ``status`` lists them: one dict per model (a PipeFusion
+    layout's stages are one model), with the bytes it holds on each rank (0 where a rank holds none)."""
+    merged: dict[tuple, dict] = {}
+    for record in records:
+        for model in record["models"]:
+            stages = model["blocks"] is not None
+            identity = (model["name"], model["storage_dtype"], model["compute_dtype"], model["weight_dtype"],
+                        model["sharded"], stages)
+            entry = merged.setdefault(identity, {**{k: v for k, v in model.items() if k not in ("bytes", "blocks")},
+                                                 "pipefusion_stages": stages, "bytes_per_rank": [0] * len(records)})
+            entry["bytes_per_rank"][record["rank"]] += model["bytes"]
+    return list(merged.values())

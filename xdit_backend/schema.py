@@ -83,7 +83,7 @@ SAMPLE: tuple[Field, ...] = (
                "or GGUF file stays so, upcast one layer at a time); fp8_e4m3fn / fp8_e5m2 store a 16/32-bit "
                "file's in that float8 (half a bf16 model's memory)"),
     Field("loras", list, "loras", "tuple", [], flag="--lora",
-          help="LoRA files merged into the weights at load, in order: [{path, strength}, ...]; on the command "
+          help="LoRA files patched onto the loaded model (no copy), in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),
     Field("frames", int, "int", "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
     Field("start_step", int, "int", "int", 0, 0, MAX_STEPS,

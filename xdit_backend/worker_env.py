@@ -13,7 +13,7 @@ starts the backend) by one pure function, so what the ranks inherit is decided h
   the socket (which collective hung, on which rank).
 - CPU threads: the machine's cores shared between the ranks of this node, for PyTorch's intra-op
   pool (``OMP_NUM_THREADS``) and Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``),
-  on GPUs too: every rank casts weights, merges LoRAs and compiles on the CPU.
+  on GPUs too: every rank casts weights, reads LoRAs and compiles on the CPU.
 
 A variable the user set is kept, except the asynchronous allocator backend, which is replaced
 and said so, and ``CUDA_VISIBLE_DEVICES``, which ``--gpus`` narrows.

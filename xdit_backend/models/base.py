@@ -110,12 +110,14 @@ class DiffusionModel(ABC):
     ``output`` (the transformer's raw prediction in latent shape).
     """
 
-    def __init__(self, transformer, name: str, spec, lora_reports: list | None = None,
-                 compute_dtype: torch.dtype | None = None, storage_dtype: str | None = None):
+    def __init__(self, transformer, name: str, spec, patches=None, compute_dtype: torch.dtype | None = None,
+                 storage_dtype: str | None = None):
         self.transformer = transformer.eval().requires_grad_(False)
         self.name = name
         self.spec = spec
-        self.lora_reports = lora_reports or []  # per LoRA file: merged modules, unmatched keys
+        self.patches = patches  # the LoRAs it carries (lora.Patches)
+        self.lora_reports: list[dict] = []  # per LoRA file carried: modules patched, unmatched keys
+        self.compiled_blocks: dict | None = None  # compile.py: {"on": bool} once its blocks are compiled
         # What it computes in, and what its Linear weights are stored in (models/storage.py:
         # "float8_e4m3fn", "float8_e4m3fn scaled", "gguf Q4_K", or the compute dtype's name).
         # diffusers' transformer.dtype would name the first parameter's, float8 for an fp8 file.

@@ -1,14 +1,21 @@
-"""LoRA files merged into a model's weights at load: W += strength · (B·A) · (alpha / rank).
+"""LoRA files carried as patches on the one resident base, unmerged: a target Linear's output gets
+y += s·(α/r)·(x·Aᵀ)·Bᵀ from a forward hook, and its weight is never touched.
+
+Why unmerged (docs/benchmarks.md has the measurements): it works the same on every base, whatever
+its weights are stored as (bf16, fp8, GGUF blocks, FSDP2 shards: the hook sees only the module's
+input and output); a strength change is one scalar per file, written in place; removing a LoRA
+removes its hooks, so the base gives its own result exactly; and the device holds only the LoRA's
+own tensors next to the base, never a second copy of a weight.
 
 Key layouts accepted, as ComfyUI users have them (Flux shown; every family the same way):
 - diffusers / PEFT: ``[transformer.]transformer_blocks.0.attn.to_q.lora_A.weight`` / ``lora_B``;
 - ComfyUI: the original names, ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``;
 - kohya (sd-scripts): ``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` / ``lora_up`` / ``alpha``.
-A LoRA on a fused original tensor (qkv, linear1) lands on the diffusers rows it covers, through
-the family's table the checkpoint loader uses (``<family>_checkpoint.sources``). The file is read
-on the CPU; each module's B·A is computed in float32 on the device of the weight it is added to.
-Keys that match nothing are reported, never dropped silently. Weights still on the meta device
-belong to another PipeFusion stage: they count as matched and are left to the stage that holds them.
+A LoRA on a fused original tensor (qkv, linear1) lands on the diffusers modules it covers, each
+taking its band of B's rows through the family's table the checkpoint loader uses
+(``<family>_checkpoint.sources``): (B·A)[rows] = B[rows]·A. Keys that match nothing are reported,
+never dropped silently. Modules whose weight was on the meta device when the base was built belong
+to another PipeFusion stage: they count as matched and are left to the stage that holds them.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from . import storage
 from .checkpoint import Source
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
@@ -34,75 +40,166 @@ class LoraSpec:
     strength: float
 
 
-def merge(transformer, loras: list[LoraSpec], table: dict[str, Source]) -> list[dict]:
-    """Merge every LoRA into ``transformer`` in place; ``table``: the original source of each of its
-    state_dict keys (without a file prefix). Returns one report per file."""
-    params = dict(transformer.named_parameters())
-    by_original: dict[str, list[tuple[str, Source]]] = {}
-    for key, source in table.items():
-        if key in params:
-            by_original.setdefault(source.key.removesuffix(".weight"), []).append((key, source))
-    kohya = {name.replace(".", "_"): name for name in by_original}
-    return [_merge_one(transformer, params, by_original, kohya, lora) for lora in loras]
+@dataclass(frozen=True)
+class Pair:
+    """One LoRA module of a file: A [r, in], B [out, r] on the device in the compute dtype; α/r."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
 
 
-def _merge_one(transformer, params, by_original, kohya, lora: LoraSpec) -> dict:
-    try:
-        tensors = load_file(lora.path)
-    except Exception as exc:
-        raise UserError(f"LoRA {lora.path} is not a readable safetensors file ({exc})",
-                        "check the path and the file (an interrupted download?)") from None
-    modules: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        for suffix in (*_DOWN, *_UP, "alpha"):
-            if key.endswith("." + suffix):
-                modules.setdefault(key[: -len(suffix) - 1], {})[suffix] = tensor
-                break
-        else:
-            modules.setdefault(key, {})["unknown"] = tensor
-    merged, unmatched = 0, []
-    for module, parts in modules.items():
-        down = next((parts[k] for k in _DOWN if k in parts), None)
-        up = next((parts[k] for k in _UP if k in parts), None)
-        targets = _targets(_strip(module), params, by_original, kohya)
-        if down is None or up is None or not targets:
-            unmatched.append(module)
-            continue
-        rank = down.shape[0]
-        scale = float(parts["alpha"]) / rank if "alpha" in parts else 1.0
-        delta = None
-        for key, source in targets:
-            weight = params[key]
-            if weight.is_meta:  # another PipeFusion stage's block
+class LoraFiles:
+    """The LoRA files' tensors on this rank's device, read once per (path, file version, dtype) and
+    kept while a loaded model carries them (``keep_only``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.files: dict[tuple, dict[str, Pair | None]] = {}  # (path, mtime, dtype) → module → pair (None: unusable)
+
+    def modules(self, path: str, dtype: torch.dtype) -> dict[str, Pair | None]:
+        key = (path, version(path), dtype)
+        if key not in self.files:
+            self.files[key] = self._read(path, dtype)
+        return self.files[key]
+
+    def _read(self, path: str, dtype: torch.dtype) -> dict[str, Pair | None]:
+        try:
+            tensors = load_file(path)  # on the CPU; each pair moves to the device and casts there
+        except Exception as exc:
+            raise UserError(f"LoRA {path} is not a readable safetensors file ({exc})",
+                            "check the path and the file (an interrupted download?)") from None
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            suffix = next((s for s in (*_DOWN, *_UP, "alpha") if key.endswith("." + s)), None)
+            module = key[: -len(suffix) - 1] if suffix else key
+            parts.setdefault(module, {})[suffix or "unknown"] = tensor
+        modules: dict[str, Pair | None] = {}
+        for module, found in parts.items():
+            down = next((found[k] for k in _DOWN if k in found), None)  # A: [r, in]
+            up = next((found[k] for k in _UP if k in found), None)  # B: [out, r]
+            if down is None or up is None or down.dim() != 2 or up.dim() != 2:
+                modules[module] = None
                 continue
-            if delta is None:  # [out, in] in the target's layout, float32, on the weight's device (a GPU's)
-                up, down = up.to(weight.device, torch.float32), down.to(weight.device, torch.float32)
-                delta = (up @ down) * scale * lora.strength
-            part = source.select(delta) if source else delta
-            owner = transformer.get_submodule(key.rpartition(".")[0])
-            if part.shape != storage.weight_shape(owner):
-                unmatched.append(module)
-                break
-            with torch.no_grad():  # in the weight's storage form (float8 re-rounded with its scale)
-                storage.add_to_weight(owner, part)
-        else:
-            merged += 1
-    return {"file": lora.path, "strength": lora.strength, "merged_modules": merged,
-            "unmatched_keys": len(unmatched), "unmatched_examples": unmatched[:5]}
+            scale = float(found["alpha"]) / down.shape[0] if "alpha" in found else 1.0
+            modules[module] = Pair(down.to(self.device, dtype), up.to(self.device, dtype), scale)
+        return modules
+
+    def keep_only(self, in_use: set[tuple]) -> None:
+        """Drop the files no loaded model carries; ``in_use``: (path, mtime, dtype) keys."""
+        self.files = {key: modules for key, modules in self.files.items() if key in in_use}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for modules in self.files.values() for pair in modules.values()
+                   if pair is not None for t in (pair.down, pair.up))
+
+
+class Patches:
+    """The LoRAs one transformer carries, as forward hooks on its Linear modules.
+
+    Built with the base, before a PipeFusion stage drops the other blocks: the names are resolved to
+    modules then (a stage renumbers its blocks). ``table``: the original source of each state-dict
+    key (the family's converter), for LoRAs in the original or kohya names.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, table: dict[str, Source], dtype: torch.dtype):
+        self.dtype = dtype  # the compute dtype: what the hooks' input is, and the LoRA tensors are cast to
+        modules = dict(transformer.named_modules())
+        params = dict(transformer.named_parameters())
+        self.modules = {name: module for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
+        self.elsewhere = {name for name, module in self.modules.items() if module.weight.is_meta}
+        self.by_original: dict[str, list[tuple[str, Source]]] = {}
+        for key, source in table.items():
+            if key in params and key.endswith(".weight"):
+                self.by_original.setdefault(source.key.removesuffix(".weight"), []).append(
+                    (key.removesuffix(".weight"), source))
+        self.kohya = {name.replace(".", "_"): name for name in self.by_original}
+        self.carried: tuple = ()  # the (path, mtime, dtype) of each LoRA attached, in order
+        self.strengths: list[torch.Tensor] = []  # one 0-dim tensor per LoRA: a strength change writes it
+        self.handles: list = []
+        self.reports: list[dict] = []
+
+    def carry(self, loras: list[LoraSpec], files: LoraFiles) -> list[dict]:
+        """Make the transformer carry exactly ``loras``: the same files at new strengths are a write of
+        each strength; other files replace the hooks. Returns one report per file."""
+        wanted = tuple((lora.path, version(lora.path), self.dtype) for lora in loras)
+        if wanted != self.carried:
+            self.detach()
+            self._attach(loras, files)
+            self.carried = wanted
+        with torch.no_grad():
+            for strength, lora in zip(self.strengths, loras):
+                strength.fill_(lora.strength)
+        self.reports = [{**report, "strength": lora.strength} for report, lora in zip(self.reports, loras)]
+        return self.reports
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.carried, self.strengths, self.handles, self.reports = (), [], [], []
+
+    def _attach(self, loras: list[LoraSpec], files: LoraFiles) -> None:
+        adapters: dict[str, list] = {}  # module name → [(A, B rows, α/r, strength)]
+        for lora in loras:
+            strength = torch.zeros((), device=files.device)  # float32; carry() writes the value
+            self.strengths.append(strength)
+            merged, unmatched = 0, []
+            for module, pair in files.modules(lora.path, self.dtype).items():
+                targets = self._targets(_strip(module)) if pair is not None else []
+                found = [] if not targets else self._bands(pair, targets)
+                if found is None or not targets:
+                    unmatched.append(module)
+                    continue
+                for name, up in found:
+                    adapters.setdefault(name, []).append((pair.down, up, pair.scale, strength))
+                merged += 1
+            self.reports.append({"file": lora.path, "strength": lora.strength, "merged_modules": merged,
+                                 "unmatched_keys": len(unmatched), "unmatched_examples": unmatched[:5]})
+        self.handles = [self.modules[name].register_forward_hook(_low_rank_addition(pairs))
+                        for name, pairs in adapters.items()]
+
+    def _targets(self, module: str) -> list[tuple[str, Source | None]]:
+        """(diffusers module, original source or None) pairs the LoRA module writes to."""
+        if module in self.modules:  # diffusers / PEFT names
+            return [(module, None)]
+        original = module if module in self.by_original else self.kohya.get(module)
+        return [(name, source) for name, source in self.by_original.get(original, []) if name in self.modules]
+
+    def _bands(self, pair: Pair, targets) -> list[tuple[str, torch.Tensor]] | None:
+        """Each held target's rows of B (a view of the rows), or None when a shape does not fit."""
+        found = []
+        for name, source in targets:
+            if name in self.elsewhere:  # another PipeFusion stage's block
+                continue
+            linear = self.modules[name]
+            up = source.select(pair.up) if source else pair.up  # [out of this target, r]
+            if up.shape[0] != linear.out_features or pair.down.shape[1] != linear.in_features:
+                return None
+            found.append((name, up))
+        return found
+
+
+def _low_rank_addition(pairs: list):
+    """A forward hook adding Σ s·(α/r)·(x·Aᵀ)·Bᵀ to a Linear's output. x: [..., in]; x·Aᵀ: [..., r];
+    then ·Bᵀ: [..., out]. The strength is a 0-dim device tensor: changing it recompiles nothing."""
+
+    def hook(module, args, output):
+        x = args[0]
+        for down, up, scale, strength in pairs:
+            output = output + ((x @ down.T) * (strength * scale)) @ up.T
+        return output
+
+    return hook
+
+
+def version(path: str) -> int:
+    return Path(path).stat().st_mtime_ns
 
 
 def _strip(module: str) -> str:
     for prefix in _PREFIXES:
         module = module.removeprefix(prefix)
     return module
-
-
-def _targets(module: str, params, by_original, kohya):
-    """(diffusers key, original source or None) pairs the LoRA module writes to."""
-    if f"{module}.weight" in params:  # diffusers / PEFT names
-        return [(f"{module}.weight", None)]
-    original = module if module in by_original else kohya.get(module)
-    return by_original.get(original, []) if original else []
 
 
 def parse(entries: list) -> list[LoraSpec]:
@@ -122,8 +219,3 @@ def parse(entries: list) -> list[LoraSpec]:
             raise UserError(f"no LoRA file at {entry['path']}", "ComfyUI keeps them in models/loras")
         specs.append(LoraSpec(str(path.resolve()), float(strength)))
     return specs
-
-
-def identity(loras: list[LoraSpec]) -> tuple:
-    """The LoRA part of a model's cache key: each file's version and strength."""
-    return tuple((lora.path, Path(lora.path).stat().st_mtime_ns, lora.strength) for lora in loras)

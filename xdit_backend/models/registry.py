@@ -281,6 +281,12 @@ def _construct(source: Source):
     return weights.construct(cls, source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
 
 
+def on_meta(ref: str):
+    """The model's diffusers transformer with its parameters on the meta device: its shapes, no weights
+    (the model cache's fit check sizes a model with it before loading)."""
+    return _construct(resolve(ref))
+
+
 def block_sizes(ref: str) -> list[int]:
     """Parameter count of each transformer block, in execution order (nothing allocated); counted
     once per version of the model, not on every PipeFusion request."""
@@ -304,7 +310,8 @@ def spec(ref: str):
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
           blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
     """Build or load a model onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
-    else its file or folder), with ``loras`` (lora.LoraSpec) merged into its weights.
+    else its file or folder), carrying ``loras`` (lora.LoraSpec) as patches (``model.patches``: lora.py).
+
 
     Constructed on the meta device, then each tensor drawn or read, moved and cast on its own
     (weights.put): the host never holds the whole model, and a built-in is the same model on every
@@ -324,12 +331,14 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
     with _tensors(source, transformer, keys) as tensor_of:
         weights.put(transformer, keys, tensor_of, device, dtype, fp8)
     table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
+    patches = lora.Patches(transformer, table, dtype)  # before a stage drops the other blocks
+    model = family.model(transformer, ref, family.spec(source.config), patches, dtype,
+                         storage.storage_dtype(transformer, dtype))
     try:
-        reports = lora.merge(transformer, list(loras), table) if loras else []
+        model.lora_reports = model.patches.carry(list(loras), lora.LoraFiles(device)) if loras else []
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
-    return family.model(transformer, ref, family.spec(source.config), reports, dtype,
-                        storage.storage_dtype(transformer, dtype))
+    return model
 
 
 def _weight_dtype(name: str) -> torch.dtype | None:

@@ -126,34 +126,6 @@ def _moved(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | 
     return None if tensor is None else tensor.to(device)
 
 
-def weight_shape(module: torch.nn.Module) -> torch.Size:
-    """The shape ``module.weight`` stands for: [out, in] for a Linear, whatever its stored form
-    (GGUF blocks are [out, bytes per row])."""
-    if isinstance(module, torch.nn.Linear):
-        return torch.Size((module.out_features, module.in_features))
-    return module.weight.shape
-
-
-def add_to_weight(module: torch.nn.Module, delta: torch.Tensor) -> None:
-    """``module.weight += delta`` (a merged LoRA, float32 on the weight's device), kept in the
-    weight's storage form: a float8 weight is re-rounded (divided by its scale first, saturated), as
-    ComfyUI patches its fp8 weights. GGUF blocks cannot be re-quantized on the device: refused."""
-    weight = module.weight
-    if not isinstance(module, StoredLinear):
-        weight.data = (weight.float() + delta).to(weight.dtype)  # a new tensor: a file's may be memory-mapped
-        return
-    if getattr(module, "gguf_type", None) is not None:
-        raise UserError(f"a LoRA cannot be merged into GGUF weights ({module.storage()}): their blocks are not "
-                        "re-quantized on the device",
-                        "use the model's bf16, fp16 or fp8 file with this LoRA")
-    total = module.upcast(torch.float32) + delta  # [out, in]
-    scale = module._buffers.get("weight_scale")
-    if scale is not None:
-        total = total / scale
-    limit = torch.finfo(weight.dtype).max
-    weight.data = total.clamp_(-limit, limit).to(weight.dtype)
-
-
 def storage_dtype(transformer: torch.nn.Module, compute: torch.dtype) -> str:
     """What the model's Linear weights are stored in, by share of their values, largest first
     ("float8_e4m3fn", "float8_e4m3fn scaled+bfloat16", "gguf Q4_K+gguf Q8_0", "bfloat16"); the
