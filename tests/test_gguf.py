@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 from test_model_files import bfl_state_dict, forward
 
+from xdit_backend import memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear
@@ -163,3 +164,14 @@ def test_a_pipefusion_stage_of_a_gguf_file_reads_only_its_blocks(tiny, tmp_path)
         expected = whole.get_submodule(name).state_dict()
         assert all(torch.equal(v, expected[k]) for k, v in block.state_dict().items()), name
         assert block.attn.to_q.weight.dtype == torch.uint8
+
+
+def test_the_fit_check_counts_a_gguf_files_blocks_as_stored(tiny, tmp_path):
+    """Before loading, the memory model sizes a GGUF file's weights by the bytes its quantized blocks
+    take, not at the compute dtype: counted against the loaded model's parameters."""
+    path = tmp_path / "flux-Q8_0.gguf"
+    gguf_file(bfl_state_dict(tiny.transformer), path, GGML.Q8_0)
+    estimate = memory_fit.needed(str(path), torch.float32, "default", 1, None, tokens_per_rank=16, rows=1)
+    loaded = registry.build(str(path), CPU).transformer
+    held = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert abs(estimate.weights_resident - held) <= 0.05 * held, (estimate.weights_resident, held)

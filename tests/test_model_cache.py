@@ -94,3 +94,35 @@ def test_on_a_gpu_free_memory_counts_the_allocators_unused_cache_and_an_oom_name
     assert message.startswith("rank 1 ran out of memory (OutOfMemoryError: CUDA out of memory. Tried to allocate")
     assert "8.59 GB allocated by this rank, 3.22 GB free of 25.77 GB on cuda:1" in message
     assert message.index("shard_weights") < message.index("fp8") < message.index("more GPUs")
+
+
+
+def test_auto_shards_the_weights_when_only_a_share_fits(backends, monkeypatch):
+    """With a budget between the memory model's sharded and unsharded needs of auto's layout, auto turns
+    shard_weights on and says so, and the sharded run equals the serial one."""
+    from xdit_backend.config import ParallelConfig
+    from xdit_backend.memory_fit import needed, request_shape
+    from xdit_backend.parallel.denoiser import Denoiser
+    from xdit_backend.sampling.generate import generate
+
+    spec = registry.spec("flux-tiny")
+    positive, _ = registry.random_conditioning("flux-tiny", 1, 1, spec)
+    fields = {**SMALL, "steps": 2, "cfg": 1.0}  # one guided pass: auto picks ulysses=2 on two ranks
+
+    def need(config):
+        request = SampleRequest.parse(Message("sample", {**fields, "parallel": config.to_json()}, positive))
+        tokens, rows = request_shape(request, spec, positive["context"].shape[1])
+        shard_ranks = config.shard_size if config.shard_weights else 1
+        return needed("flux-tiny", torch.float32, "default", shard_ranks, config, tokens, rows).total
+
+    whole, shared = need(ParallelConfig(ulysses=2)), need(ParallelConfig(ulysses=2, shard_weights=True))
+    assert shared < whole, "a share of the blocks must need less than the whole model"
+    monkeypatch.setenv(TEST_BUDGET_ENV, str((whole + shared) // 2))
+    client = backends.start(2, collective_timeout=60.0, heartbeat=20.0)
+    tensors, info = client.sample(fields, positive)
+    assert info["layout"].startswith("ulysses=2") and "weights sharded 2 ways" in info["layout"], info["layout"]
+    request = SampleRequest.parse(Message("sample", fields, positive))
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    with torch.no_grad():
+        serial = generate(Denoiser(model), request.generation(spec, *request.conditioning(spec)))
+    torch.testing.assert_close(tensors["samples"], serial, rtol=1e-4, atol=1e-5)

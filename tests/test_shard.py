@@ -145,12 +145,12 @@ def test_shard_weights_travels_in_the_layout_json():
 
 def test_auto_shards_only_when_the_weights_would_not_fit():
     fits = MemoryFit(weight_bytes=10 * 2**30, free_bytes=20 * 2**30)
-    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=fits)
+    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=lambda config: fits)
     assert not config.shard_weights
     tight = MemoryFit(weight_bytes=24 * 2**30, free_bytes=20 * 2**30)
-    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=tight)
+    config, why = ParallelConfig.auto(2, FLUX, REQUEST, memory=lambda config: tight)
     assert config.shard_weights and "weights sharded 2 ways" in why and "24.0 GiB" in why
-    config, _ = ParallelConfig.auto(1, FLUX, REQUEST, memory=tight)  # nothing to share with
+    config, _ = ParallelConfig.auto(1, FLUX, REQUEST, memory=lambda config: tight)  # nothing to share with
     assert not config.shard_weights
 
 

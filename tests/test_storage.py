@@ -17,6 +17,7 @@ from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
+from xdit_backend import memory_fit
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
 
@@ -322,3 +323,13 @@ def test_a_device_without_float8_is_refused_before_loading(tiny, tmp_path, monke
     with pytest.raises(UserError, match="flux-tiny: its weights are float8"):
         registry.build("flux-tiny", CPU, weight_dtype="fp8_e5m2")
     assert registry.build("flux-tiny", CPU).storage_dtype == "float32"  # nothing float8: not asked
+
+
+def test_the_fit_check_counts_an_fp8_files_matrices_at_their_stored_byte(tiny, tmp_path):
+    """Before loading, the memory model sizes an fp8 file's weights as it will be held (1 byte a matrix
+    value), not at the compute dtype: counted against the loaded model's parameters."""
+    path = tmp_path / "flux-fp8.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
+    estimate = memory_fit.needed(str(path), torch.float32, "default", 1, None, tokens_per_rank=16, rows=1)
+    held = parameter_bytes(registry.build(str(path), CPU).transformer)
+    assert abs(estimate.weights_resident - held) <= 0.05 * held, (estimate.weights_resident, held)

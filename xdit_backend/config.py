@@ -6,6 +6,7 @@ Each violated rule raises ConfigError with the rule, the actual values and a way
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from math import prod
 from typing import TYPE_CHECKING, NamedTuple
@@ -239,11 +240,13 @@ class ParallelConfig:
 
     @classmethod
     def auto(cls, world_size: int, model: ModelFacts, request: RequestFacts,
-             topology: Topology | None = None, memory: MemoryFit | None = None) -> tuple[ParallelConfig, str]:
+             topology: Topology | None = None,
+             memory: Callable[[ParallelConfig], MemoryFit | None] | None = None) -> tuple[ParallelConfig, str]:
         """Pick degrees for this world size, and say why in a sentence; then turn weight sharding on
-        when ``memory`` says the unsharded weights would not fit (``with_sharding_if_needed``)."""
+        when ``memory(config)`` (the picked layout's estimate) says the unsharded weights would not fit
+        (``with_sharding_if_needed``)."""
         config, why = cls._auto_degrees(world_size, model, request, topology)
-        return with_sharding_if_needed(config, why, memory)
+        return with_sharding_if_needed(config, why, memory(config) if memory else None)
 
     @classmethod
     def _auto_degrees(cls, world_size: int, model: ModelFacts, request: RequestFacts,

@@ -11,11 +11,12 @@ import logging
 import os
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, attention, paths, protocol
+from . import __version__, attention, memory_fit, paths, protocol
 from .agreement import run_request
-from .config import ConfigError, ModelFacts, ParallelConfig, RequestFacts
+from .config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
 from .control import StepGate, broadcast_message, gather_json
 from .errors import UserError
 from .executor import Executor
@@ -150,7 +151,8 @@ class Leader:
         width = source["num_attention_heads"] * source["attention_head_dim"]
         model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, width)
         if request.parallel is None:
-            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology)
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology,
+                                              lambda layout: self.memory_fit(request, spec, layout, text))
             why = f"auto: {why}"
         else:
             config, why = request.parallel, "as requested"
@@ -164,6 +166,17 @@ class Leader:
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
+
+    def memory_fit(self, request: SampleRequest, spec, config: ParallelConfig, text_tokens: int) -> MemoryFit | None:
+        """What auto weighs to shard the weights: one rank's unsharded weights under ``config`` (the memory
+        model's estimate) against the tightest rank's room less the request's activations (memory_fit.py)."""
+        if not self.memory or config.shard_size == 1:
+            return None
+        tokens, rows = memory_fit.request_shape(replace(request, parallel=config), spec, text_tokens)
+        estimate = memory_fit.needed(request.model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
+                                     1, config, tokens, rows)
+        room = memory_fit.tightest_room(self.memory) - estimate.activations - estimate.workspace
+        return MemoryFit(estimate.weights, room)
 
     def check_roots(self, request: SampleRequest) -> None:
         """Model and LoRA files only from the configured roots, symlinks and '..' resolved first."""

@@ -49,12 +49,34 @@ def needed(name: str, compute_dtype: torch.dtype, weight_dtype: str, shard_ranks
            tokens_per_rank: int, rows: int) -> memory_model.Estimate:
     """The memory model's bytes for loading ``name`` and running a request with it on one rank;
     ``config``: the request's ParallelConfig (None: one rank)."""
-    storage = (memory_model.fp8_storage(compute_dtype) if weight_dtype.startswith("fp8")
-               else float(compute_dtype.itemsize))
-    return memory_model.estimate(registry.on_meta(name), storage_bytes_per_value=storage, compute_dtype=compute_dtype,
+    return memory_model.estimate(registry.on_meta(name), storage_bytes_per_value=storage_rule(name, compute_dtype,
+                                                                                              weight_dtype),
+                                 compute_dtype=compute_dtype,
                                  shard_ranks=shard_ranks, tokens_per_rank=tokens_per_rank, rows=rows,
                                  stages=config.pipefusion if config else 1, ulysses=config.ulysses if config else 1,
                                  ring=config.ring if config else 1)
+
+
+def storage_rule(name: str, compute_dtype: torch.dtype, weight_dtype: str):
+    """Bytes a value of ``name``'s weights takes once loaded: weight_dtype fp8_* stores matrices in fp8;
+    by default a file's float8 and GGUF matrices stay as stored (their bytes read from the file, on
+    average) and everything else takes the compute dtype."""
+    if weight_dtype.startswith("fp8"):
+        return memory_model.fp8_storage(compute_dtype)
+    size = float(compute_dtype.itemsize)
+    kept_bytes, kept_values, cast_values = registry.kept_matrix_bytes(name)
+    if not kept_values:
+        return size
+    matrix = (kept_bytes + cast_values * size) / (kept_values + cast_values)
+    return lambda param_name, param: matrix if param.dim() >= 2 else size
+
+
+def tightest_room(records: list[dict]) -> int:
+    """The least memory any rank could give a model, from ``status``'s per-rank records (rank 0's last
+    gather): its free bytes plus what its loaded models hold (the cache evicts them to make room)."""
+    if budget() is not None:
+        return budget()
+    return min(record["memory"]["free"] + record["memory"]["parameters"] for record in records)
 
 
 def request_shape(request, spec, text_tokens: int) -> tuple[int, int]:
