@@ -34,6 +34,14 @@ def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
     assert all(r["verdict"] == "PASS" for name, r in results.items() if name not in skipped)
     assert results["families"]["figures"]["wan-tiny_weights_max_diff"] == 0.0
     assert results["fault"]["figures"]["error_kind"] == "model_error"
+    stored = results["storage"]["figures"]
+    for form, name in (("fp8", "float8_e4m3fn"), ("scaled_fp8", "float8_e4m3fn scaled"), ("gguf_q8_0", "gguf Q8_0"),
+                       ("weight_dtype_fp8", "float8_e4m3fn")):
+        assert stored[f"flux-tiny_{form}_storage"] == name
+        assert stored[f"flux-tiny_{form}_held_mib"] < 0.6 * stored["flux-tiny_bf16_held_mib"]  # 1 byte, not 2
+    memory = results["memory"]["figures"]
+    assert memory["fp8_128_predicted_weights_mib"] < 0.6 * memory["bf16_128_predicted_weights_mib"]
+    assert memory["lora_1_vs_base_rel"] > memory["lora_0.5_vs_base_rel"] > 0
     for name in runner.NAMES:
         assert f"  {name}" in done.stdout  # one line per section
 
@@ -73,3 +81,24 @@ def test_the_full_size_sections_measurements_run_on_a_small_flux(tmp_path):
         run = figures[f"overhead_{side}"]
         assert run["width"] == side and run["plain_step_s"] > 0 and run["backend_step_s"] > 0
         assert run["dtype"] == "torch.float32" and run["device"] == "cpu"
+
+
+def test_a_wrong_upcast_fails_the_storage_section(tmp_path, monkeypatch):
+    """Stored weights upcast 5 % too large: every form's latent leaves the dequantised model's."""
+    from xdit_backend.models.storage import StoredLinear
+
+    right = StoredLinear.upcast
+    monkeypatch.setattr(StoredLinear, "upcast", lambda self, dtype: right(self, dtype) * 1.05)
+    assert runner.run_selftest(tmp_path, ("storage",), cpu=True) == 1
+    reason = json.loads((tmp_path / "selftest.json").read_text())[0]["reason"]
+    for form in ("fp8", "scaled_fp8", "gguf_q8_0", "weight_dtype_fp8"):
+        assert f"flux-tiny_{form}: latent" in reason
+
+
+def test_a_lora_patch_that_adds_nothing_fails_the_memory_section(tmp_path, monkeypatch):
+    from xdit_backend.models import lora
+
+    monkeypatch.setattr(lora, "_low_rank_addition", lambda pairs: lambda module, args, output: output)
+    assert runner.run_selftest(tmp_path, ("memory",), cpu=True) == 1
+    reason = json.loads((tmp_path / "selftest.json").read_text())[0]["reason"]
+    assert "lora_0.5: patched" in reason and "the LoRA moved the latent" in reason

@@ -39,9 +39,14 @@ def fields(name: str, ctx: Context, **more) -> dict:
 def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dict, loras=(),
         after_step=lambda done, steps: True) -> torch.Tensor:
     """One generation of a built-in model in this process: the latent, float32, on the CPU."""
-    request = SampleRequest.parse(Message("sample", request_fields))
-    model = registry.build(name, device, dtype, loras)
-    positive, negative = registry.random_conditioning(name, request.batch, request.seed, model.spec)
+    return generation(registry.build(name, device, dtype, loras), name, request_fields, after_step)
+
+
+def generation(model, builtin: str, request_fields: dict, after_step=lambda done, steps: True) -> torch.Tensor:
+    """One generation with a built ``model`` (a built-in, or a file written from the built-in ``builtin``,
+    whose random conditioning it takes): the latent, float32, on the CPU."""
+    request = SampleRequest.parse(Message("sample", {**request_fields, "model": builtin}))
+    positive, negative = registry.random_conditioning(builtin, request.batch, request.seed, model.spec)
     with torch.no_grad():
         return generate(Denoiser(model), request.generation(model.spec, positive, negative), after_step)
 

@@ -26,6 +26,8 @@ SECTIONS = (
     ("samplers", "models", "samplers"),
     ("syncs", "models", "syncs"),
     ("lora", "models", "lora"),
+    ("storage", "storage", "storage"),
+    ("memory", "memory", "memory"),
     ("backend", "service", "backend"),
     ("fault", "service", "fault"),
     ("compile", "scale", "compiled"),
