@@ -31,7 +31,8 @@ def requests(tmp_path) -> list[dict]:
     save_file({}, str(lora))  # a LoRA file that matches nothing: merged as zero modules
     path = str(lora.resolve())
     flux = {"model": "flux-tiny", **common(path), "guidance": 4.25, "parallel": ParallelConfig(ulysses=2).to_json()}
-    wan = {"model": "wan-tiny", **common(path), "frames": 5, "parallel": ParallelConfig(cfg=2).to_json()}
+    wan = {"model": "wan-tiny", **common(path), "frames": 5, "weight_dtype": "fp8_e4m3fn",
+           "parallel": ParallelConfig(cfg=2).to_json()}
     return [flux, wan]
 
 

@@ -243,7 +243,7 @@ def _sharded_mixed_dtypes(rank: int) -> dict:
 def test_a_block_of_fp8_bf16_and_fp32_parameters_shards_and_gathers_exactly():
     """FSDP2 gathers a block's float8, bf16 and float32 parameters together (one collective, as bytes):
     the output is exact, each rank keeps its rows at their own dtype, and the layers outside stay whole."""
-    from tests.spawned import on_ranks
+    from spawned import on_ranks
 
     for result in on_ranks(_sharded_mixed_dtypes, 2):
         assert result["root"] == 0 and result["blocks"] == 0

@@ -219,7 +219,7 @@ class Executor:
 
         groups_before = _process_groups()
         started = time.perf_counter()
-        with traffic.counting(request.compile) as sent:  # None when compiled (traffic.py says why)
+        with traffic.counting(request.compile, self.rt.control) as sent:  # None when compiled (traffic.py says why)
             latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
         denoise_s = time.perf_counter() - started
         steps = clock.steps()

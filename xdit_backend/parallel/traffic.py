@@ -6,7 +6,8 @@ uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well a
 all_gather: its piece to every other rank, (W−1)·n; all_gather_single (FSDP2's gather of a sharded
 block's weights, parallel/shard.py; counted as ``shard_all_gather``): the same, (W−1)·n; all_to_all_single: all but its own share,
 (W−1)/W·n; isend: n (point-to-point goes through batch_isend_irecv, ours as yunchang's).
-Broadcasts are the control plane (the step gate) and counted apart.
+Broadcasts, and any collective on the ``control`` group (the step gate, the model cache's memory
+agreement), are the control plane and counted apart, as ``control``.
 
 A compiled model's traffic is not counted. Dynamo guards on the torch.distributed functions a
 compiled block calls (``dist.all_to_all_single`` in yunchang's all-to-all, ``dist.all_gather``):
@@ -28,9 +29,10 @@ def _nbytes(tensor) -> int:
 
 
 @contextmanager
-def counting(compiled: bool):
+def counting(compiled: bool, control=None):
     """Yields a Counter of bytes sent by this rank, by collective, while the block runs; for a
-    ``compiled`` model, None, with torch.distributed left as it is."""
+    ``compiled`` model, None, with torch.distributed left as it is. ``control``: the control group,
+    whose gathers are counted as ``control``, not as data."""
     if compiled:
         yield None
         return
@@ -39,7 +41,8 @@ def counting(compiled: bool):
                                                         "batch_isend_irecv", "broadcast")}
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        sent["all_gather"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
+        kind = "control" if control is not None and group is control else "all_gather"
+        sent[kind] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
         return originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
 
     def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
