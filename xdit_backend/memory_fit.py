@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 
 from . import device_memory, memory_model
 from .errors import UserError
-from .models import registry
+from .models import registry, storage
 
 TEST_BUDGET_ENV = "XDIT_TEST_MEMORY_BUDGET"  # tests only: bytes the rank's device has
 FIXES = ("in order: turn on shard_weights (each rank keeps 1/N of every block: --shard-weights, or the "
@@ -64,7 +65,10 @@ def storage_rule(name: str, compute_dtype: torch.dtype, weight_dtype: str):
     if weight_dtype.startswith("fp8"):
         return memory_model.fp8_storage(compute_dtype)
     size = float(compute_dtype.itemsize)
-    kept_bytes, kept_values, cast_values = registry.kept_matrix_bytes(name)
+    source = registry.resolve(name)
+    if source.kind != "file":  # a built-in or a diffusers folder: cast to the compute dtype
+        return size
+    kept_bytes, kept_values, cast_values = storage.file_matrix_bytes(source.ref, Path(source.ref).stat().st_mtime_ns)
     if not kept_values:
         return size
     matrix = (kept_bytes + cast_values * size) / (kept_values + cast_values)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
@@ -225,43 +224,6 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
         raise ModelError(exc.message, exc.hint) from None
     float8 = float8 or bool(scaled_fp8.MARKER in {key.rpartition(".")[2] for key in shapes})
     return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
-
-
-def kept_matrix_bytes(ref: str) -> tuple[int, int, int]:
-    """How a file's matrices (tensors of 2 or more dims) are held once loaded, for the fit check
-    before loading: (bytes and values of those kept in their storage form — float8, GGUF blocks —,
-    values of those cast to the compute dtype). A built-in or a folder: all cast."""
-    source = resolve(ref)
-    if source.kind != "file":
-        return 0, 0, 0
-    return _kept_matrix_bytes(source.ref, Path(source.ref).stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=32)
-def _kept_matrix_bytes(path: str, mtime_ns: int) -> tuple[int, int, int]:
-    kept_bytes = kept_values = cast_values = 0
-    if gguf_file.is_gguf(path):
-        for tensor in gguf_file.open_reader(path).tensors:  # quantized or float8-free: n_bytes as stored
-            values = int(tensor.n_elements)
-            if len(tensor.shape) < 2:
-                continue
-            if tensor.tensor_type.name in gguf_file.PLAIN:
-                cast_values += values
-            else:
-                kept_bytes, kept_values = kept_bytes + int(tensor.n_bytes), kept_values + values
-        return kept_bytes, kept_values, cast_values
-    with safe_open(path, "pt") as handle:
-        for key in handle.keys():
-            view = handle.get_slice(key)
-            shape = view.get_shape()
-            if len(shape) < 2:
-                continue
-            values = math.prod(shape)
-            if view.get_dtype().startswith("F8"):
-                kept_bytes, kept_values = kept_bytes + values, kept_values + values
-            else:
-                cast_values += values
-    return kept_bytes, kept_values, cast_values
 
 
 def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> Source:

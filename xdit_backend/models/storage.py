@@ -19,10 +19,13 @@ Everything else (biases, norms, modulation tables, convolutions, the family's
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from ..errors import UserError
 
@@ -153,3 +156,33 @@ def check_fp8(device: torch.device, path: str) -> None:
 
 def float8_round_trip(device: torch.device) -> None:
     torch.zeros(2, dtype=torch.float8_e4m3fn, device=device).to(torch.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def file_matrix_bytes(path: str, mtime_ns: int) -> tuple[int, int, int]:
+    """How a model file's matrices (tensors of 2 or more dims) will be held once loaded, read from its
+    header (the model cache's fit check, before loading): (bytes and values of those kept in their
+    stored form — float8, GGUF blocks —, values of those cast to the compute dtype)."""
+    from . import gguf_file  # it builds on this module's Quantized
+
+    kept_bytes = kept_values = cast_values = 0
+    if gguf_file.is_gguf(path):
+        for tensor in gguf_file.open_reader(path).tensors:
+            if len(tensor.shape) < 2:
+                continue
+            if tensor.tensor_type.name in gguf_file.PLAIN:
+                cast_values += int(tensor.n_elements)
+            else:  # quantized blocks, as stored
+                kept_bytes, kept_values = kept_bytes + int(tensor.n_bytes), kept_values + int(tensor.n_elements)
+        return kept_bytes, kept_values, cast_values
+    with safe_open(path, "pt") as handle:
+        for key in handle.keys():
+            view = handle.get_slice(key)
+            if len(view.get_shape()) < 2:
+                continue
+            values = math.prod(view.get_shape())
+            if view.get_dtype().startswith("F8"):
+                kept_bytes, kept_values = kept_bytes + values, kept_values + values
+            else:
+                cast_values += values
+    return kept_bytes, kept_values, cast_values
