@@ -7,12 +7,22 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from xdit_backend import launcher
 from xdit_backend.client import Client
 
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
+def flux_tiny_conditioning(seed: int = 5) -> dict:
+    """Text embeddings for flux-tiny at batch 2, positive and negative, from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
+    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
+    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
+    return tensors
+
+
 LONG = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 2000, "seed": 1}
 
 

@@ -8,6 +8,7 @@ from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.request import SampleRequest
 from xdit_backend.protocol import Message
 from xdit_backend.sampling.generate import generate
+from conftest import flux_tiny_conditioning
 
 TOLERANCE = 1e-4
 
@@ -31,11 +32,7 @@ FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 
 
 @pytest.fixture(scope="module")
 def conditioning():
-    generator = torch.Generator().manual_seed(5)
-    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
-    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
-    return tensors
+    return flux_tiny_conditioning()
 
 
 @pytest.fixture(scope="module")

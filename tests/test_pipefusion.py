@@ -14,16 +14,13 @@ from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
 from xdit_backend.sampling.samplers import ONE_CALL_PER_STEP
+from conftest import flux_tiny_conditioning
 
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 21, "cfg": 3.5, "batch": 2}
 
 
 def conditioning(seed=5):
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
-    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
-    return tensors
+    return flux_tiny_conditioning(seed)
 
 
 def serial(fields, tensors):

@@ -11,6 +11,7 @@ from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from conftest import flux_tiny_conditioning
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 3, "seed": 21, "cfg": 3.5, "batch": 2}
@@ -29,11 +30,7 @@ PIPEFUSION = {"pipefusion": 2, "ulysses": 2, "warmup_steps": 1}
 
 @pytest.fixture(scope="module")
 def conditioning():
-    generator = torch.Generator().manual_seed(5)
-    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
-    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
-    return tensors
+    return flux_tiny_conditioning()
 
 
 @pytest.fixture(scope="module")

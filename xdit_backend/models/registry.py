@@ -66,6 +66,11 @@ class BuiltinModel:
     description: str = field(default="", compare=False)
 
 
+# Flux.1-dev's transformer config (its diffusers config.json), for the full-size random-weight built-ins
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
         family="flux",
@@ -86,17 +91,13 @@ BUILTINS: dict[str, BuiltinModel] = {
     ),
     "flux-dev-random": BuiltinModel(
         family="flux",
-        config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                    guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        config=FLUX_DEV,
         text_tokens=512,
         description="the full Flux.1-dev architecture (12 B parameters) with random weights, for GPU benchmarks",
     ),
     "flux-dev-two-blocks": BuiltinModel(
         family="flux",
-        config=dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
-                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                    guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        config={**FLUX_DEV, "num_layers": 1, "num_single_layers": 1},
         text_tokens=512,
         description="Flux.1-dev's width (3072) with 1 double and 1 single block (545 M parameters), random weights: "
                     "full-size activations on a CPU (bench memory --measure)",
