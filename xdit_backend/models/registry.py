@@ -284,7 +284,13 @@ def _construct(source: Source):
 
 def on_meta(ref: str):
     """The model's diffusers transformer with its parameters on the meta device: its shapes, no weights
-    (the model cache's fit check sizes a model with it before loading)."""
+    (the model cache's fit check and auto size a model with it before loading). Built once per version
+    of the model (a full-size one takes a quarter of a second of CPU), so read it, never change it."""
+    return _on_meta(*identity(ref))
+
+
+@functools.lru_cache(maxsize=8)
+def _on_meta(ref: str, version: int):
     return _construct(resolve(ref))
 
 
@@ -296,9 +302,8 @@ def block_sizes(ref: str) -> list[int]:
 
 @functools.lru_cache(maxsize=32)
 def _block_sizes(ref: str, version: int) -> tuple[int, ...]:
-    source = resolve(ref)
-    transformer = _construct(source)
-    blocks = [b for name in FAMILIES[source.family].block_lists for b in getattr(transformer, name)]
+    transformer = _on_meta(ref, version)
+    blocks = [b for name in FAMILIES[resolve(ref).family].block_lists for b in getattr(transformer, name)]
     return tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
 
 
