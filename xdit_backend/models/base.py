@@ -214,12 +214,15 @@ class SequencePlan:
     attention: (attribute name, kind): attention modules that get a sequence-parallel processor;
                "flux" (FluxAttention), "joint" (diffusers Attention: self-attention, and the joint
                [text; image] attention when given the text), "wan" (WanAttention with 3-D RoPE).
+               Or a family's own processor class (``Processor(core)``, defined in its module), whose
+               attention is ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text
+               share (L tokens); image share] (parallel/sequence.processor_class).
                Cross-attention to the whole text is left alone: its queries are this rank's tokens
                and its keys the whole text, so it is already exact.
     """
 
     cuts: tuple[Cut, ...]
-    attention: tuple[tuple[str, str], ...]
+    attention: tuple[tuple[str, str | type], ...]
     gather: str = "proj_out"
 
     @property
@@ -237,7 +240,8 @@ class StagePlan:
     attention:   (attribute name, kind, sees_text): the attention modules that keep every token's
                  K/V and let a patch attend to the other patches' one-step-stale K/V. ``kind`` picks
                  the processor as in SequencePlan ("joint": diffusers Attention; "flux": FluxAttention;
-                 "wan": WanAttention with 3-D RoPE); ``sees_text``: the module also attends to the
+                 "wan": WanAttention with 3-D RoPE; or the family's own processor class, as in
+                 SequencePlan); ``sees_text``: the module also attends to the
                  text tokens (MM-DiT joint attention). Cross-attention to the text is not listed: its
                  keys are the whole text, the same at every step, so it needs no stale K/V.
     joint_text:  the text's hidden states change from block to block (MM-DiT), so they travel
@@ -248,5 +252,5 @@ class StagePlan:
     """
 
     block_lists: tuple[str, ...]
-    attention: tuple[tuple[str, str, bool], ...]
+    attention: tuple[tuple[str, str | type, bool], ...]
     joint_text: bool = False

@@ -138,6 +138,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 PROCESSORS = {"flux": FluxUSPProcessor, "joint": AttentionUSPProcessor, "wan": WanUSPProcessor}
 
 
+def processor_class(kind):
+    """The processor class a plan's attention ``kind`` names: one of PROCESSORS by name, or a family's own
+    class (its module defines it: ``Processor(core)``, whose attention is ``core(q, k, v, text_tokens=L)``
+    on q, k, v [B, S, H, D] laid out [text (L tokens); image], returning [B, S, H, D])."""
+    return PROCESSORS[kind] if isinstance(kind, str) else kind
+
+
 class Shard:
     """This rank's contiguous share of a sequence, and the gather that undoes the cut."""
 
@@ -193,7 +200,7 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     for name, module in modules.items():
         kind = kinds.get(name.rsplit(".", 1)[-1])
         if kind is not None:
-            module.set_processor(PROCESSORS[kind](usp))
+            module.set_processor(processor_class(kind)(usp))
     return attached
 
 

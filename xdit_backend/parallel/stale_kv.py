@@ -130,10 +130,6 @@ def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)  # [B, n, H, D], in sequence-index order
 
 
-PROCESSORS = {"joint": sequence.AttentionUSPProcessor, "wan": sequence.WanUSPProcessor,
-              "flux": sequence.FluxUSPProcessor}
-
-
 def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
     """Give every attention module the plan lists a stale-K/V processor (one buffer each). Undo with
     ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before."""
@@ -142,4 +138,4 @@ def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
         entry = kinds.get(name.rsplit(".", 1)[-1])
         if entry is not None:
             kind, sees_text = entry
-            module.set_processor(PROCESSORS[kind](StaleKV(chunk, sp_group, kernel, sees_text)))
+            module.set_processor(sequence.processor_class(kind)(StaleKV(chunk, sp_group, kernel, sees_text)))
