@@ -38,35 +38,33 @@ def test_cfg_parallel_without_two_passes_is_refused_with_sequence_parallel_as_th
     assert "cfg scale is 0.5" in refused(ParallelConfig(cfg=2), request=RequestFacts(1, 4096, 0.5, True)).message
 
 
-def test_heads_must_divide_by_ulysses():
-    error = refused(ParallelConfig(ulysses=3), world=3)
-    assert "ulysses=3 does not divide the 4 attention heads" in error.message
-    assert "[1, 2, 4]" in error.hint
+def test_ulysses_takes_any_head_count_up_to_the_heads():
+    """Heads that ulysses does not divide are padded (parallel/sequence.USPAttention); more ranks than heads
+    would leave ranks without a head, and that is refused with a layout that works."""
+    ParallelConfig(ulysses=3).validate(3, FLUX_TINY, TWO_PASSES)
+    error = refused(ParallelConfig(ulysses=8), world=8)
+    assert "ulysses=8 is more than the 4 attention heads" in error.message
+    assert "ulysses=4, ring=2" in error.hint
 
 
-def test_image_tokens_must_divide_by_the_sequence_degree():
-    error = refused(ParallelConfig(ring=2, ulysses=2), world=4, request=RequestFacts(2, 4098, 3.5, True))
-    assert "ring × ulysses = 4 does not divide the 4098 image tokens" in error.message
-    assert "not padded" in error.message
+def test_any_token_count_splits_but_every_sequence_rank_needs_a_token():
+    """Token counts that ring × ulysses does not divide are padded, image and text alike."""
+    ParallelConfig(ring=2, ulysses=2).validate(4, FLUX_TINY, RequestFacts(2, 4098, 3.5, True, text_tokens=154))
+    error = refused(ParallelConfig(ring=2, ulysses=2), world=4, request=RequestFacts(2, 3, 3.5, True))
+    assert "ring × ulysses = 4 is more than the 3 image tokens" in error.message
 
 
-def test_text_tokens_of_a_joint_model_must_divide_by_the_sequence_degree():
-    """A joint model's prompt is split with the image: the rule names the text count and the degrees that fit."""
-    prompt_154 = RequestFacts(batch=1, image_tokens=4096, cfg_scale=1.0, has_negative=False, text_tokens=154)
-    error = refused(ParallelConfig(ulysses=4), world=4, request=prompt_154)
-    assert "ring × ulysses = 4 does not divide the 154 text tokens" in error.message
-    assert "[1, 2]" in error.hint and "cfg, dp or pipefusion" in error.hint
-    ParallelConfig(ulysses=2).validate(2, FLUX_TINY, prompt_154)
-
-
-def test_auto_keeps_the_sequence_degree_within_what_the_text_allows():
-    """154 text tokens allow ulysses=2 on 4 ranks; the other factor goes to data parallel."""
+def test_auto_prefers_degrees_that_split_the_tokens_and_pads_only_when_none_places_every_rank():
+    """154 text tokens split 2 ways: ulysses=2 and data parallel for the other factor; with a batch of one,
+    ulysses=4 with the text padded."""
     request = RequestFacts(batch=2, image_tokens=4096, cfg_scale=1.0, has_negative=False, text_tokens=154)
     config, why = ParallelConfig.auto(4, FLUX_TINY, request)
     assert (config.ulysses, config.ring, config.dp) == (2, 1, 2), why
-    with pytest.raises(ConfigError) as error:
-        ParallelConfig.auto(4, FLUX_TINY, RequestFacts(1, 4096, 1.0, False, text_tokens=154))
-    assert "154 text tokens" in error.value.message and "a prompt of a length that 4 divides" in error.value.hint
+    config, why = ParallelConfig.auto(4, FLUX_TINY, RequestFacts(1, 4096, 1.0, False, text_tokens=154))
+    assert (config.ulysses, config.ring, config.dp) == (4, 1, 1) and "padded" in why, why
+    config, why = ParallelConfig.auto(4, ModelFacts("z-image", heads=30, supports=FLUX_TINY.supports),
+                                      RequestFacts(1, 63 * 63, 1.0, False))
+    assert (config.ulysses, config.ring) == (2, 2) and "padded" in why, why
 
 
 def test_batch_must_divide_by_dp():
@@ -111,8 +109,9 @@ def test_auto_policy(world, model, request_facts, expected):
 
 
 def test_auto_says_when_nothing_fits():
+    data_only = ModelFacts("data-only", heads=4, supports=frozenset({"dp"}))
     with pytest.raises(ConfigError, match="no layout of 3 ranks"):
-        ParallelConfig.auto(3, FLUX_TINY, RequestFacts(1, 4096, 1.0, False))
+        ParallelConfig.auto(3, data_only, RequestFacts(1, 4096, 1.0, False))
 
 
 # ----------------------------------------------------------------------------- PipeFusion

@@ -158,24 +158,15 @@ class ParallelConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: model {model.name} does not support {name} parallelism "
                                   "in this version",
                                   f"supported: {', '.join(sorted(model.supports)) or 'none'}")
-        if model.heads % self.ulysses:
-            ok = [u for u in range(1, model.heads + 1) if model.heads % u == 0]
-            raise ConfigError(f"ulysses={self.ulysses} does not divide the {model.heads} attention heads of {model.name}",
-                              f"use ulysses in {ok}, and ring for the remaining factor")
-        if request.image_tokens % self.sequence:
-            raise ConfigError(
-                f"ring × ulysses = {self.sequence} does not divide the {request.image_tokens} image tokens "
-                "(tokens are not padded: padding would change attention)",
-                "choose a width and height whose (W/16)·(H/16) is a multiple of "
-                f"{self.sequence}, e.g. multiples of {16 * self.sequence} pixels on one side")
-        if request.text_tokens % self.sequence:
-            ok = [d for d in _divisors(request.text_tokens) if request.splits(d) and d <= self.sequence]
-            raise ConfigError(
-                f"ring × ulysses = {self.sequence} does not divide the {request.text_tokens} text tokens of the prompt "
-                f"(model {model.name} attends to text and image tokens together, and every sequence rank takes an "
-                "equal share of both; tokens are not padded: padding would change attention)",
-                f"use ring × ulysses in {ok} and give the other ranks to cfg, dp or pipefusion; or encode the prompt "
-                f"to a length that is a multiple of {self.sequence} tokens")
+        if self.ulysses > model.heads:
+            raise ConfigError(f"ulysses={self.ulysses} is more than the {model.heads} attention heads of {model.name}: "
+                              "Ulysses gives each rank a share of the heads, and some ranks would get none",
+                              f"use ulysses ≤ {model.heads} and ring for the remaining factor "
+                              f"(e.g. ulysses={max(u for u in _divisors(self.ulysses) if u <= model.heads)}, "
+                              f"ring={self.ring * self.ulysses // max(u for u in _divisors(self.ulysses) if u <= model.heads)})")
+        if request.image_tokens < self.sequence:
+            raise ConfigError(f"ring × ulysses = {self.sequence} is more than the {request.image_tokens} image tokens: "
+                              "every sequence rank needs at least one", "use a larger image, or fewer sequence ranks")
         if request.batch % self.dp:
             raise ConfigError(f"dp={self.dp} does not divide the batch of {request.batch}",
                               f"use a batch that is a multiple of {self.dp}, or dp=1")
@@ -277,20 +268,35 @@ class ParallelConfig:
 
     @classmethod
     def fixed_order(cls, world_size: int, model: ModelFacts, request: RequestFacts) -> tuple[ParallelConfig, str]:
-        """CFG first when the request has two passes, then Ulysses up to what the heads and tokens allow,
-        then Ring for what is left, then data parallel over the batch (auto without a topology)."""
+        """CFG first when the request has two passes, then Ulysses up to what the heads allow, then Ring for
+        what is left, then data parallel over the batch (auto without a topology). Sequence degrees that
+        split the tokens evenly come first; when none places every rank, the tokens are padded (exact, at
+        the cost of at most one token per rank: parallel/sequence.Shard)."""
+        try:
+            return cls._fixed_order(world_size, model, request, padded=False)
+        except ConfigError:
+            if request.image_tokens < 2 or not {"ulysses", "ring"} & model.supports:
+                raise
+            return cls._fixed_order(world_size, model, request, padded=True)
+
+    @classmethod
+    def _fixed_order(cls, world_size: int, model: ModelFacts, request: RequestFacts,
+                     padded: bool) -> tuple[ParallelConfig, str]:
+        def fits(parts: int) -> bool:
+            return parts <= request.image_tokens if padded else request.splits(parts)
+
         remaining, picked, why = world_size, {}, []
         if remaining % 2 == 0 and request.cfg_worth_splitting and "cfg" in model.supports:
             picked["cfg"], remaining = 2, remaining // 2
             why.append("CFG parallel for the cond and uncond passes")
         if "ulysses" in model.supports:
-            u = max(d for d in _divisors(remaining) if model.heads % d == 0 and request.splits(d))
+            u = max(d for d in _divisors(remaining) if model.heads % d == 0 and fits(d))
             if u > 1:
                 picked["ulysses"], remaining = u, remaining // u
                 why.append(f"Ulysses as far as the {model.heads} heads allow")
         if remaining > 1 and "ring" in model.supports:
             ulysses = picked.get("ulysses", 1)
-            r = max(d for d in _divisors(remaining) if request.splits(d * ulysses))
+            r = max(d for d in _divisors(remaining) if fits(d * ulysses))
             if r > 1:
                 picked["ring"], remaining = r, remaining // r
                 why.append("Ring for the factor Ulysses cannot take")
@@ -298,15 +304,11 @@ class ParallelConfig:
             picked["dp"], remaining = remaining, 1
             why.append(f"data parallel over the batch of {request.batch}")
         if remaining > 1:
-            text = f"{request.text_tokens} text tokens, " if request.text_tokens else ""
-            sequence = picked.get("ulysses", 1) * picked.get("ring", 1) * remaining  # had the rest gone to SP
-            prompt = (f"; the prompt's {request.text_tokens} tokens are split too (this model attends to text and "
-                      f"image together), so a prompt of a length that {sequence} divides also works"
-                      if request.text_tokens % sequence else "")
             raise ConfigError(f"no layout of {world_size} ranks fits this request ({request.image_tokens} image tokens, "
-                              f"{text}{model.heads} heads, batch {request.batch})",
-                              f"change the resolution so the image tokens divide by the ranks, or start fewer ranks"
-                              f"{prompt}")
+                              f"{model.heads} heads, batch {request.batch})",
+                              "start fewer ranks, or use a batch that the remaining ranks divide (data parallel)")
+        if padded and not request.splits(picked.get("ulysses", 1) * picked.get("ring", 1)):
+            why.append("tokens padded to equal shares")
         return cls(**picked), ", ".join(why) or "world size 1"
 
     def rank_groups(self, axis: str) -> list[list[int]]:

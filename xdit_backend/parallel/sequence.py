@@ -28,33 +28,111 @@ from ..models.base import Cut, SequencePlan
 
 
 class USPAttention:
-    """Attention over this rank's share of one sequence, exact across the ring × ulysses ranks."""
+    """Attention over this rank's share of one sequence, exact across the ring × ulysses ranks.
 
-    def __init__(self, ulysses_group, ring_group, kernel: attention.Kernel):
+    Any head count and any token count: heads that ``ulysses`` does not divide are padded with
+    zero heads for the all-to-all (their output is dropped), and a share padded by ``Shard`` (token
+    counts that ring × ulysses does not divide) has its padded keys left out of every attention
+    call, so no token ever attends to padding (``PaddedKeys``).
+    """
+
+    def __init__(self, ulysses_group, ring_group, kernel: attention.Kernel, shard: Shard):
         from yunchang.comm.all_to_all import SeqAllToAll4D  # once per request, not per attention call
         from yunchang.ring import ring_flash_attn_func
 
         self.ulysses_group = ulysses_group  # None when ulysses = 1
         self.ring_group = ring_group  # None when ring = 1
         self.kernel = kernel
+        self.shard = shard
+        self.ulysses = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
         self.all_to_all, self.ring_attention = SeqAllToAll4D.apply, ring_flash_attn_func
+        self.padded_keys: dict[tuple, PaddedKeys | None] = {}  # by (local length, text tokens, whole lengths)
 
-    def __call__(self, q, k, v):
-        """q, k, v: [B, S/P, H, D], this rank's share of the sequence; returns the same shape."""
+    def __call__(self, q, k, v, text_tokens: int = 0):
+        """q, k, v: [B, S/P, H, D], this rank's share of the sequence laid out [text share (``text_tokens``,
+        or the whole text share when it is there and 0 is given: Flux's single-stream blocks); image
+        share]; returns the same shape."""
+        keys = self._padded_keys(q.shape[1], text_tokens, q.device)
+        heads = q.shape[2]
         ug = self.ulysses_group
         if ug is not None:
-            # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H, D] → [B, S/R, H/U, D]
+            padded = -heads % self.ulysses  # zero heads, so every Ulysses rank gets H/U of them
+            if padded:
+                q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v))  # [B, S/P, H', D]
+            # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H', D] → [B, S/R, H'/U, D]
             q, k, v = (self.all_to_all(ug, t.contiguous(), 2, 1, False) for t in (q, k, v))
+        kernel = self.kernel if keys is None else keys.kernel(self.kernel)
         if self.ring_group is not None:
             out, _, _ = self.ring_attention(q, k, v, causal=False, return_attn_probs=True, group=self.ring_group,
-                                             attn_type=None, attn_processor=self.kernel)  # [B, S/R, H/U, D]
+                                             attn_type=None, attn_processor=kernel)  # [B, S/R, H'/U, D]
         else:
-            out, _ = self.kernel(q, k, v)  # [B, S/R, H/U, D]
+            out, _ = kernel(q, k, v)  # [B, S/R, H'/U, D]
         out = out.to(q.dtype)
         if ug is not None:
-            # scatter sequence (dim 1), gather heads (dim 2): [B, S/R, H/U, D] → [B, S/P, H, D]
-            out = self.all_to_all(ug, out.contiguous(), 1, 2, False)
+            # scatter sequence (dim 1), gather heads (dim 2): [B, S/R, H'/U, D] → [B, S/P, H', D]
+            out = self.all_to_all(ug, out.contiguous(), 1, 2, False)[:, :, :heads]  # [B, S/P, H, D]
         return out
+
+    def _padded_keys(self, local: int, text_tokens: int, device: torch.device) -> PaddedKeys | None:
+        """Which keys are real in each ring rank's K/V block, or None when no share is padded (built once
+        per request and layout of the local sequence, on the device: no copy per attention call)."""
+        lengths = tuple(sorted(self.shard.lengths.items()))
+        key = (local, text_tokens, lengths)
+        if key not in self.padded_keys:
+            self.padded_keys[key] = PaddedKeys.build(self.shard, local, text_tokens, self.ulysses, self.ring_group,
+                                                     device)
+        return self.padded_keys[key]
+
+
+class PaddedKeys:
+    """The real (unpadded) keys of every ring rank's K/V block after the Ulysses all-to-all, and a kernel
+    that attends to those only.
+
+    Sequence rank i = ring index × U + ulysses index holds [text share; image share], each padded at
+    its end to the share length. After the all-to-all a ring rank's block is its U ranks' shares side by
+    side, in ulysses order. yunchang's ring (``ring_flash_attn_forward``, 0.6.4) calls the kernel once
+    per step, step s on the block of ring rank (r − s) mod R (it sends to r + 1 and receives from
+    r − 1); the parity tests (tests/test_padding.py) hold every padded layout to the serial result,
+    so a change of that order fails there.
+    """
+
+    def __init__(self, real: list[torch.Tensor], ring_rank: int):
+        self.real = real  # [ring ranks] × [real keys] indices into the block
+        self.ring_rank = ring_rank
+
+    @classmethod
+    def build(cls, shard: Shard, local: int, text_tokens: int, ulysses: int, ring_group,
+              device: torch.device) -> PaddedKeys | None:
+        image, text = shard.lengths.get("image", 0), shard.lengths.get("text", 0)
+        if not any(length % shard.parts for length in (image, text)):
+            return None
+        image_share, text_share = shard.share(image), shard.share(text)
+        if local == image_share and not text_tokens:
+            layout = (("image", image),)
+        elif local == text_share + image_share and text_tokens in (0, text_share):
+            layout = (("text", text), ("image", image))
+        else:
+            raise RuntimeError(f"sequence parallel attention got {local} tokens ({text_tokens} text), but this rank's "
+                               f"shares are {text_share} text and {image_share} image tokens: the family's processor "
+                               "and its sequence plan disagree")
+        real = []
+        for ring_index in range(shard.parts // ulysses):
+            mask = torch.cat([torch.cat([torch.arange(shard.share(length)) < shard.counts(length)[ring_index * ulysses + u]
+                                         for _, length in layout]) for u in range(ulysses)])  # [S/R] bool
+            real.append(mask.nonzero().squeeze(1).to(device))
+        ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
+        return cls(real, ring_rank)
+
+    def kernel(self, kernel: attention.Kernel) -> attention.Kernel:
+        """``kernel`` on the real keys of each block, in the order yunchang's ring hands the blocks over."""
+        blocks = len(self.real)
+        calls = iter(range(blocks))
+
+        def attend(q, k, v, **kwargs):
+            real = self.real[(self.ring_rank - next(calls)) % blocks]
+            return kernel(q, k.index_select(1, real), v.index_select(1, real), **kwargs)  # keys [B, real, H, D]
+
+        return attend
 
 
 class FluxUSPProcessor:
@@ -68,7 +146,8 @@ class FluxUSPProcessor:
             raise NotImplementedError("sequence parallel Flux attention does not take an attention mask")
         # RoPE comes from this rank's token ids, so it matches its tokens. q, k, v: [B, S/P, H, D], text first
         query, key, value = flux.attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        out = self.usp(query, key, value).to(query.dtype)
+        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]  # single-stream: joint
+        out = self.usp(query, key, value, text_tokens=text_tokens).to(query.dtype)
         return flux.attention_outputs(attn, out, encoder_hidden_states)
 
 
@@ -97,7 +176,7 @@ class AttentionUSPProcessor:
                 text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
             query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
             text_tokens = encoder_hidden_states.shape[1]
-        out = self.usp(query, key, value).flatten(2, 3).to(query.dtype)  # [B, (L + N)/P, H·D]
+        out = self.usp(query, key, value, text_tokens=text_tokens).flatten(2, 3).to(query.dtype)  # [B, (L + N)/P, H·D]
         text_out, image_out = out[:, :text_tokens], out[:, text_tokens:]
         image_out = attn.to_out[1](attn.to_out[0](image_out))
         if attn.residual_connection:
@@ -124,7 +203,7 @@ class WanUSPProcessor:
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        out = self.usp(query, key, value).flatten(2, 3).type_as(query)  # [B, N/P, H·D]
+        out = self.usp(query, key, value, text_tokens=0).flatten(2, 3).type_as(query)  # [B, N/P, H·D]
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -146,22 +225,49 @@ def processor_class(kind):
 
 
 class Shard:
-    """This rank's contiguous share of a sequence, and the gather that undoes the cut."""
+    """This rank's share of a sequence, and the gather that undoes the cut.
+
+    A sequence of S tokens is split into P shares as evenly as possible: rank i takes
+    ⌊S/P⌋ tokens, one more when i < S mod P, contiguous and in rank order. When P does not divide S,
+    every share is padded at its end to ⌈S/P⌉ with zeros (so the collectives see equal shapes);
+    attention leaves the padding out (PaddedKeys) and the gather drops it. ``lengths`` holds the
+    whole length of the text and of the image tokens cut in the current model call.
+    """
 
     def __init__(self, group, index: int, parts: int):
         self.group, self.index, self.parts = group, index, parts
+        self.lengths: dict[str, int] = {}  # "text" / "image" → S
 
-    def cut(self, tensor: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-        """[..., S, ...] → [..., S/P, ...] along ``dim``: the share at this rank's sequence index."""
-        if tensor.shape[dim] % self.parts:  # validation refuses such requests first (config.py)
-            raise ValueError(f"{what}: {tensor.shape[dim]} tokens do not split into ring × ulysses = {self.parts} "
-                             "equal shares")
-        return tensor.chunk(self.parts, dim=dim)[self.index]
+    def counts(self, length: int) -> list[int]:
+        """The real tokens of each rank's share."""
+        return [length // self.parts + (rank < length % self.parts) for rank in range(self.parts)]
+
+    def share(self, length: int) -> int:
+        """The padded length of every share: ⌈S/P⌉."""
+        return -(-length // self.parts)
+
+    def cut(self, tensor: torch.Tensor, dim: int, what: str, kind: str = "image") -> torch.Tensor:
+        """[..., S, ...] → [..., ⌈S/P⌉, ...] along ``dim``: this rank's share, zero-padded at its end."""
+        length = tensor.shape[dim]
+        if self.lengths.setdefault(kind, length) != length:
+            raise ValueError(f"{what}: {length} {kind} tokens, but another {kind} tensor of this model call has "
+                             f"{self.lengths[kind]}: the sequence plan cuts tensors that do not match")
+        if length < self.parts and kind == "image":  # validation refuses such requests first (config.py)
+            raise ValueError(f"{what}: {length} tokens cannot give each of ring × ulysses = {self.parts} ranks one")
+        if length % self.parts == 0:
+            return tensor.chunk(self.parts, dim=dim)[self.index]
+        counts = self.counts(length)
+        mine = tensor.narrow(dim, sum(counts[: self.index]), counts[self.index])  # [..., real, ...]
+        pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [0, self.share(length) - counts[self.index]]
+        return torch.nn.functional.pad(mine, pad)  # [..., ⌈S/P⌉, ...]
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """[B, N/P, C] on every rank → [B, N, C] on every rank (shares in sequence-index order)."""
+        """[B, ⌈N/P⌉, C] on every rank → [B, N, C] on every rank (shares in sequence-index order, padding dropped)."""
         parts = [torch.empty_like(local) for _ in range(self.parts)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)  # P × [B, N/P, C]
+        dist.all_gather(parts, local.contiguous(), group=self.group)  # P × [B, ⌈N/P⌉, C]
+        length = self.lengths.get("image", local.shape[1] * self.parts)
+        if length % self.parts:
+            parts = [part[:, :real] for part, real in zip(parts, self.counts(length))]
         return torch.cat(parts, dim=1)
 
 
@@ -182,7 +288,7 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     """Make ``transformer`` sequence parallel under ``layout`` as ``plan`` says, until ``detach``."""
     shard = Shard(layout.sequence_group, layout.sequence_index, layout.config.sequence)
     modules = dict(transformer.named_modules())
-    attached = Attached(transformer, [])
+    attached = Attached(transformer, [transformer.register_forward_pre_hook(lambda module, args: shard.lengths.clear())])
     for name in dict.fromkeys(cut.module for cut in plan.cuts):  # one hook per module, in plan order
         cuts = [cut for cut in plan.cuts if cut.module == name]
         inputs = [cut for cut in cuts if cut.arg is not None]
@@ -195,7 +301,7 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
                 lambda module, args, out, cut=cut: _cut_output(shard, cut, out)))
     attached.hooks.append(modules[plan.gather].register_forward_hook(
         lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
-    usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel)
+    usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel, shard)
     kinds = dict(plan.attention)
     for name, module in modules.items():
         kind = kinds.get(name.rsplit(".", 1)[-1])
@@ -210,9 +316,9 @@ def _cut_inputs(shard: Shard, cuts: list[Cut], args: tuple, kwargs: dict):
     for cut in cuts:
         where = f"{cut.module or 'the transformer'}'s input {cut.arg!r}"
         if isinstance(cut.arg, int) and cut.arg < len(args):
-            args[cut.arg] = shard.cut(args[cut.arg], cut.dim, where)
+            args[cut.arg] = shard.cut(args[cut.arg], cut.dim, where, _kind(cut))
         elif isinstance(cut.arg, str) and kwargs.get(cut.arg) is not None:
-            kwargs[cut.arg] = shard.cut(kwargs[cut.arg], cut.dim, where)
+            kwargs[cut.arg] = shard.cut(kwargs[cut.arg], cut.dim, where, _kind(cut))
         else:
             raise RuntimeError(f"the sequence plan cuts {where}, but the forward call did not pass it "
                                f"(positional {len(args)}, keywords {sorted(kwargs)})")
@@ -223,5 +329,9 @@ def _cut_output(shard: Shard, cut: Cut, out):
     """This rank's share of a module output, or of each tensor of a tuple output (RoPE's cos, sin)."""
     where = f"{cut.module}'s output"
     if isinstance(out, tuple):
-        return tuple(shard.cut(t, cut.dim, where) for t in out)
-    return shard.cut(out, cut.dim, where)
+        return tuple(shard.cut(t, cut.dim, where, _kind(cut)) for t in out)
+    return shard.cut(out, cut.dim, where, _kind(cut))
+
+
+def _kind(cut: Cut) -> str:
+    return "text" if cut.text else "image"
