@@ -7,6 +7,7 @@ and every other rank parses (so a field cannot reach rank 0 alone).
 
 from __future__ import annotations
 
+import re
 from dataclasses import make_dataclass
 
 import torch
@@ -18,8 +19,11 @@ from .models import lora
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
-CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
-TENSOR_NAMES = ("latent", "sigmas", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
+GENERATION_TENSORS = ("latent", "sigmas")
+# Every other tensor is one side's conditioning, [negative_]<key>: which keys a model takes is its
+# spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
+CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
+REFERENCE = re.compile(r"reference_(\d+)")
 CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
 
 
@@ -64,15 +68,18 @@ class SampleRequest(_Fields):
                                    f"it must lie in {field.low:g}..{field.high:g}")
 
     def _check_tensors(self) -> None:
-        unknown = sorted(set(self.tensors) - set(TENSOR_NAMES))
+        unknown = sorted(name for name in self.tensors
+                         if name not in GENERATION_TENSORS and not CONDITIONING_NAME.fullmatch(name))
         if unknown:
-            raise RequestError(f"unknown tensors {unknown}", f"a sample request may carry: {', '.join(TENSOR_NAMES)}")
+            raise RequestError(f"unknown tensors {unknown}",
+                               "a sample request carries latent, sigmas and the model's conditioning tensors "
+                               "(context, pooled, …; negative_context, … for the negative side)")
         for name, tensor in self.tensors.items():
             if not tensor.is_floating_point():
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
-        given = {name for name in self.tensors if name != "latent"}
+        given = {name for name in self.tensors if name not in GENERATION_TENSORS}
         if given and "context" not in given:
             raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
 
@@ -107,46 +114,89 @@ class SampleRequest(_Fields):
                                f"use end_step ≤ {self.steps}, or leave it out")
 
     def conditioning(self, spec) -> tuple[dict, dict | None]:
-        """Positive and (optional) negative conditioning, checked against the model's shapes.
+        """Positive and (optional) negative conditioning, checked against the model's spec.
 
-        An optional tensor (PixArt's context_mask) given on one side only is all ones on the other,
+        An optional mask (PixArt's context_mask) given on one side only is all ones on the other,
         so both sides carry the same keys."""
-        sides = []
-        for prefix in ("", "negative_"):
-            if prefix + "context" not in self.tensors:
-                sides.append(None)
-                continue
-            context = self.tensors[prefix + "context"]
-            text_tokens = context.shape[1] if context.dim() == 3 else -1
-            shapes = spec.conditioning_shapes(self.batch, text_tokens)
-            side = {}
-            for key, shape in shapes.items():
-                tensor = self.tensors.get(prefix + key)
-                if tensor is None or tuple(tensor.shape) != shape:
-                    got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
-                    raise RequestError(
-                        f"{prefix}{key}: model {self.model} needs shape {list(shape)}, got {got}",
-                        "encode the prompt with the text encoders that belong to this model",
-                    )
-                side[key] = tensor
-            for key in CONDITIONING_KEYS:
-                if prefix + key in self.tensors and key not in shapes and key not in spec.optional_conditioning:
-                    raise RequestError(f"{prefix}{key}: a {spec.family} model takes no {key!r}",
-                                       f"send {', '.join(shapes)}")
-            for key in spec.optional_conditioning:  # a mask: one per text token
-                if prefix + key in self.tensors:
-                    side[key] = self.tensors[prefix + key]
-                    if tuple(side[key].shape) != (self.batch, text_tokens):
-                        raise RequestError(f"{prefix}{key} has shape {list(side[key].shape)}; it needs "
-                                           f"{[self.batch, text_tokens]}, one value per text token")
-            sides.append(side)
+        sides = [self._side(spec, prefix) if prefix + "context" in self.tensors else None
+                 for prefix in ("", "negative_")]
         positive, negative = sides
         if positive is not None and negative is not None:
-            for key in spec.optional_conditioning:
+            for key in (k for k in spec.optional_conditioning if k.endswith("_mask")):
+                masked = key.removesuffix("_mask")
                 for side, other in ((positive, negative), (negative, positive)):
-                    if key in side and key not in other:
-                        other[key] = torch.ones(other["context"].shape[:2])
+                    if key in side and key not in other and masked in other:
+                        other[key] = torch.ones(other[masked].shape[:2])
+            _check_same_references(positive, negative)
         return positive, negative
+
+    def _side(self, spec, prefix: str) -> dict[str, torch.Tensor]:
+        """One side's tensors by key (without the prefix): the spec's shapes (None: any length), its
+        optional keys and masks, and its reference latents; any other key is refused by name."""
+        given = {name.removeprefix(prefix): tensor for name, tensor in self.tensors.items()
+                 if name not in GENERATION_TENSORS and name.startswith("negative_") == bool(prefix)}
+        context = given["context"]
+        text_tokens = context.shape[1] if context.dim() == 3 else -1
+        shapes = spec.conditioning_shapes(self.batch, text_tokens)
+        side = {}
+        for key, shape in shapes.items():
+            tensor = given.get(key)
+            if tensor is None and key in spec.optional_conditioning:
+                continue
+            if tensor is None or not _fits(tuple(tensor.shape), shape):
+                got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
+                raise RequestError(f"{prefix}{key}: model {self.model} needs shape {_shape_text(shape)}, got {got}",
+                                   "encode the prompt with the text encoders that belong to this model")
+            side[key] = tensor
+        for key in spec.optional_conditioning:  # a mask: one value per token of the tensor it masks
+            if key in shapes or key not in given:
+                continue
+            of = key.removesuffix("_mask")
+            if of not in side:
+                raise RequestError(f"{prefix}{key} was sent without {prefix}{of}, the tensor it masks",
+                                   f"send {prefix}{of} with it, or leave both out")
+            want = (self.batch, side[of].shape[1])
+            if tuple(given[key].shape) != want:
+                raise RequestError(f"{prefix}{key} has shape {list(given[key].shape)}; it needs {list(want)}, "
+                                   f"one value per token of {prefix}{of}")
+            side[key] = given[key]
+        side.update(self._references(spec, prefix, given))
+        unknown = sorted(set(given) - set(side))
+        if unknown:
+            takes = [*shapes, *(k for k in spec.optional_conditioning if k not in shapes)]
+            if spec.takes_references:
+                takes.append("reference_0…")
+            raise RequestError(f"{prefix}{unknown[0]}: a {spec.family} model takes no {unknown[0]!r}",
+                               f"send {', '.join(takes)}")
+        return side
+
+    def _references(self, spec, prefix: str, given: dict) -> dict[str, torch.Tensor]:
+        """reference_0 … reference_{n-1} [B, C, h, w]: the latent channels, h and w multiples of the patch."""
+        names = sorted((int(m.group(1)), key) for key in given if (m := REFERENCE.fullmatch(key)))
+        if not names:
+            return {}
+        if not spec.takes_references:
+            raise RequestError(f"{prefix}{names[0][1]}: model {self.model} ({spec.family}) takes no reference latents",
+                               "leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's image, "
+                               "--reference-latent), or use an edit model")
+        if len(names) > schema.MAX_REFERENCES:
+            raise RequestError(f"{len(names)} reference latents on the {'negative' if prefix else 'positive'} side; at most "
+                               f"{schema.MAX_REFERENCES} are taken", f"send at most {schema.MAX_REFERENCES}")
+        if [i for i, _ in names] != list(range(len(names))):
+            missing = min(set(range(len(names))) - {i for i, _ in names})
+            raise RequestError(f"{prefix}reference_{missing} is missing: references are numbered from 0 without gaps "
+                               f"(got {', '.join(key for _, key in names)})",
+                               "send reference_0, reference_1, … in order")
+        channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+        for _, key in names:
+            shape = tuple(given[key].shape)
+            if (len(shape) != 4 or shape[:2] != (self.batch, channels) or not shape[2] or not shape[3]
+                    or shape[2] % rows or shape[3] % columns):
+                raise RequestError(f"{prefix}{key} has shape {list(shape)}; a {spec.family} reference latent is "
+                                   f"[{self.batch}, {channels}, h, w] with h a multiple of {rows} and w of {columns}",
+                                   "encode the reference image with this model's VAE (a latent of the batch's size), "
+                                   f"padded to a multiple of {max(rows, columns)} as ComfyUI's model pads it")
+        return {key: given[key] for _, key in names}
 
     def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
         sampling = spec.model_sampling(self.shift)
@@ -165,6 +215,28 @@ class SampleRequest(_Fields):
             negative=negative,
             add_noise=self.add_noise,
         )
+
+
+def _fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
+    """``shape`` is ``wanted``, a None there being any length of at least 1."""
+    return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))
+
+
+def _shape_text(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("any" if d is None else str(d) for d in shape) + "]"
+
+
+def _check_same_references(positive: dict, negative: dict) -> None:
+    """Batched guidance runs both sides in one call: their reference latents must match in number and
+    shape (ComfyUI's CONDList.can_concat asks the same to batch them)."""
+    shapes = [[tuple(t.shape) for key, t in side.items() if REFERENCE.fullmatch(key)]  # in order: _references
+              for side in (positive, negative)]
+    if shapes[0] != shapes[1]:
+        raise RequestError(f"the positive side carries reference latents {shapes[0] or 'none'}, the negative side "
+                           f"{shapes[1] or 'none'}: both sides of the guidance take the same reference images",
+                           "give the negative prompt the same reference images as the positive one "
+                           "(TextEncodeQwenImageEdit with the image, or ReferenceLatent, on both), or use cfg 1 "
+                           "without a negative prompt")
 
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
