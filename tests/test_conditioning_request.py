@@ -7,40 +7,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fake_family import EditSpec
 from xdit_backend import protocol, schema
 from xdit_backend.models import registry
-from xdit_backend.models.base import FamilySpec, SequencePlan, StagePlan
-from xdit_backend.models.latent_formats import LatentFormat
 from xdit_backend.protocol import Message
 from xdit_backend.request import RequestError, SampleRequest
-
-
-@dataclass(frozen=True)
-class EditSpec(FamilySpec):
-    """Two text encoders (the second of any length, like HunyuanDiT's mT5), an optional glyph text
-    (like HunyuanVideo 1.5's byT5) and reference latents (like Qwen-Image-Edit)."""
-
-    family = "fake-edit"
-    latent_format = LatentFormat(channels=16, scale=1.0)
-    parallel_methods = ("ulysses",)
-    sequence_plan = SequencePlan(cuts=(), attention=())
-    stage_plan = StagePlan(block_lists=(), attention=())
-    optional_conditioning = ("context_mask", "context_mt5_mask", "glyph")
-    comfy_conditioning = {"conditioning_mt5xl": "context_mt5", "attention_mask_mt5xl": "context_mt5_mask"}
-    takes_references = True
-    heads: int = 2
-    blocks: int = 1
-
-    @classmethod
-    def from_config(cls, config):
-        return cls()
-
-    def model_sampling(self, shift):
-        raise NotImplementedError
-
-    def conditioning_shapes(self, batch, text_tokens):
-        return {"context": (batch, text_tokens, 8), "pooled": (batch, 4), "context_mt5": (batch, None, 6),
-                "glyph": (batch, None, 3)}
 
 
 SPEC = EditSpec()

@@ -16,6 +16,7 @@ from . import protocol, schema
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
+from .models.base import shape_fits, shape_text
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
@@ -143,9 +144,9 @@ class SampleRequest(_Fields):
             tensor = given.get(key)
             if tensor is None and key in spec.optional_conditioning:
                 continue
-            if tensor is None or not _fits(tuple(tensor.shape), shape):
+            if tensor is None or not shape_fits(tuple(tensor.shape), shape):
                 got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
-                raise RequestError(f"{prefix}{key}: model {self.model} needs shape {_shape_text(shape)}, got {got}",
+                raise RequestError(f"{prefix}{key}: model {self.model} needs shape {shape_text(shape)}, got {got}",
                                    "encode the prompt with the text encoders that belong to this model")
             side[key] = tensor
         for key in spec.optional_conditioning:  # a mask: one value per token of the tensor it masks
@@ -215,15 +216,6 @@ class SampleRequest(_Fields):
             negative=negative,
             add_noise=self.add_noise,
         )
-
-
-def _fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
-    """``shape`` is ``wanted``, a None there being any length of at least 1."""
-    return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))
-
-
-def _shape_text(shape: tuple[int | None, ...]) -> str:
-    return "[" + ", ".join("any" if d is None else str(d) for d in shape) + "]"
 
 
 def _check_same_references(positive: dict, negative: dict) -> None:

@@ -118,6 +118,16 @@ class FamilySpec(ABC):
 
 
 
+def shape_fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
+    """``shape`` is the ``wanted`` of a spec's ``conditioning_shapes``, where None is any length of at least 1."""
+    return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))
+
+
+def shape_text(shape: tuple[int | None, ...]) -> str:
+    """A wanted shape for a message: [1, any, 2048]."""
+    return "[" + ", ".join("any" if d is None else str(d) for d in shape) + "]"
+
+
 class DiffusionModel(ABC):
     """A loaded transformer (whole, or one PipeFusion stage of it) and its family's spec.
 
