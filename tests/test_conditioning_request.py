@@ -149,3 +149,43 @@ def test_two_sides_of_every_key_and_the_most_references_fit_the_protocol():
     """The protocol's tensor limit holds latent, sigmas and both sides of a rich family at the most references."""
     per_side = len(SPEC.conditioning_shapes(1, 1)) + len(SPEC.optional_conditioning) + schema.MAX_REFERENCES
     assert 2 + 2 * per_side <= protocol.DEFAULT_LIMITS.max_tensors
+
+
+def test_stand_in_text_keeps_the_references_sent():
+    """A built-in without embeddings (the leader's stand-ins) still gets the request's references:
+    the positive's on both sides unless the negative's are sent."""
+    first, second = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 2, 6)
+    request = SampleRequest.parse(Message("sample", FIELDS, {"reference_0": first, "reference_1": second}))
+    assert request.conditioning(SPEC) == (None, None)
+    positive, negative = request.with_references(SPEC, *registry.random_conditioning("flux-tiny", 2, 1, SPEC))
+    assert torch.equal(positive["reference_1"], second) and torch.equal(negative["reference_0"], first)
+    assert "context_mt5" in negative
+    lone = SampleRequest.parse(Message("sample", FIELDS, {"reference_0": first, "negative_reference_0": second}))
+    with pytest.raises(RequestError, match="both sides of the guidance take the same reference images"):
+        lone.with_references(SPEC, *registry.random_conditioning("flux-tiny", 2, 1, SPEC))
+
+
+def test_the_cli_sends_each_reference_latent_file_in_order(tmp_path):
+    """xdit-backend sample --reference-latent A --reference-latent B: the request's reference_0, reference_1,
+    on the negative side too when the embeds have one."""
+    from safetensors.torch import save_file
+
+    from xdit_backend import cli
+
+    first, second = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 2, 6)
+    save_file({"samples": first}, str(tmp_path / "a.safetensors"))
+    save_file({"samples": second}, str(tmp_path / "b.safetensors"))
+    save_file({**side(), **side("negative_")}, str(tmp_path / "embeds.safetensors"))
+    argv = ["sample", "--model", "flux-tiny", "--out", "o.safetensors", "--batch", "2", "--width", "64",
+            "--height", "64", "--reference-latent", str(tmp_path / "a.safetensors"),
+            "--reference-latent", str(tmp_path / "b.safetensors")]
+    args = cli.build_parser().parse_args(argv)
+    assert set(cli.sample_tensors(args)) == {"reference_0", "reference_1"}
+    args = cli.build_parser().parse_args([*argv, "--embeds", str(tmp_path / "embeds.safetensors")])
+    request = SampleRequest.parse(Message("sample", cli.sample_fields(args), cli.sample_tensors(args)))
+    positive, negative = request.conditioning(SPEC)
+    assert torch.equal(positive["reference_0"], first) and torch.equal(negative["reference_1"], second)
+    save_file({"other": first}, str(tmp_path / "c.safetensors"))
+    args = cli.build_parser().parse_args([*argv, "--reference-latent", str(tmp_path / "c.safetensors")])
+    with pytest.raises(SystemExit, match="c.safetensors holds neither 'samples' nor 'latent'"):
+        cli.sample_tensors(args)

@@ -141,7 +141,8 @@ class Leader:
                                "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
-            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
+            positive, negative = request.with_references(
+                spec, *registry.random_conditioning(request.model, request.batch, request.seed, spec))
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
         text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize

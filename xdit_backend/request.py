@@ -80,7 +80,8 @@ class SampleRequest(_Fields):
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
-        given = {name for name in self.tensors if name not in GENERATION_TENSORS}
+        given = {name for name in self.tensors
+                 if name not in GENERATION_TENSORS and not REFERENCE.fullmatch(name.removeprefix("negative_"))}
         if given and "context" not in given:
             raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
 
@@ -129,6 +130,20 @@ class SampleRequest(_Fields):
                     if key in side and key not in other and masked in other:
                         other[key] = torch.ones(other[masked].shape[:2])
             _check_same_references(positive, negative)
+        return positive, negative
+
+    def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
+        """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
+        request sent: ``reference_<i>`` for both sides, ``negative_reference_<i>`` for the negative
+        one where given (xdit-backend sample --reference-latent without --embeds)."""
+        sent = {name: t for name, t in self.tensors.items() if REFERENCE.fullmatch(name)}
+        positive = {**positive, **self._references(spec, "", sent)}
+        if negative is None:
+            return positive, None
+        sent_negative = {name.removeprefix("negative_"): t for name, t in self.tensors.items()
+                         if REFERENCE.fullmatch(name.removeprefix("negative_")) and name.startswith("negative_")}
+        negative = {**negative, **self._references(spec, "negative_", sent_negative or sent)}
+        _check_same_references(positive, negative)
         return positive, negative
 
     def _side(self, spec, prefix: str) -> dict[str, torch.Tensor]:
