@@ -63,7 +63,8 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             continue
         what = REFUSED.get(key, f"the option {key!r}")
         if key == "reference_latents":
-            raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does not take",
+            raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does "
+                                   "not take",
                                    "remove ReferenceLatent (or TextEncodeQwenImageEdit's image) from the prompt's "
                                    "path, or load an edit model")
         raise TranslationError(f"the {which} conditioning carries {what}, which the xDiT sampler cannot honour",
@@ -92,7 +93,8 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
         got = tuple(side.tensors[key].shape)
         if not shape_fits(got, shape):
             raise TranslationError(
-                f"the {which} conditioning's {key} has shape {list(got)}, a {spec.family} model needs {shape_text(shape)}",
+                f"the {which} conditioning's {key} has shape {list(got)}, a {spec.family} model needs "
+                f"{shape_text(shape)}",
                 "encode the prompt with the text encoders that belong to this model")
     if options.get("guidance") is not None and spec.default_guidance is not None:
         side.guidance = float(options["guidance"])
@@ -107,7 +109,8 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
     with the latent format's per-channel process_in, which the model wrapper applies)."""
     if len(latents) > MAX_REFERENCES:
         raise TranslationError(f"the {which} conditioning carries {len(latents)} reference latents; the xDiT sampler "
-                               f"takes at most {MAX_REFERENCES}", f"chain at most {MAX_REFERENCES} ReferenceLatent nodes")
+                               f"takes at most {MAX_REFERENCES}",
+                               f"chain at most {MAX_REFERENCES} ReferenceLatent nodes")
     channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
     out = {}
     for i, latent in enumerate(latents):

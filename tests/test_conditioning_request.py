@@ -105,13 +105,12 @@ def test_references_are_numbered_without_gaps_and_counted():
         conditioning(side(**many))
 
 
-def test_the_two_sides_must_carry_the_same_references():
+def test_the_sides_may_carry_different_references():
+    """As in ComfyUI, where a negative prompt without the reference image runs on its own."""
     reference = torch.randn(2, 16, 4, 4)
-    with pytest.raises(RequestError, match=r"the positive side carries reference latents \[\(2, 16, 4, 4\)\], the "
-                                           "negative side none") as info:
-        conditioning({**side(reference_0=reference), **side("negative_")})
-    assert "same reference images" in info.value.hint
-    positive, negative = conditioning(side(reference_0=reference))  # no negative: nothing to match
+    positive, negative = conditioning({**side(reference_0=reference), **side("negative_")})
+    assert torch.equal(positive["reference_0"], reference) and "reference_0" not in negative
+    positive, negative = conditioning(side(reference_0=reference))  # no negative
     assert negative is None and torch.equal(positive["reference_0"], reference)
 
 
@@ -160,9 +159,9 @@ def test_stand_in_text_keeps_the_references_sent():
     positive, negative = request.with_references(SPEC, *registry.random_conditioning("flux-tiny", 2, 1, SPEC))
     assert torch.equal(positive["reference_1"], second) and torch.equal(negative["reference_0"], first)
     assert "context_mt5" in negative
-    lone = SampleRequest.parse(Message("sample", FIELDS, {"reference_0": first, "negative_reference_0": second}))
-    with pytest.raises(RequestError, match="both sides of the guidance take the same reference images"):
-        lone.with_references(SPEC, *registry.random_conditioning("flux-tiny", 2, 1, SPEC))
+    own = SampleRequest.parse(Message("sample", FIELDS, {"reference_0": first, "negative_reference_0": second}))
+    positive, negative = own.with_references(SPEC, *registry.random_conditioning("flux-tiny", 2, 1, SPEC))
+    assert torch.equal(positive["reference_0"], first) and torch.equal(negative["reference_0"], second)
 
 
 def test_the_cli_sends_each_reference_latent_file_in_order(tmp_path):

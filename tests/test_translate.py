@@ -102,8 +102,9 @@ def test_latents_a_model_cannot_take_are_refused_with_the_node_to_use(value, spe
 def edit_entry(tokens=5, mt5=7, **options):
     """ComfyUI-shaped: a text encoder's [1, L, D] with its pooled output and a second encoder's
     tokens and masks as options (as HunyuanDiT's CLIP + mT5 encoder returns them)."""
-    return [torch.randn(1, tokens, 8), {"pooled_output": torch.randn(1, 4), "conditioning_mt5xl": torch.randn(1, mt5, 6),
-                                        "attention_mask_mt5xl": torch.ones(1, mt5, dtype=torch.int64), **options}]
+    options = {"pooled_output": torch.randn(1, 4), "conditioning_mt5xl": torch.randn(1, mt5, 6),
+               "attention_mask_mt5xl": torch.ones(1, mt5, dtype=torch.int64), **options}
+    return [torch.randn(1, tokens, 8), options]
 
 
 def test_the_options_a_family_names_become_its_tensors_batched_like_the_context():
@@ -153,7 +154,8 @@ def test_a_reference_off_the_patch_grid_is_padded_circularly_as_comfyui_pads_it(
     assert torch.equal(padded[:, :, 5, :7], odd[:, :, 0]) and torch.equal(padded[:, :, :5, 7], odd[:, :, :, 0])
 
 
-@pytest.mark.parametrize(("latent", "why"), [(torch.randn(1, 4, 8, 8), "channels"), (torch.randn(1, 16, 2, 8, 8), "frames")])
+@pytest.mark.parametrize(("latent", "why"), [(torch.randn(1, 4, 8, 8), "channels"),
+                                             (torch.randn(1, 16, 2, 8, 8), "frames")])
 def test_a_reference_another_vae_made_is_refused(latent, why):
     with pytest.raises(translate.TranslationError, match=r"reference latent 0 has shape .* takes image latents "
                                                          r"\[B, 16, h, w\]") as info:

@@ -119,7 +119,8 @@ class SampleRequest(_Fields):
         """Positive and (optional) negative conditioning, checked against the model's spec.
 
         An optional mask (PixArt's context_mask) given on one side only is all ones on the other,
-        so both sides carry the same keys."""
+        so both sides can still batch. Sides may differ in text lengths, optional tensors and
+        reference latents: those run one model call each (generate.side_differences)."""
         sides = [self._side(spec, prefix) if prefix + "context" in self.tensors else None
                  for prefix in ("", "negative_")]
         positive, negative = sides
@@ -129,7 +130,6 @@ class SampleRequest(_Fields):
                 for side, other in ((positive, negative), (negative, positive)):
                     if key in side and key not in other and masked in other:
                         other[key] = torch.ones(other[masked].shape[:2])
-            _check_same_references(positive, negative)
         return positive, negative
 
     def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
@@ -143,7 +143,6 @@ class SampleRequest(_Fields):
         sent_negative = {name.removeprefix("negative_"): t for name, t in self.tensors.items()
                          if REFERENCE.fullmatch(name.removeprefix("negative_")) and name.startswith("negative_")}
         negative = {**negative, **self._references(spec, "negative_", sent_negative or sent)}
-        _check_same_references(positive, negative)
         return positive, negative
 
     def _side(self, spec, prefix: str) -> dict[str, torch.Tensor]:
@@ -196,7 +195,8 @@ class SampleRequest(_Fields):
                                "leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's image, "
                                "--reference-latent), or use an edit model")
         if len(names) > schema.MAX_REFERENCES:
-            raise RequestError(f"{len(names)} reference latents on the {'negative' if prefix else 'positive'} side; at most "
+            which = "negative" if prefix else "positive"
+            raise RequestError(f"{len(names)} reference latents on the {which} side; at most "
                                f"{schema.MAX_REFERENCES} are taken", f"send at most {schema.MAX_REFERENCES}")
         if [i for i, _ in names] != list(range(len(names))):
             missing = min(set(range(len(names))) - {i for i, _ in names})
@@ -231,19 +231,6 @@ class SampleRequest(_Fields):
             negative=negative,
             add_noise=self.add_noise,
         )
-
-
-def _check_same_references(positive: dict, negative: dict) -> None:
-    """Batched guidance runs both sides in one call: their reference latents must match in number and
-    shape (ComfyUI's CONDList.can_concat asks the same to batch them)."""
-    shapes = [[tuple(t.shape) for key, t in side.items() if REFERENCE.fullmatch(key)]  # in order: _references
-              for side in (positive, negative)]
-    if shapes[0] != shapes[1]:
-        raise RequestError(f"the positive side carries reference latents {shapes[0] or 'none'}, the negative side "
-                           f"{shapes[1] or 'none'}: both sides of the guidance take the same reference images",
-                           "give the negative prompt the same reference images as the positive one "
-                           "(TextEncodeQwenImageEdit with the image, or ReferenceLatent, on both), or use cfg 1 "
-                           "without a negative prompt")
 
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …

@@ -50,7 +50,8 @@ def side_differences(positive: dict[str, torch.Tensor], negative: dict[str, torc
     def shape(side: dict, key: str) -> str:
         return str(list(side[key].shape)) if key in side else "none"
 
-    return [f"{key} {shape(positive, key)} vs {shape(negative, key)}" for key in sorted(positive.keys() | negative.keys())
+    keys = sorted(positive.keys() | negative.keys())
+    return [f"{key} {shape(positive, key)} vs {shape(negative, key)}" for key in keys
             if key not in positive or key not in negative or positive[key].shape[1:] != negative[key].shape[1:]]
 
 
