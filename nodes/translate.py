@@ -4,7 +4,9 @@ testable without ComfyUI.
 
 ComfyUI's CONDITIONING is a list of ``[tensor [B, L, D], {options}]`` entries. The backend runs
 one text conditioning per side with no regional or timed parts, so anything more is refused
-with its name rather than silently dropped.
+with its name rather than silently dropped. Besides the context and the pooled output, the
+options a family names in its spec's ``comfy_conditioning`` (a second text encoder's tokens, their
+masks) and, for a family that takes references, ``reference_latents`` become request tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from xdit_backend.errors import UserError
+from xdit_backend.models.base import shape_fits, shape_text
+from xdit_backend.schema import MAX_REFERENCES
 
 # Options a conditioning entry may carry that the backend honours (or that are inert).
 HONOURED = {"pooled_output", "guidance", "width", "height", "crop_w", "crop_h", "target_width", "target_height"}
@@ -23,7 +27,9 @@ REFUSED = {
     "mask": "a mask (ConditioningSetMask)", "set_area_to_bounds": "a mask's bounds",
     "control": "a ControlNet (Apply ControlNet)", "start_percent": "a timestep range (ConditioningSetTimestepRange)",
     "end_percent": "a timestep range (ConditioningSetTimestepRange)", "gligen": "GLIGEN boxes",
-    "hooks": "hooks (LoRA/model hooks on the conditioning)", "reference_latents": "reference latents (Kontext)",
+    "hooks": "hooks (LoRA/model hooks on the conditioning)",
+    "reference_latents": "reference latents (ReferenceLatent, TextEncodeQwenImageEdit's image)",
+    "reference_latents_method": "a reference latents method (FluxKontextMultiReferenceLatentMethod)",
     "concat_latent_image": "an image to condition on (image-to-video)", "clip_vision_output": "a CLIP vision output",
 }
 
@@ -49,12 +55,18 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             f"the {which} conditioning has {len(entries)} entries (combined or concatenated conditioning); "
             "the xDiT sampler takes one", "encode one prompt per side (or use KSampler for combined conditioning)")
     tensor, options = entries[0]
+    takes = HONOURED | set(spec.comfy_conditioning) | ({"reference_latents"} if spec.takes_references else set())
     for key, value in options.items():
-        if key in HONOURED or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
+        if key in takes or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
             continue
         if value is None:
             continue
         what = REFUSED.get(key, f"the option {key!r}")
+        if key == "reference_latents":
+            raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does "
+                                   "not take",
+                                   "remove ReferenceLatent (or TextEncodeQwenImageEdit's image) from the prompt's "
+                                   "path, or load an edit model")
         raise TranslationError(f"the {which} conditioning carries {what}, which the xDiT sampler cannot honour",
                                "remove that node from the prompt's path, or use KSampler for this workflow")
     shapes = spec.conditioning_shapes(batch, tensor.shape[1])
@@ -66,15 +78,53 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             raise TranslationError(f"the {which} conditioning has no pooled output, which a {spec.family} model needs",
                                    "encode the prompt with this model's text encoders (CLIPTextEncode with its CLIP)")
         side.tensors["pooled"] = _to_batch(pooled, batch, "pooled", which)
+    for option, key in spec.comfy_conditioning.items():
+        if options.get(option) is not None:
+            side.tensors[key] = _to_batch(options[option], batch, key, which)
+    if spec.takes_references and options.get("reference_latents"):
+        side.tensors.update(references(options["reference_latents"], spec, batch, which))
     for key, shape in shapes.items():
+        if key not in side.tensors:
+            if key in spec.optional_conditioning:
+                continue
+            option = next((o for o, k in spec.comfy_conditioning.items() if k == key), key)
+            raise TranslationError(f"the {which} conditioning has no {option!r}, which a {spec.family} model needs",
+                                   "encode the prompt with the text encoders that belong to this model")
         got = tuple(side.tensors[key].shape)
-        if got != shape:
+        if not shape_fits(got, shape):
             raise TranslationError(
-                f"the {which} conditioning's {key} has shape {list(got)}, a {spec.family} model needs {list(shape)}",
+                f"the {which} conditioning's {key} has shape {list(got)}, a {spec.family} model needs "
+                f"{shape_text(shape)}",
                 "encode the prompt with the text encoders that belong to this model")
     if options.get("guidance") is not None and spec.default_guidance is not None:
         side.guidance = float(options["guidance"])
     return side
+
+
+def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.Tensor]:
+    """ComfyUI's ``reference_latents`` (a list of VAE latents [B, C, h, w], or a video VAE's one frame
+    [B, C, 1, h, w]) → ``reference_0``, … [batch, C, h', w'] in raw latent space: repeated to the batch
+    as ComfyUI's CONDList does, and padded circularly to a multiple of the patch as ComfyUI's models
+    pad them before patchifying (comfy/ldm/common_dit.py, pad_to_patch_size; the padding commutes
+    with the latent format's per-channel process_in, which the model wrapper applies)."""
+    if len(latents) > MAX_REFERENCES:
+        raise TranslationError(f"the {which} conditioning carries {len(latents)} reference latents; the xDiT sampler "
+                               f"takes at most {MAX_REFERENCES}",
+                               f"chain at most {MAX_REFERENCES} ReferenceLatent nodes")
+    channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+    out = {}
+    for i, latent in enumerate(latents):
+        if latent.dim() == 5 and latent.shape[2] == 1:
+            latent = latent[:, :, 0]  # a video VAE's (Wan's, Qwen-Image's) single frame
+        if latent.dim() != 4 or latent.shape[1] != channels:
+            raise TranslationError(f"the {which} conditioning's reference latent {i} has shape {list(latent.shape)}; "
+                                   f"a {spec.family} model takes image latents [B, {channels}, h, w]",
+                                   "encode the reference image with this model's VAE (VAE Encode, "
+                                   "TextEncodeQwenImageEdit's vae input)")
+        pad = (0, -latent.shape[3] % columns, 0, -latent.shape[2] % rows)  # (left, right, top, bottom)
+        latent = torch.nn.functional.pad(latent.detach().to("cpu", torch.float32), pad, mode="circular")
+        out[f"reference_{i}"] = _to_batch(latent, batch, f"reference latent {i}", which)
+    return out
 
 
 def _to_batch(tensor: torch.Tensor, batch: int, name: str, which: str) -> torch.Tensor:

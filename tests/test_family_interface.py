@@ -8,6 +8,7 @@ import torch
 from xdit_backend.models import registry
 from xdit_backend.models.base import Cut, FamilySpec, SequencePlan, StagePlan
 from xdit_backend.parallel import sequence
+from xdit_backend.request import CONDITIONING_NAME, REFERENCE
 
 TINY = {family: name for name, builtin in registry.BUILTINS.items()
         for family in [builtin.family] if name.endswith("-tiny")}
@@ -28,6 +29,22 @@ def test_spec_implements_the_interface(family):
     assert isinstance(spec.sequence_plan, SequencePlan)
     assert all(isinstance(kind, type) or kind in sequence.PROCESSORS for _, kind in spec.sequence_plan.attention)
     assert spec.conditioning_shapes(1, 8)["context"] == (1, 8, spec.context_dim)
+
+
+@pytest.mark.parametrize("family", sorted(registry.FAMILIES))
+def test_the_conditioning_a_family_declares_is_one_the_request_can_carry(family):
+    """Its keys are request tensor names; each optional key is shaped or masks a shaped key; each
+    ComfyUI option it names becomes one of its keys (not the context or pooled output, which the
+    conditioning entry carries itself)."""
+    spec = registry.spec(TINY[family])
+    shapes = spec.conditioning_shapes(1, 8)
+    for key in [*shapes, *spec.optional_conditioning]:
+        assert CONDITIONING_NAME.fullmatch(key) and not REFERENCE.fullmatch(key), key
+        assert len(f"negative_{key}") <= 64, key  # protocol: tensor names of 1 to 64 characters
+    for key in spec.optional_conditioning:
+        assert key in shapes or key.removesuffix("_mask") in shapes, key
+    for option, key in spec.comfy_conditioning.items():
+        assert key not in ("context", "pooled") and (key in shapes or key in spec.optional_conditioning), option
 
 
 @pytest.mark.parametrize("family", sorted(registry.FAMILIES))

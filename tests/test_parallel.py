@@ -95,3 +95,30 @@ def test_a_warm_layout_creates_no_process_group_per_request(backend4, conditioni
     backend4.sample(fields, conditioning)  # builds the mesh, unless an earlier test did
     _, second = backend4.sample(fields, conditioning)
     assert [r["process_groups_created"] for r in second["profile"]] == [0, 0, 0, 0]
+
+
+def test_prompts_of_different_lengths_guide_exactly_serial_and_parallel(backend2, conditioning):
+    """Qwen2.5-VL and Qwen3 prompts are not padded, so the two sides' contexts differ in length and
+    cannot run as one batch: each side runs on its own (as ComfyUI runs conds that cannot concat),
+    in the serial path and under cfg and ulysses; PipeFusion, which batches them, says so."""
+    from xdit_backend.client import BackendError
+
+    tensors = {**conditioning, "negative_context": conditioning["negative_context"][:, :4].contiguous()}
+    request = SampleRequest.parse(Message("sample", FIELDS, tensors))
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    positive, negative = request.conditioning(model.spec)
+    gen = request.generation(model.spec, positive, negative)
+    x, sigma = torch.randn(2, 16, 8, 16, generator=torch.Generator().manual_seed(3)), torch.tensor([0.7, 0.7])
+    with torch.no_grad():
+        denoiser = Denoiser(model)
+        guided = denoiser.x0(x, sigma, denoiser.conditioning(positive, negative), gen)
+        cond, uncond = (model.predict_x0(x, sigma, side, gen) for side in (positive, negative))
+        assert torch.allclose(guided, uncond + (cond - uncond) * FIELDS["cfg"], atol=1e-6)
+        serial = generate(Denoiser(model), gen)
+    for degrees in ({"cfg": 2}, {"ulysses": 2}):
+        result, _ = backend2.sample({**FIELDS, "parallel": degrees}, tensors)
+        difference = (result["samples"] - serial).abs().max().item()
+        assert difference <= TOLERANCE, f"{degrees}: max |parallel − serial| = {difference:.3g}"
+    with pytest.raises(BackendError, match=r"PipeFusion runs the two sides of the guidance as one batch, and they "
+                                           r"differ: context \[2, 8, 64\] vs \[2, 4, 64\]"):
+        backend2.sample({**FIELDS, "parallel": {"pipefusion": 2}}, tensors)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fake_family import EditSpec
 from xdit_backend.models import registry
+from xdit_backend.schema import MAX_REFERENCES
 
 
 def load_translate():
@@ -24,6 +26,7 @@ def load_translate():
 translate = load_translate()
 
 FLUX, SD3, PIXART, WAN = (registry.spec(name) for name in ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny"))
+EDIT = EditSpec()  # declares an mT5-like second context, masks, an optional glyph text and references
 
 
 def entry(dim=64, tokens=8, **options):
@@ -94,3 +97,100 @@ def test_latents_a_model_cannot_take_are_refused_with_the_node_to_use(value, spe
     with pytest.raises(translate.TranslationError) as info:
         translate.latent(value, spec)
     assert message in info.value.message + info.value.hint
+
+
+def edit_entry(tokens=5, mt5=7, **options):
+    """ComfyUI-shaped: a text encoder's [1, L, D] with its pooled output and a second encoder's
+    tokens and masks as options (as HunyuanDiT's CLIP + mT5 encoder returns them)."""
+    options = {"pooled_output": torch.randn(1, 4), "conditioning_mt5xl": torch.randn(1, mt5, 6),
+               "attention_mask_mt5xl": torch.ones(1, mt5, dtype=torch.int64), **options}
+    return [torch.randn(1, tokens, 8), options]
+
+
+def test_the_options_a_family_names_become_its_tensors_batched_like_the_context():
+    side = translate.conditioning([edit_entry(attention_mask=torch.ones(1, 5, dtype=torch.bool))], EDIT, 3, "positive")
+    assert set(side.tensors) == {"context", "pooled", "context_mt5", "context_mt5_mask", "context_mask"}
+    assert side.tensors["context_mt5"].shape == (3, 7, 6) and side.tensors["context_mt5_mask"].shape == (3, 7)
+    assert side.tensors["context_mt5_mask"].dtype == torch.float32  # the request takes floating masks
+    assert torch.equal(side.tensors["context_mt5"][0], side.tensors["context_mt5"][2])
+
+
+def test_a_missing_option_is_named_and_an_optional_one_may_be_left_out():
+    tensor, options = edit_entry()
+    del options["conditioning_mt5xl"], options["attention_mask_mt5xl"]
+    with pytest.raises(translate.TranslationError, match="positive conditioning has no 'conditioning_mt5xl', which a "
+                                                         "fake-edit model needs"):
+        translate.conditioning([[tensor, options]], EDIT, 1, "positive")
+    side = translate.conditioning([edit_entry()], EDIT, 1, "positive")
+    assert "glyph" not in side.tensors  # optional: absent without its option
+    side = translate.conditioning([edit_entry(conditioning_glyph=torch.randn(1, 2, 3))], EDIT, 1, "positive")
+    assert side.tensors["glyph"].shape == (1, 2, 3)
+    with pytest.raises(translate.TranslationError, match=r"context_mt5 has shape \[1, 7, 5\], a fake-edit model needs "
+                                                         r"\[1, any, 6\]"):
+        translate.conditioning([edit_entry(conditioning_mt5xl=torch.randn(1, 7, 5))], EDIT, 1, "positive")
+
+
+def test_an_option_a_family_does_not_name_is_still_refused():
+    with pytest.raises(translate.TranslationError, match="the option 'conditioning_mt5xl'"):
+        translate.conditioning([entry(conditioning_mt5xl=torch.randn(1, 7, 6))], WAN, 1, "positive")
+
+
+def test_reference_latents_as_text_encode_qwen_image_edit_and_reference_latent_build_them():
+    """TextEncodeQwenImageEdit encodes with Qwen-Image's video VAE, [1, 16, 1, h, w]; a chained
+    ReferenceLatent appends an image VAE's [1, 16, h, w] (comfy_extras/nodes_qwen.py, nodes_edit_model.py)."""
+    first, second = torch.randn(1, 16, 1, 6, 8), torch.randn(1, 16, 4, 4)
+    side = translate.conditioning([edit_entry(reference_latents=[first, second])], EDIT, 2, "positive")
+    assert side.tensors["reference_0"].shape == (2, 16, 6, 8) and side.tensors["reference_1"].shape == (2, 16, 4, 4)
+    assert torch.equal(side.tensors["reference_0"][1], first[0, :, 0])
+    assert torch.equal(side.tensors["reference_1"][0], second[0])
+
+
+def test_a_reference_off_the_patch_grid_is_padded_circularly_as_comfyui_pads_it():
+    """ComfyUI's models pad a reference to the patch with wrap-around (comfy/ldm/common_dit.py)."""
+    odd = torch.arange(5 * 7, dtype=torch.float32).reshape(1, 1, 5, 7).repeat(1, 16, 1, 1)
+    padded = translate.conditioning([edit_entry(reference_latents=[odd])], EDIT, 1, "positive").tensors["reference_0"]
+    assert padded.shape == (1, 16, 6, 8)
+    assert torch.equal(padded[:, :, :5, :7], odd)
+    assert torch.equal(padded[:, :, 5, :7], odd[:, :, 0]) and torch.equal(padded[:, :, :5, 7], odd[:, :, :, 0])
+
+
+@pytest.mark.parametrize(("latent", "why"), [(torch.randn(1, 4, 8, 8), "channels"),
+                                             (torch.randn(1, 16, 2, 8, 8), "frames")])
+def test_a_reference_another_vae_made_is_refused(latent, why):
+    with pytest.raises(translate.TranslationError, match=r"reference latent 0 has shape .* takes image latents "
+                                                         r"\[B, 16, h, w\]") as info:
+        translate.conditioning([edit_entry(reference_latents=[latent])], EDIT, 1, "negative")
+    assert "this model's VAE" in info.value.hint
+
+
+def test_more_references_than_the_request_takes_are_refused_here():
+    latents = [torch.randn(1, 16, 2, 2)] * (MAX_REFERENCES + 1)
+    with pytest.raises(translate.TranslationError, match=f"carries {MAX_REFERENCES + 1} reference latents"):
+        translate.conditioning([edit_entry(reference_latents=latents)], EDIT, 1, "positive")
+
+
+def test_reference_latents_for_a_family_without_references_are_refused_by_name():
+    with pytest.raises(translate.TranslationError, match="carries reference latents .*which a flux model does not "
+                                                         "take") as info:
+        translate.conditioning([entry(pooled_output=torch.randn(1, 32), reference_latents=[torch.randn(1, 16, 4, 4)])],
+                               FLUX, 1, "positive")
+    assert "ReferenceLatent" in info.value.hint and "edit model" in info.value.hint
+    with pytest.raises(translate.TranslationError, match="a reference latents method"):
+        translate.conditioning([edit_entry(reference_latents_method="offset")], EDIT, 1, "positive")
+
+
+def test_what_the_nodes_send_the_request_takes():
+    """The sampler node's path: both sides translated, prefixed, and checked by the backend's request."""
+    from xdit_backend.protocol import Message
+    from xdit_backend.request import SampleRequest
+
+    reference = torch.randn(1, 16, 1, 5, 8)
+    tensors = {}
+    for which, prefix, tokens in (("positive", "", 5), ("negative", "negative_", 3)):
+        entries = [edit_entry(tokens=tokens, attention_mask=torch.ones(1, tokens), reference_latents=[reference])]
+        tensors.update({prefix + k: v for k, v in translate.conditioning(entries, EDIT, 2, which).tensors.items()})
+    request = SampleRequest.parse(Message("sample", {"model": "flux-tiny", "width": 64, "height": 64, "batch": 2},
+                                          tensors))
+    positive, negative = request.conditioning(EDIT)
+    assert positive["reference_0"].shape == negative["reference_0"].shape == (2, 16, 6, 8)
+    assert negative["context_mask"].shape == (2, 3) and positive["context_mt5_mask"].shape == (2, 7)

@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--latent", type=Path, default=None,
                         help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
     sample.add_argument("--embeds", type=Path, default=None,
-                        help="safetensors with context, pooled [, negative_context, negative_pooled]")
+                        help="safetensors with the model's conditioning by request key: context, pooled [, "
+                             "negative_context, negative_pooled, a second encoder's context_mt5, …]")
+    sample.add_argument("--reference-latent", type=Path, action="append", default=[], metavar="FILE",
+                        help="a reference image's latent (image editing: Qwen-Image-Edit, Flux.2), a safetensors "
+                             "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
+                             "sides of the guidance get them")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
     layout = sample.add_argument_group("parallel layout (default: --parallel auto)")
     layout.add_argument("--ulysses", type=int, default=None, help="Ulysses sequence-parallel degree")
@@ -187,20 +192,37 @@ def sample_fields(args) -> dict:
     return {**schema.flag_fields(args), "parallel": requested_layout(args)}
 
 
+def sample_tensors(args) -> dict:
+    """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, and each
+    --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side)."""
+    from safetensors.torch import load_file
+
+    def latent(path: Path):
+        stored = load_file(path)
+        samples = stored.get("samples", stored.get("latent"))
+        if samples is None:
+            raise SystemExit(f"{path} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})")
+        return samples
+
+    tensors = load_file(args.embeds) if args.embeds else {}
+    if args.latent:
+        tensors["latent"] = latent(args.latent)
+    for i, path in enumerate(args.reference_latent):
+        tensors[f"reference_{i}"] = latent(path)
+        if "negative_context" in tensors:
+            tensors[f"negative_reference_{i}"] = tensors[f"reference_{i}"]
+    return tensors
+
+
 def cmd_sample(args) -> int:
     import math
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     fields = sample_fields(args)
     layout = fields["parallel"]
-    tensors = load_file(args.embeds) if args.embeds else {}
-    if args.latent:
-        stored = load_file(args.latent)
-        tensors["latent"] = stored.get("samples", stored.get("latent"))
-        if tensors["latent"] is None:
-            raise SystemExit(f"{args.latent} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})")
+    tensors = sample_tensors(args)
     client = Client(args.socket)
     ephemeral = client.hello_or_none() is None
     if ephemeral:

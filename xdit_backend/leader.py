@@ -25,6 +25,7 @@ from .models import registry
 from .protocol import Message
 from .request import RequestError, SampleRequest, compute_dtype
 from .runtime import Runtime
+from .sampling.generate import side_differences
 from .sampling.samplers import ONE_CALL_PER_STEP
 from .server import Job, SocketServer
 
@@ -141,7 +142,8 @@ class Leader:
                                "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
-            positive, negative = registry.random_conditioning(request.model, request.batch, request.seed, spec)
+            positive, negative = request.with_references(
+                spec, *registry.random_conditioning(request.model, request.batch, request.seed, spec))
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
         text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
@@ -163,6 +165,11 @@ class Leader:
                                "pass through every stage twice per step with the other patches waiting",
                                f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
                                "pipefusion")
+        differ = side_differences(positive, negative) if negative is not None and request.cfg != 1.0 else []
+        if config.pipefusion > 1 and config.cfg == 1 and differ:
+            raise RequestError(f"PipeFusion runs the two sides of the guidance as one batch, and they differ: "
+                               f"{', '.join(differ)}", "add cfg parallel (each side on its own ranks), give both "
+                               "prompts the same length, or use a layout without pipefusion")
         tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"

@@ -55,7 +55,7 @@ class Limits:
     max_header_bytes: int = 1 << 20
     max_payload_bytes: int = 1 << 30
     max_json_depth: int = 8
-    max_tensors: int = 32
+    max_tensors: int = 64  # latent, sigmas, and per side the text tensors and up to schema.MAX_REFERENCES references
     max_tensor_dims: int = 6
     max_string_chars: int = 4096
     frame_timeout_s: float = 30.0  # once a frame has started, the rest must arrive in this time

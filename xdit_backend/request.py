@@ -7,6 +7,7 @@ and every other rank parses (so a field cannot reach rank 0 alone).
 
 from __future__ import annotations
 
+import re
 from dataclasses import make_dataclass
 
 import torch
@@ -15,11 +16,15 @@ from . import protocol, schema
 from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
+from .models.base import shape_fits, shape_text
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
-CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
-TENSOR_NAMES = ("latent", "sigmas", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
+GENERATION_TENSORS = ("latent", "sigmas")
+# Every other tensor is one side's conditioning, [negative_]<key>: which keys a model takes is its
+# spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
+CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
+REFERENCE = re.compile(r"reference_(\d+)")
 CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
 
 
@@ -64,15 +69,19 @@ class SampleRequest(_Fields):
                                    f"it must lie in {field.low:g}..{field.high:g}")
 
     def _check_tensors(self) -> None:
-        unknown = sorted(set(self.tensors) - set(TENSOR_NAMES))
+        unknown = sorted(name for name in self.tensors
+                         if name not in GENERATION_TENSORS and not CONDITIONING_NAME.fullmatch(name))
         if unknown:
-            raise RequestError(f"unknown tensors {unknown}", f"a sample request may carry: {', '.join(TENSOR_NAMES)}")
+            raise RequestError(f"unknown tensors {unknown}",
+                               "a sample request carries latent, sigmas and the model's conditioning tensors "
+                               "(context, pooled, …; negative_context, … for the negative side)")
         for name, tensor in self.tensors.items():
             if not tensor.is_floating_point():
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
-        given = {name for name in self.tensors if name != "latent"}
+        given = {name for name in self.tensors
+                 if name not in GENERATION_TENSORS and not REFERENCE.fullmatch(name.removeprefix("negative_"))}
         if given and "context" not in given:
             raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
 
@@ -107,46 +116,103 @@ class SampleRequest(_Fields):
                                f"use end_step ≤ {self.steps}, or leave it out")
 
     def conditioning(self, spec) -> tuple[dict, dict | None]:
-        """Positive and (optional) negative conditioning, checked against the model's shapes.
+        """Positive and (optional) negative conditioning, checked against the model's spec.
 
-        An optional tensor (PixArt's context_mask) given on one side only is all ones on the other,
-        so both sides carry the same keys."""
-        sides = []
-        for prefix in ("", "negative_"):
-            if prefix + "context" not in self.tensors:
-                sides.append(None)
-                continue
-            context = self.tensors[prefix + "context"]
-            text_tokens = context.shape[1] if context.dim() == 3 else -1
-            shapes = spec.conditioning_shapes(self.batch, text_tokens)
-            side = {}
-            for key, shape in shapes.items():
-                tensor = self.tensors.get(prefix + key)
-                if tensor is None or tuple(tensor.shape) != shape:
-                    got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
-                    raise RequestError(
-                        f"{prefix}{key}: model {self.model} needs shape {list(shape)}, got {got}",
-                        "encode the prompt with the text encoders that belong to this model",
-                    )
-                side[key] = tensor
-            for key in CONDITIONING_KEYS:
-                if prefix + key in self.tensors and key not in shapes and key not in spec.optional_conditioning:
-                    raise RequestError(f"{prefix}{key}: a {spec.family} model takes no {key!r}",
-                                       f"send {', '.join(shapes)}")
-            for key in spec.optional_conditioning:  # a mask: one per text token
-                if prefix + key in self.tensors:
-                    side[key] = self.tensors[prefix + key]
-                    if tuple(side[key].shape) != (self.batch, text_tokens):
-                        raise RequestError(f"{prefix}{key} has shape {list(side[key].shape)}; it needs "
-                                           f"{[self.batch, text_tokens]}, one value per text token")
-            sides.append(side)
+        An optional mask (PixArt's context_mask) given on one side only is all ones on the other,
+        so both sides can still batch. Sides may differ in text lengths, optional tensors and
+        reference latents: those run one model call each (generate.side_differences)."""
+        sides = [self._side(spec, prefix) if prefix + "context" in self.tensors else None
+                 for prefix in ("", "negative_")]
         positive, negative = sides
         if positive is not None and negative is not None:
-            for key in spec.optional_conditioning:
+            for key in (k for k in spec.optional_conditioning if k.endswith("_mask")):
+                masked = key.removesuffix("_mask")
                 for side, other in ((positive, negative), (negative, positive)):
-                    if key in side and key not in other:
-                        other[key] = torch.ones(other["context"].shape[:2])
+                    if key in side and key not in other and masked in other:
+                        other[key] = torch.ones(other[masked].shape[:2])
         return positive, negative
+
+    def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
+        """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
+        request sent: ``reference_<i>`` for both sides, ``negative_reference_<i>`` for the negative
+        one where given (xdit-backend sample --reference-latent without --embeds)."""
+        sent = {name: t for name, t in self.tensors.items() if REFERENCE.fullmatch(name)}
+        positive = {**positive, **self._references(spec, "", sent)}
+        if negative is None:
+            return positive, None
+        sent_negative = {name.removeprefix("negative_"): t for name, t in self.tensors.items()
+                         if REFERENCE.fullmatch(name.removeprefix("negative_")) and name.startswith("negative_")}
+        negative = {**negative, **self._references(spec, "negative_", sent_negative or sent)}
+        return positive, negative
+
+    def _side(self, spec, prefix: str) -> dict[str, torch.Tensor]:
+        """One side's tensors by key (without the prefix): the spec's shapes (None: any length), its
+        optional keys and masks, and its reference latents; any other key is refused by name."""
+        given = {name.removeprefix(prefix): tensor for name, tensor in self.tensors.items()
+                 if name not in GENERATION_TENSORS and name.startswith("negative_") == bool(prefix)}
+        context = given["context"]
+        text_tokens = context.shape[1] if context.dim() == 3 else -1
+        shapes = spec.conditioning_shapes(self.batch, text_tokens)
+        side = {}
+        for key, shape in shapes.items():
+            tensor = given.get(key)
+            if tensor is None and key in spec.optional_conditioning:
+                continue
+            if tensor is None or not shape_fits(tuple(tensor.shape), shape):
+                got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
+                raise RequestError(f"{prefix}{key}: model {self.model} needs shape {shape_text(shape)}, got {got}",
+                                   "encode the prompt with the text encoders that belong to this model")
+            side[key] = tensor
+        for key in spec.optional_conditioning:  # a mask: one value per token of the tensor it masks
+            if key in shapes or key not in given:
+                continue
+            of = key.removesuffix("_mask")
+            if of not in side:
+                raise RequestError(f"{prefix}{key} was sent without {prefix}{of}, the tensor it masks",
+                                   f"send {prefix}{of} with it, or leave both out")
+            want = (self.batch, side[of].shape[1])
+            if tuple(given[key].shape) != want:
+                raise RequestError(f"{prefix}{key} has shape {list(given[key].shape)}; it needs {list(want)}, "
+                                   f"one value per token of {prefix}{of}")
+            side[key] = given[key]
+        side.update(self._references(spec, prefix, given))
+        unknown = sorted(set(given) - set(side))
+        if unknown:
+            takes = [*shapes, *(k for k in spec.optional_conditioning if k not in shapes)]
+            if spec.takes_references:
+                takes.append("reference_0…")
+            raise RequestError(f"{prefix}{unknown[0]}: a {spec.family} model takes no {unknown[0]!r}",
+                               f"send {', '.join(takes)}")
+        return side
+
+    def _references(self, spec, prefix: str, given: dict) -> dict[str, torch.Tensor]:
+        """reference_0 … reference_{n-1} [B, C, h, w]: the latent channels, h and w multiples of the patch."""
+        names = sorted((int(m.group(1)), key) for key in given if (m := REFERENCE.fullmatch(key)))
+        if not names:
+            return {}
+        if not spec.takes_references:
+            raise RequestError(f"{prefix}{names[0][1]}: model {self.model} ({spec.family}) takes no reference latents",
+                               "leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's image, "
+                               "--reference-latent), or use an edit model")
+        if len(names) > schema.MAX_REFERENCES:
+            which = "negative" if prefix else "positive"
+            raise RequestError(f"{len(names)} reference latents on the {which} side; at most "
+                               f"{schema.MAX_REFERENCES} are taken", f"send at most {schema.MAX_REFERENCES}")
+        if [i for i, _ in names] != list(range(len(names))):
+            missing = min(set(range(len(names))) - {i for i, _ in names})
+            raise RequestError(f"{prefix}reference_{missing} is missing: references are numbered from 0 without gaps "
+                               f"(got {', '.join(key for _, key in names)})",
+                               "send reference_0, reference_1, … in order")
+        channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+        for _, key in names:
+            shape = tuple(given[key].shape)
+            if (len(shape) != 4 or shape[:2] != (self.batch, channels) or not shape[2] or not shape[3]
+                    or shape[2] % rows or shape[3] % columns):
+                raise RequestError(f"{prefix}{key} has shape {list(shape)}; a {spec.family} reference latent is "
+                                   f"[{self.batch}, {channels}, h, w] with h a multiple of {rows} and w of {columns}",
+                                   "encode the reference image with this model's VAE (a latent of the batch's size), "
+                                   f"padded to a multiple of {max(rows, columns)} as ComfyUI's model pads it")
+        return {key: given[key] for _, key in names}
 
     def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
         sampling = spec.model_sampling(self.shift)

@@ -22,6 +22,9 @@ MAX_STEPS = 10000
 MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
 MAX_FRAMES = 1025
+# Reference latents per side (image editing): Flux.2 takes up to 10 reference images (Black Forest
+# Labs' model card), Qwen-Image-Edit-2509 three; two sides of them fit protocol.Limits.max_tensors.
+MAX_REFERENCES = 10
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
 WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)

@@ -32,6 +32,19 @@ class FamilySpec(ABC):
     stage_plan:       how PipeFusion cuts its blocks into stages and keeps stale K/V (StagePlan)
     and the dataclass fields ``heads`` (attention heads: Ulysses splits them) and ``blocks``
     (transformer blocks: PipeFusion cuts them into stages).
+
+    Its conditioning (request.py checks it, nodes/translate.py makes it from ComfyUI's values):
+    conditioning_shapes(batch, text_tokens): the tensors of one side of the guidance by request key;
+                      a dimension None is any length (a second text encoder's tokens: HunyuanDiT's mT5).
+    optional_conditioning: keys a request may leave out: a key of ``conditioning_shapes`` (its shape
+                      from there), or ``<key>_mask`` [B, L_key], 1 for a real token and 0 for padding,
+                      of the context ("context_mask") or of another key ("context_mt5_mask").
+    comfy_conditioning: ComfyUI conditioning option → request key for the tensors besides the context
+                      and the pooled output ({"conditioning_mt5xl": "context_mt5"}); translate.py reads them.
+    takes_references: reference latents (ComfyUI's ``reference_latents``: image editing) come as
+                      ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
+                      (C the latent channels, h and w multiples of the patch); the model wrapper applies
+                      ``latent_format.process_in`` to them, as ComfyUI's model_base does.
     """
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan",
@@ -44,6 +57,8 @@ class FamilySpec(ABC):
     default_guidance: float | None = None  # a guidance embedding (Flux-dev); None: the family has none
     takes_shift = True  # flow models have a shift; discrete EPS models (PixArt) have none
     optional_conditioning: tuple[str, ...] = ()
+    comfy_conditioning: ClassVar[dict[str, str]] = {}
+    takes_references: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -62,8 +77,9 @@ class FamilySpec(ABC):
         """ComfyUI's model sampling for this family (sampling/model_sampling.py); ``shift`` None: the default."""
 
     @abstractmethod
-    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        """The tensors a request must carry for one side (positive or negative) of the guidance."""
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
+        """The tensors a request carries for one side (positive or negative) of the guidance, by key;
+        a dimension None: any length."""
 
     @property
     def pixel_multiple(self) -> int:
@@ -100,6 +116,16 @@ class FamilySpec(ABC):
         columns = width // self.vae_factor // self.patch[2]
         return self.latent_frames(frames) // self.patch[0] * rows * columns, rows
 
+
+
+def shape_fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
+    """``shape`` is the ``wanted`` of a spec's ``conditioning_shapes``, where None is any length of at least 1."""
+    return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))
+
+
+def shape_text(shape: tuple[int | None, ...]) -> str:
+    """A wanted shape for a message: [1, any, 2048]."""
+    return "[" + ", ".join("any" if d is None else str(d) for d in shape) + "]"
 
 
 class DiffusionModel(ABC):

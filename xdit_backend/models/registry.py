@@ -418,14 +418,25 @@ def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[
     return lambda key: reader.read(table[key])
 
 
-def random_conditioning(name: str, batch: int, seed: int, spec) -> tuple[dict, dict]:
+def random_conditioning(name: str, batch: int, seed: int, spec,
+                        references: tuple[tuple[int, int], ...] = ()) -> tuple[dict, dict]:
     """Deterministic stand-in text embeddings for a built-in model, derived from the seed.
 
     Positive and negative sides come from one generator (seeded apart from the noise), so the same
-    seed always gives the same prompt and a different seed a different one.
+    seed always gives the same prompt and a different seed a different one. A dimension of any
+    length (None) gets the built-in's ``text_tokens``. ``references``: the latent (rows, columns) of
+    each reference latent to draw (a model that takes them), the same on both sides, drawn after
+    the text so the text does not change with them.
     """
+    if references and not spec.takes_references:
+        raise ModelError(f"{name} takes no reference latents", "ask for references only from an edit model")
     generator = torch.Generator().manual_seed((seed * 2654435761 + 97) % 2**63)
-    shapes = spec.conditioning_shapes(batch, resolve_builtin(name).text_tokens)
+    tokens = resolve_builtin(name).text_tokens
+    shapes = {key: tuple(tokens if d is None else d for d in shape)
+              for key, shape in spec.conditioning_shapes(batch, tokens).items()}
     positive = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     negative = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    for i, (rows, columns) in enumerate(references):
+        reference = torch.randn((batch, spec.latent_format.channels, rows, columns), generator=generator)
+        positive[f"reference_{i}"] = negative[f"reference_{i}"] = reference
     return positive, negative

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import attention
+from ..sampling.generate import side_differences
 from . import sequence
 
 
@@ -48,17 +49,20 @@ class Denoiser:
         finally:
             attached.detach()
 
-    def conditioning(self, positive: dict, negative: dict | None) -> dict:
+    def conditioning(self, positive: dict, negative: dict | None) -> dict | tuple[dict, dict]:
         """What this rank's model calls take, built once per generation from the sides on the device
         (generate.start): its side of the guidance under CFG parallel, else the two sides batched
-        [2B, ...] (cond first) when there is a negative one, else the positive."""
+        [2B, ...] (cond first) when there is a negative one, or the pair (positive, negative) where
+        they cannot batch (generate.side_differences), else the positive."""
         if self.cfg_group is not None:
             return positive if self.layout.index("cfg") == 0 else negative
         if negative is None:
             return positive
+        if side_differences(positive, negative):
+            return positive, negative
         return {key: torch.cat([positive[key], negative[key]]) for key in positive}
 
-    def x0(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: dict, gen) -> torch.Tensor:
+    def x0(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: dict | tuple[dict, dict], gen) -> torch.Tensor:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B],
         from ``conditioning`` (``self.conditioning``)."""
         if self.cfg_group is not None:
@@ -66,7 +70,10 @@ class Denoiser:
             return guided(mine, gen.cfg, self.cfg_group)
         if not gen.uses_cfg:
             return self.model.predict_x0(x, sigma, conditioning, gen)
-        both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
+        if isinstance(conditioning, tuple):  # sides that cannot batch: one call each, [B, ...] → [2B, ...]
+            both = torch.cat([self.model.predict_x0(x, sigma, side, gen) for side in conditioning])
+        else:
+            both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
         return guided(both, gen.cfg)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:

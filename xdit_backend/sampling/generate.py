@@ -42,6 +42,19 @@ class Generation:
         return self.cfg != 1.0 and self.negative is not None
 
 
+def side_differences(positive: dict[str, torch.Tensor], negative: dict[str, torch.Tensor]) -> list[str]:
+    """What keeps the two sides of the guidance from running as one [2B, ...] call: a key on one side
+    only (a glyph text), or shapes that differ past the batch (prompts of different lengths: Qwen2.5-VL's
+    and Qwen3's are not padded). Empty when they batch. Sides that do not batch run one after the
+    other, as ComfyUI runs conds that cannot concat (comfy/conds.py can_concat); either way exactly."""
+    def shape(side: dict, key: str) -> str:
+        return str(list(side[key].shape)) if key in side else "none"
+
+    keys = sorted(positive.keys() | negative.keys())
+    return [f"{key} {shape(positive, key)} vs {shape(negative, key)}" for key in keys
+            if key not in positive or key not in negative or positive[key].shape[1:] != negative[key].shape[1:]]
+
+
 def cut(sigmas: torch.Tensor, start: int = 0, end: int | None = None, leftover_noise: bool = False):
     """Steps ``start``..``end`` of a schedule, cut as KSamplerAdvanced cuts them: ending early
     reaches σ = 0 unless the leftover noise is to be returned."""
