@@ -304,7 +304,8 @@ def problems(api: dict, ui: dict, info: dict, folders: list[str]) -> list[str]:
                     found.append(f"{where}: not among {listed}")
                 elif not value.lower().endswith(MODEL_EXTENSIONS):
                     found.append(f"{where}: not a model file name (the combo lists files of {reads})")
-                elif not any(re.search(f"models/{re.escape(folder)}/{re.escape(value)}", notes(ui))
+                elif not any(f"models/{folder}/{value}" in notes(ui)
+                             # the xDiT loader lists models/checkpoints files as checkpoints/<name>
                              or (value.startswith(f"{folder}/") and f"models/{value}" in notes(ui))
                              for folder in reads):
                     found.append(f"{where}: the Note does not put it in models/{' or '.join(reads)}/")
