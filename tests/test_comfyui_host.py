@@ -195,16 +195,24 @@ def test_the_pack_registers_its_nodes_in_comfyui(host):
     assert lines and not any("IMPORT FAILED" in line for line in lines), lines
 
 
-def test_the_tiny_workflow_runs_with_progress_and_a_latent(host):
-    prompt = load_api("xdit-tiny.api.json")
+# The saved latent's frame axes, as KSampler gives them: Qwen-Image's latent format is Wan 2.1's,
+# a video format (latent_dimensions 3), so ComfyUI samples an EmptySD3LatentImage as one frame,
+# [B, 16, 1, h, w] (comfy/sample.py fix_empty_latent_channels; comfy/latent_formats.py Wan21).
+TINY_WORKFLOWS = {"xdit-tiny": (), "qwen-image-tiny": (1,)}
+
+
+@pytest.mark.parametrize("name", TINY_WORKFLOWS)
+def test_the_tiny_workflow_runs_with_progress_and_a_latent(host, name):
+    prompt = load_api(f"{name}.api.json")
     prompt_id = host.queue(prompt)
     outcome, progress = host.follow(prompt_id)
     assert outcome == "success", host.why(prompt_id)
     steps = prompt[nodes_of(prompt, "XDiTSampler")[0]]["inputs"]["steps"]
     assert (steps, steps) in progress and len(progress) >= steps  # the bar moved every step
-    latent = host.latest_latent("xdit-tiny")
+    latent = host.latest_latent(name)
     empty = prompt[nodes_of(prompt, "EmptySD3LatentImage")[0]]["inputs"]
-    assert latent.shape == (empty["batch_size"], 16, empty["height"] // 8, empty["width"] // 8)
+    frames = TINY_WORKFLOWS[name]
+    assert latent.shape == (empty["batch_size"], 16, *frames, empty["height"] // 8, empty["width"] // 8)
     assert torch.isfinite(latent).all() and latent.abs().max() > 0
 
 

@@ -2,6 +2,9 @@
 
 The file checks need only the JSON and the pack's source; the checks against the real /object_info run
 when COMFYUI_DIR points at a ComfyUI checkout (tests/test_comfyui_host.py's `host` fixture starts it).
+Nodes newer than that checkout (Flux.2's, HunyuanVideo 1.5's) are checked against the entries of
+tests/comfyui_newer_nodes.py, read from ComfyUI's current source; the test ids of
+test_a_node_newer_than_the_snapshot_matches_its_source name each of them.
 """
 
 import ast
@@ -10,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from comfyui_newer_nodes import NEWER_NODES, NEWER_OPTIONS, with_newer_nodes
 from test_comfyui_host import COMFYUI_DIR, host  # noqa: F401  (host is a fixture used below)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +25,9 @@ UI_ONLY = {"Note", "MarkdownNote"}
 # The frontend's "control after generate" widget: an extra value after a seed-like INT widget,
 # saved in widgets_values but not an input of the node.
 CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
+# Widgets the frontend adds beside a node's inputs: saved in widgets_values, never an API input
+# (LoadImage's "choose file to upload" button).
+FRONTEND_WIDGETS = {"IMAGEUPLOAD"}
 # What ComfyUI lists as model files (folder_paths.supported_pt_extensions, and gguf).
 MODEL_EXTENSIONS = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl", ".gguf")
 
@@ -54,7 +61,8 @@ def widget_values(node: dict) -> dict:
     out, position = {}, 0
     for entry in widgets:
         assert position < len(values), f"node {node['id']} ({node['type']}): no value for widget {entry['name']}"
-        out[entry["widget"]["name"]] = values[position]
+        if entry["type"] not in FRONTEND_WIDGETS:
+            out[entry["widget"]["name"]] = values[position]
         position += 1
         if (extra and entry["type"] == "INT" and position < len(values)
                 and values[position] in CONTROL_AFTER_GENERATE):
@@ -103,6 +111,12 @@ def file_names(api: dict) -> list[tuple[str, str, str]]:
     """(node id, input, value) for every input value that names a model file."""
     return [(node_id, name, value) for node_id, node in api.items() for name, value in node["inputs"].items()
             if isinstance(value, str) and value.lower().endswith(MODEL_EXTENSIONS)]
+
+
+def note_path(value: str) -> str:
+    """A model file's path under models/ as a Note names it: the xDiT loader lists models/checkpoints
+    files as checkpoints/<name>, which already is that path; other names need their folder in front."""
+    return re.escape(value) if value.startswith("checkpoints/") else r"[\w.-]+/" + re.escape(value)
 
 
 def notes(ui: dict) -> str:
@@ -198,7 +212,7 @@ def test_the_note_says_where_each_model_file_goes(name):
     text = notes(ui)
     assert text, "no Note in the UI file"
     for node_id, input_name, value in file_names(api):
-        assert re.search(r"models/[\w.-]+/" + re.escape(value), text), f"node {node_id} {input_name}: {value}"
+        assert re.search("models/" + note_path(value), text), f"node {node_id} {input_name}: {value}"
 
 
 # ------------------------------------------------------------------------------------------- ComfyUI
@@ -208,16 +222,21 @@ needs_comfyui = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI chec
                                    "against the real /object_info")
 
 PROBE = "xdit-probe-{}.safetensors"
+INPUT_PROBE = "xdit-probe-input.png"  # in ComfyUI's input folder, which LoadImage lists
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 
 
 @pytest.fixture(scope="module")
 def comfy(host):  # noqa: F811  (the fixture imported above)
-    """/object_info with an empty probe file in every models/<folder>: a combo listing one reads that folder."""
+    """/object_info with an empty probe file in every models/<folder> and in input/: a combo listing one
+    reads that folder."""
     folders = host.get("/models")
     for folder in folders:
         directory = host.base / "models" / folder
         directory.mkdir(parents=True, exist_ok=True)
         (directory / PROBE.format(folder)).touch()
+    (host.base / "input").mkdir(exist_ok=True)
+    (host.base / "input" / INPUT_PROBE).touch()
     return host.get("/object_info"), folders
 
 
@@ -261,6 +280,8 @@ def problems(api: dict, ui: dict, info: dict, folders: list[str]) -> list[str]:
                     found.append(f"{where}: links to a missing node")
                     continue
                 source = api[value[0]]["class_type"]
+                if source not in info:
+                    continue  # reported as that node's own problem
                 out_type = info[source]["output"][value[1]]
                 if "*" not in (kind, out_type) and out_type != kind:
                     found.append(f"{where}: {source} gives {out_type}, the input takes {kind}")
@@ -274,11 +295,19 @@ def problems(api: dict, ui: dict, info: dict, folders: list[str]) -> list[str]:
                 # provided the UI file's Note says to put it in one of the folders that combo reads.
                 reads = [folder for folder in folders if any(str(option).endswith(PROBE.format(folder))
                                                              for option in listed)]
-                if not reads:
+                if INPUT_PROBE in listed:  # an input image (LoadImage): the Note says where it goes
+                    if not value.lower().endswith(IMAGE_EXTENSIONS):
+                        found.append(f"{where}: not an image file name (the combo lists ComfyUI's input folder)")
+                    elif f"ComfyUI/input/{value}" not in notes(ui):
+                        found.append(f"{where}: the Note does not put it in ComfyUI/input/")
+                elif not reads:
                     found.append(f"{where}: not among {listed}")
                 elif not value.lower().endswith(MODEL_EXTENSIONS):
                     found.append(f"{where}: not a model file name (the combo lists files of {reads})")
-                elif not any(f"models/{folder}/{value}" in notes(ui) for folder in reads):
+                elif not any(f"models/{folder}/{value}" in notes(ui)
+                             # the xDiT loader lists models/checkpoints files as checkpoints/<name>
+                             or (value.startswith(f"{folder}/") and f"models/{value}" in notes(ui))
+                             for folder in reads):
                     found.append(f"{where}: the Note does not put it in models/{' or '.join(reads)}/")
             elif kind == "INT" or kind == "FLOAT":
                 number_type = int if kind == "INT" else (int, float)
@@ -308,9 +337,63 @@ def test_the_probe_tells_file_combos_apart(comfy):
     assert not any("xdit-probe" in option for option in combo_options(input_spec(info, "XDiTSampler", "sampler_name")))
 
 
+def newer_uses() -> list[tuple[str, str, str]]:
+    """(workflow, node id, what) for each node or combo value of a workflow that the source table checks."""
+    uses = []
+    for name in NAMES:
+        for node_id, node in load_api(name).items():
+            if node["class_type"] in NEWER_NODES:
+                uses.append((name, node_id, node["class_type"]))
+            for (class_type, input_name), (values, _) in NEWER_OPTIONS.items():
+                value = node["inputs"].get(input_name)
+                if node["class_type"] == class_type and value in values:
+                    uses.append((name, node_id, f"{class_type}.{input_name}={value}"))
+    return uses
+
+
+NEWER_USES = newer_uses()
+
+
+def test_the_source_table_is_complete_and_used():
+    """Each entry of the newer-nodes table cites its source and some workflow uses it (no stale rows)."""
+    used = {what.split(".")[0].split("=")[0] for _, _, what in NEWER_USES}
+    for name, entry in NEWER_NODES.items():
+        assert entry["source"] and entry["output"] and entry["input"]["required"], name
+        assert name in used, f"no workflow uses {name}: delete its NEWER_NODES entry"
+    for (class_type, input_name), (values, source) in NEWER_OPTIONS.items():
+        assert source and class_type in used, f"no workflow uses {class_type}.{input_name} = {values}"
+
+
+@needs_comfyui
+def test_the_source_table_holds_only_what_the_snapshot_lacks(comfy):
+    """A node or value the running ComfyUI has is checked against it, not against the table."""
+    info, _ = comfy
+    stale = [name for name in NEWER_NODES if name in info]
+    assert not stale, f"this ComfyUI has {stale}: delete them from tests/comfyui_newer_nodes.py NEWER_NODES"
+    for (class_type, input_name), (values, _) in NEWER_OPTIONS.items():
+        listed = combo_options(input_spec(info, class_type, input_name))
+        stale = [value for value in values if value in listed]
+        assert not stale, f"this ComfyUI's {class_type}.{input_name} has {stale}: delete them from NEWER_OPTIONS"
+
+
 @needs_comfyui
 @pytest.mark.parametrize("name", NAMES)
 def test_every_node_and_value_is_valid_in_comfyui(comfy, name):
-    """Every node type exists in the running ComfyUI and every API input is one its node accepts."""
+    """Every node type exists in the running ComfyUI and every API input is one its node accepts; the
+    nodes and values newer than it, against the table of ComfyUI's current source (listed by the next test)."""
     info, folders = comfy
-    assert problems(load_api(name), load_ui(name), info, folders) == []
+    assert problems(load_api(name), load_ui(name), with_newer_nodes(info), folders) == []
+
+
+@needs_comfyui
+@pytest.mark.parametrize("name, node_id, what", NEWER_USES, ids=[f"{name}:{what}" for name, _, what in NEWER_USES])
+def test_a_node_newer_than_the_snapshot_matches_its_source(comfy, name, node_id, what):
+    """The node (or combo value) is missing from the running ComfyUI and valid by the source table."""
+    info, folders = comfy
+    api, ui = load_api(name), load_ui(name)
+
+    def of_node(found: list[str]) -> list[str]:
+        return [line for line in found if line.startswith((f"{node_id} ", f"{node_id}:"))]
+
+    assert of_node(problems(api, ui, with_newer_nodes(info), folders)) == []
+    assert of_node(problems(api, ui, info, folders)) != []  # the running ComfyUI alone refuses it

@@ -1,0 +1,81 @@
+"""The ComfyUI nodes (and combo values) the example workflows use that are newer than the ComfyUI
+snapshot the tests start (v0.3.64), with their inputs as ComfyUI's current source declares them.
+
+tests/test_workflows.py checks every node the snapshot has against its real /object_info, and the
+nodes below against these entries, written in /object_info's own format. When the snapshot is
+updated and has one of them, test_workflows fails until the entry is deleted here, so that node is
+then checked against the real thing.
+
+Read 2026-11-23 from Comfy-Org/ComfyUI's source (through the search index: the repository is too
+large to fetch whole here; the "ver" ComfyUI's templates record for each node is the release that
+brought it): comfy_extras/nodes_flux.py (EmptyFlux2LatentImage, Flux2Scheduler: ComfyUI 0.3.71, as
+Comfy-Org/workflow_templates templates/image_flux2.json @ 0aa43fd4 records them),
+comfy_extras/nodes_hunyuan.py (EmptyHunyuanVideo15Latent: ComfyUI 0.3.68, as
+templates/video_hunyuan_video_1.5_720p_t2v.json @ 0025b3f8 records it), nodes.py (CLIPLoader and
+DualCLIPLoader's type lists).
+"""
+
+MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
+
+NEWER_NODES = {
+    "EmptyFlux2LatentImage": {
+        "source": "comfy_extras/nodes_flux.py: class EmptyFlux2LatentImage (ComfyUI 0.3.71)",
+        "input": {"required": {
+            "width": ["INT", {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "height": ["INT", {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "batch_size": ["INT", {"default": 1, "min": 1, "max": 4096}],
+        }},
+        "output": ["LATENT"],
+    },
+    "Flux2Scheduler": {
+        "source": "comfy_extras/nodes_flux.py: class Flux2Scheduler (ComfyUI 0.3.71)",
+        "input": {"required": {
+            "steps": ["INT", {"default": 20, "min": 1, "max": 4096}],
+            "width": ["INT", {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 1}],
+            "height": ["INT", {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 1}],
+        }},
+        "output": ["SIGMAS"],
+    },
+    "EmptyHunyuanVideo15Latent": {  # EmptyHunyuanLatentVideo's inputs, a 32-channel latent at 1/16
+        "source": "comfy_extras/nodes_hunyuan.py: class EmptyHunyuanVideo15Latent(EmptyHunyuanLatentVideo) "
+                  "(ComfyUI 0.3.68)",
+        "input": {"required": {
+            "width": ["INT", {"default": 848, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "height": ["INT", {"default": 480, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "length": ["INT", {"default": 25, "min": 1, "max": MAX_RESOLUTION, "step": 4}],
+            "batch_size": ["INT", {"default": 1, "min": 1, "max": 4096}],
+        }},
+        "output": ["LATENT"],
+    },
+}
+
+# (node, input) → the combo values newer than the snapshot, and where they come from.
+NEWER_OPTIONS = {
+    ("CLIPLoader", "type"): (["flux2", "cogvideox"],
+                             "nodes.py: CLIPLoader's type list (flux2: ComfyUI 0.3.71, Mistral for Flux.2; "
+                             "cogvideox: T5-XXL for CogVideoX)"),
+    ("DualCLIPLoader", "type"): (["hunyuan_video_15"],
+                                 "nodes.py: DualCLIPLoader's type list (hunyuan_video_15: ComfyUI 0.3.68, "
+                                 "Qwen2.5-VL + byT5 for HunyuanVideo 1.5)"),
+}
+
+
+def with_newer_nodes(info: dict) -> dict:
+    """/object_info with the entries above added: the nodes it lacks, and the combo values it lacks."""
+    merged = {**info, **{name: {key: value for key, value in entry.items() if key != "source"}
+                         for name, entry in NEWER_NODES.items() if name not in info}}
+    for (class_type, name), (values, _) in NEWER_OPTIONS.items():
+        spec = merged[class_type]["input"]
+        group = "required" if name in spec.get("required", {}) else "optional"
+        merged[class_type] = {**merged[class_type], "input": {
+            **spec, group: {**spec[group], name: with_options(spec[group][name], values)}}}
+    return merged
+
+
+def with_options(spec: list, values: list[str]) -> list:
+    """A combo input's spec with more options: [[options], {…}] (legacy nodes) or ["COMBO", {"options": […]}]."""
+    kind, *rest = spec
+    if isinstance(kind, list):
+        return [[*kind, *(value for value in values if value not in kind)], *rest]
+    options = rest[0].get("options", [])
+    return [kind, {**rest[0], "options": [*options, *(value for value in values if value not in options)]}, *rest[1:]]
