@@ -18,7 +18,7 @@ from .models import lora
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
-CONDITIONING_KEYS = ("context", "pooled", "context_mask")  # which a model takes: its spec's conditioning_shapes
+CONDITIONING_KEYS = ("context", "pooled", "context_mask", "context_byt5", "context_byt5_mask")  # which a model takes: its spec's conditioning_shapes
 TENSOR_NAMES = ("latent", "sigmas", *CONDITIONING_KEYS, *(f"negative_{k}" for k in CONDITIONING_KEYS))
 CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
 
@@ -122,7 +122,8 @@ class SampleRequest(_Fields):
             side = {}
             for key, shape in shapes.items():
                 tensor = self.tensors.get(prefix + key)
-                if tensor is None or tuple(tensor.shape) != shape:
+                if tensor is None or tensor.dim() != len(shape) or any(  # a None size: any length
+                        size is not None and size != got for size, got in zip(shape, tensor.shape)):
                     got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
                     raise RequestError(
                         f"{prefix}{key}: model {self.model} needs shape {list(shape)}, got {got}",

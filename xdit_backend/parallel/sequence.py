@@ -39,8 +39,9 @@ class USPAttention:
         self.kernel = kernel
         self.all_to_all, self.ring_attention = SeqAllToAll4D.apply, ring_flash_attn_func
 
-    def __call__(self, q, k, v):
-        """q, k, v: [B, S/P, H, D], this rank's share of the sequence; returns the same shape."""
+    def __call__(self, q, k, v, text_tokens: int = 0):
+        """q, k, v: [B, S/P, H, D], this rank's share of the sequence; returns the same shape.
+        ``text_tokens``: the share's leading text tokens (the processor-class interface passes it)."""
         ug = self.ulysses_group
         if ug is not None:
             # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H, D] → [B, S/R, H/U, D]
