@@ -125,3 +125,12 @@ def test_an_image_model_refuses_frames_and_pixart_refuses_a_shift():
         request = SampleRequest.parse(Message("sample", fields(model, **extra), {}))
         with pytest.raises(RequestError, match=message):
             request.check_model(registry.spec(model))
+
+
+def test_hunyuan_video15_with_sharded_weights_equals_serial(serial, backend2):
+    """HunyuanVideo 1.5 runs its blocks from its own loop, never the transformer's forward: FSDP's
+    per-block gathers must still fire (ulysses 2 with every block's weights sharded 2 ways)."""
+    result, info = backend2.sample({**fields("hunyuan-video-1.5-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded" in info["layout"]
+    reference = serial["hunyuan-video-1.5-tiny"]
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
