@@ -203,3 +203,30 @@ def test_an_incomplete_file_names_the_missing_tensor(built, tmp_path):
     with pytest.raises(registry.ModelError) as info:
         registry.resolve(str(path))
     assert "double_blocks.0.img_attn_q_norm.weight" in info.value.message and "re-download" in info.value.hint
+
+
+def test_padded_text_matches_diffusers_masked_forward():
+    """Batch 2 with text masks that differ per sample: our loop (padding in every sample dropped, the
+    rest masked as keys) equals diffusers' forward (valid tokens reordered first, an S × S mask, 9
+    masked-out SigLIP tokens)."""
+    model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
+    config = registry.resolve("hunyuan-video-1.5-tiny").config
+    g = torch.Generator().manual_seed(5)
+    cond = {"context": torch.randn(2, 8, config["text_embed_dim"], generator=g),
+            "context_byt5": torch.randn(2, 4, config["text_embed_2_dim"], generator=g),
+            "context_mask": torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3]),
+            "context_byt5_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])}
+    x = torch.randn(2, 32, 2, 4, 4, generator=g)
+    timestep = torch.tensor([700.0, 250.0])
+    with torch.no_grad():
+        ours = model.output(x, timestep, cond, None)
+    t = model.transformer
+    for block in t.transformer_blocks:
+        block.attn.set_processor(HunyuanVideo15AttnProcessor2_0())
+    with torch.no_grad():
+        theirs = t(hidden_states=torch.cat([x, torch.zeros(2, 33, 2, 4, 4)], dim=1), timestep=timestep,
+                   encoder_hidden_states=cond["context"], encoder_attention_mask=cond["context_mask"],
+                   encoder_hidden_states_2=cond["context_byt5"], encoder_attention_mask_2=cond["context_byt5_mask"],
+                   image_embeds=torch.zeros(2, 9, config["image_embed_dim"]), return_dict=False)[0]
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert model.joint_text_tokens(cond) == 3 + 8  # byT5 position 3 and no Qwen position is padding in both
