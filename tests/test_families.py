@@ -1,6 +1,6 @@
-"""SD3, PixArt and Wan through the parallel layouts: each equals its serial result (float32, ≤ 1e-4
-of the latent's scale); Wan's 5-D latents, and step ranges that split one generation into two
-(Wan 2.2's two experts).
+"""SD3, PixArt, Wan and HunyuanVideo 1.5 through the parallel layouts: each equals its serial result
+(float32, ≤ 1e-4 of the latent's scale); Wan's 5-D latents, and step ranges that split one generation
+into two (Wan 2.2's two experts).
 
 The bound is relative to the largest value of the serial latent (and absolute below 1): a
 random-weight PixArt predicts ε of order 1, which EPS sampling multiplies by σ_max ≈ 157 and
