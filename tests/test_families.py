@@ -1,6 +1,6 @@
-"""SD3, PixArt and Wan through the parallel layouts: each equals its serial result (float32, ≤ 1e-4
-of the latent's scale); Wan's 5-D latents, and step ranges that split one generation into two
-(Wan 2.2's two experts).
+"""SD3, PixArt, Wan and HunyuanVideo 1.5 through the parallel layouts: each equals its serial result
+(float32, ≤ 1e-4 of the latent's scale); Wan's 5-D latents, and step ranges that split one generation
+into two (Wan 2.2's two experts).
 
 The bound is relative to the largest value of the serial latent (and absolute below 1): a
 random-weight PixArt predicts ε of order 1, which EPS sampling multiplies by σ_max ≈ 157 and
@@ -29,6 +29,8 @@ FAMILIES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
+    "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 
@@ -123,3 +125,12 @@ def test_an_image_model_refuses_frames_and_pixart_refuses_a_shift():
         request = SampleRequest.parse(Message("sample", fields(model, **extra), {}))
         with pytest.raises(RequestError, match=message):
             request.check_model(registry.spec(model))
+
+
+def test_hunyuan_video15_with_sharded_weights_equals_serial(serial, backend2):
+    """HunyuanVideo 1.5 runs its blocks from its own loop, never the transformer's forward: FSDP's
+    per-block gathers must still fire (ulysses 2 with every block's weights sharded 2 ways)."""
+    result, info = backend2.sample({**fields("hunyuan-video-1.5-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded" in info["layout"]
+    reference = serial["hunyuan-video-1.5-tiny"]
+    assert (result["samples"] - reference).abs().max() <= bound(reference)

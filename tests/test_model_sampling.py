@@ -101,3 +101,27 @@ def test_latent_formats_match_comfyui(ours, name, shape):
     latent = torch.randn(shape, generator=torch.Generator().manual_seed(4))
     assert torch.allclose(ours.process_in(latent), theirs.process_in(latent), rtol=1e-6, atol=1e-6)
     assert torch.allclose(ours.process_out(latent), theirs.process_out(latent), rtol=1e-6, atol=1e-6)
+
+
+@needs_comfyui
+def test_hunyuan_video15_sampling_and_latent_format_match_comfyui():
+    """HunyuanVideo 1.5 (newer than the snapshot): Comfy-Org/ComfyUI's supported_models.HunyuanVideo15 samples
+    with ModelType.FLOW at shift 7.0, and latent_formats.HunyuanVideo15 is a plain LatentFormat with
+    scale_factor 1.03682 (32 channels, no shift); the snapshot's classes with those settings give our numbers."""
+    from xdit_backend.models.hunyuan_video15 import HunyuanVideo15Spec
+
+    c = comfy()
+    spec = HunyuanVideo15Spec(context_dim=3584, byt5_dim=1472, heads=16, blocks=54)
+    theirs = c.model_sampling.ModelSamplingDiscreteFlow()
+    theirs.set_parameters(shift=7.0, multiplier=1000)
+    ours = spec.model_sampling(None)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigma = ours.sigmas(20)[:-1]
+    assert torch.equal(ours.timestep(sigma), theirs.timestep(sigma))
+    latent_format = type("HunyuanVideo15", (c.latent_formats.LatentFormat,),
+                         {"latent_channels": 32, "latent_dimensions": 3, "scale_factor": 1.03682})()
+    latent = torch.randn(1, 32, 2, 4, 4, generator=torch.Generator().manual_seed(4))
+    assert spec.latent_format.channels == 32 and spec.vae_factor == 16
+    assert torch.allclose(spec.latent_format.process_in(latent), latent_format.process_in(latent), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(spec.latent_format.process_out(latent), latent_format.process_out(latent), rtol=1e-6,
+                          atol=1e-6)

@@ -190,6 +190,11 @@ class DiffusionModel(ABC):
         """Stage 0: the patch x [B, C, (T,) rows, w] (model input) → its tokens [B, n, D], positions added."""
         raise NotImplementedError
 
+    def joint_text_tokens(self, cond: dict) -> int:
+        """How many text tokens ``embed_text`` gives for ``cond`` (StagePlan.joint_text): the context's, unless
+        the family joins several texts (HunyuanVideo 1.5: byT5 and Qwen2.5-VL) or drops padding."""
+        return cond["context"].shape[1]
+
     def embed_text(self, inputs: dict) -> torch.Tensor | None:
         """Stage 0: the text tokens [B, L, D] that travel through the blocks (StagePlan.joint_text), else None."""
         return None

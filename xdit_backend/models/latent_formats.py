@@ -65,3 +65,5 @@ WAN22 = LatentFormat(  # Wan 2.2 TI2V-5B's 48-channel VAE
          0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
          0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
 )
+# Comfy-Org/ComfyUI comfy/latent_formats.py HunyuanVideo15 (32 channels, 16× spatial, 4× temporal)
+HUNYUAN_VIDEO15 = LatentFormat(channels=32, scale=1.03682, video=True)

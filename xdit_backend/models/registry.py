@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage,
-               wan_checkpoint, weights)
+from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint, scaled_fp8,
+               sd3_checkpoint, storage, wan_checkpoint, weights)
 from .flux import FluxModel, FluxSpec
+from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
@@ -45,6 +46,9 @@ FAMILIES = {
                      PixArtSpec.stage_plan.block_lists, "PixArt-α, PixArt-Σ"),
     "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
                   WanSpec.stage_plan.block_lists, "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+    "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo15Transformer3DModel", HunyuanVideo15Spec.from_config,
+                              HunyuanVideo15Model, hunyuan_video15_checkpoint,
+                              HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -162,6 +166,30 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "hunyuan-video-1.5-tiny": BuiltinModel(
+        family="hunyuan_video15",
+        config=dict(
+            in_channels=65,  # 32 latent channels, a 32-channel image latent and a mask
+            out_channels=32,
+            num_attention_heads=2,
+            attention_head_dim=32,
+            num_layers=2,
+            num_refiner_layers=1,
+            mlp_ratio=2.0,
+            patch_size=1,
+            patch_size_t=1,
+            qk_norm="rms_norm",
+            text_embed_dim=64,
+            text_embed_2_dim=32,
+            image_embed_dim=32,
+            rope_theta=256.0,
+            rope_axes_dim=(4, 14, 14),  # sums to attention_head_dim, in the released (16, 56, 56)'s proportions
+            task_type="t2v",
+        ),
+        text_tokens=8,
+        description="HunyuanVideo 1.5 architecture, 2 blocks, width 64, random weights (a test model; its byT5 "
+                    "projection's hidden width is fixed at 2048, 4.3 M of its parameters)",
     ),
 }
 

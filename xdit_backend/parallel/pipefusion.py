@@ -150,7 +150,7 @@ class PipeFusion:
         shape = tuple(begin.x.shape)  # [B, C, (T,) h, w]
         self.sides = self._sides(begin)
         self.batch = self.sides["context"].shape[0]
-        self.text = self.sides["context"].shape[1] if self.plan.joint_text else 0
+        self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
         config = self.model.transformer.config
         self.width = config.num_attention_heads * config.attention_head_dim  # the blocks' hidden size D
         pt, ph, pw = self.model.spec.patch
