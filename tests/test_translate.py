@@ -194,3 +194,14 @@ def test_what_the_nodes_send_the_request_takes():
     positive, negative = request.conditioning(EDIT)
     assert positive["reference_0"].shape == negative["reference_0"].shape == (2, 16, 6, 8)
     assert negative["context_mask"].shape == (2, 3) and positive["context_mt5_mask"].shape == (2, 7)
+
+
+def test_hunyuan_video15_takes_the_glyph_text_only_when_the_prompt_quotes_some():
+    """ComfyUI's HunyuanVideo 1.5 encoder adds conditioning_byt5small only for quoted text (Comfy-Org/ComfyUI
+    comfy/text_encoders/hunyuan_video.py): a prompt without it is a whole conditioning, one with it carries it."""
+    spec = registry.spec("hunyuan-video-1.5-tiny")
+    context = torch.randn(1, 5, spec.context_dim)
+    assert set(translate.conditioning([[context, {}]], spec, 1, "positive").tensors) == {"context"}
+    glyphs = torch.randn(1, 3, spec.byt5_dim)
+    side = translate.conditioning([[context, {"conditioning_byt5small": glyphs}]], spec, 1, "positive")
+    assert set(side.tensors) == {"context", "context_byt5"} and torch.equal(side.tensors["context_byt5"], glyphs)

@@ -103,7 +103,9 @@ class HunyuanVideo15Spec(FamilySpec):
     vae_factor = 16  # Comfy-Org/ComfyUI comfy/latent_formats.py HunyuanVideo15: spacial_downscale_ratio 16
     patch = (1, 1, 1)
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
-    optional_conditioning = ("context_mask", "context_byt5_mask")  # [B, L], [B, L2]: 1 real token, 0 padding
+    # [B, L], [B, L2]: 1 real token, 0 padding. The byT5 glyph text is there only when the prompt quotes text:
+    # Comfy-Org/ComfyUI comfy/text_encoders/hunyuan_video.py adds conditioning_byt5small only for "byt5" tokens
+    optional_conditioning = ("context_mask", "context_byt5", "context_byt5_mask")
     # Comfy-Org/ComfyUI comfy/model_base.py HunyuanVideo15.extra_conds: conditioning_byt5small → txt_byt5
     comfy_conditioning = {"conditioning_byt5small": "context_byt5"}
     sequence_plan = SequencePlan(
