@@ -1,4 +1,4 @@
-"""SD3, PixArt and Wan through the parallel layouts: each equals its serial result (float32, ≤ 1e-4
+"""SD3, PixArt, Wan and Z-Image through the parallel layouts: each equals its serial result (float32, ≤ 1e-4
 of the latent's scale); Wan's 5-D latents, and step ranges that split one generation into two
 (Wan 2.2's two experts).
 
@@ -29,6 +29,7 @@ FAMILIES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 
