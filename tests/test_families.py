@@ -90,6 +90,16 @@ def test_z_image_uneven_heads_and_tokens_equal_serial(degrees, backend4):
     assert difference <= bound(serial), f"z-image-tiny {degrees}: max |parallel − serial| = {difference:.3g}"
 
 
+def test_z_image_with_sharded_weights_equals_serial(backend2):
+    """FSDP2 over Z-Image's three block lists (refiners and main blocks) beside ulysses=2, batch 2."""
+    message = fields("z-image-tiny", batch=2)
+    result, info = backend2.sample({**message, "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded 2 ways" in info["layout"]
+    serial = serial_latent(message)
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"max |sharded − serial| = {difference:.3g}"
+
+
 def test_wan_latent_is_video_shaped(serial):
     assert serial["wan-tiny"].shape == (1, 16, 2, 8, 8)  # 5 frames → 1 + 4/4 latent frames; 64 px / 8
 
