@@ -145,7 +145,7 @@ def test_a_sampler_with_two_calls_per_step_is_refused_by_name(backend2):
         backend2.sample({**family_fields("sd3-tiny", sampler="heun"), "parallel": {"pipefusion": 2}})
 
 
-@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("model", PIPELINED)
 def test_family_stale_kv_is_a_small_perturbation(model, backend2):
     """warm-up 1, 4 patches: finite, inexact, and far closer to serial than another seed is."""
     message = family_fields(model, steps=6)
