@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
@@ -32,12 +33,16 @@ from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 Z_IMAGE_DEFAULT_SHIFT = 3.0
 Z_IMAGE_MULTIPLIER = 1.0
 FINAL_LAYER = "all_final_layer.2-1"  # diffusers' name of the output layer for patch 2 × 2, 1 frame
+REFINERS = ("noise_refiner", "context_refiner")  # blocks over the image alone and the caption alone, not cut
+REFINER_MARK = "runs_whole"  # set on the refiners' attention modules by ZImageModel
 
 
 class ZImageAttention:
     """Z-Image's attention module (diffusers ``Attention`` run by ``ZSingleStreamAttnProcessor``)
     whose attention itself is ``core(q, k, v, text_tokens=0)`` on this rank's share of one sequence
-    (USPAttention under sequence parallelism): the same projections, q/k RMS norms and RoPE."""
+    (USPAttention under sequence parallelism): the same projections, q/k RMS norms and RoPE. The
+    refiners' attention modules have the same name but are not cut (their whole sequence is on every
+    rank): they attend locally, as diffusers does."""
 
     def __init__(self, core):
         self.core = core
@@ -51,8 +56,11 @@ class ZImageAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         if freqs_cis is not None:  # [B, S/P, D/2] complex: this rank's share of the table
             query, key = rotate(query, freqs_cis), rotate(key, freqs_cis)
-        out = self.core(query, key, value, text_tokens=0).flatten(2, 3).to(query.dtype)  # [B, S/P, H·D]
-        return attn.to_out[0](out)
+        if getattr(attn, REFINER_MARK, False):  # a refiner: its whole sequence, on every rank
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+        else:
+            out = self.core(query, key, value, text_tokens=0)  # [B, S/P, H, D]
+        return attn.to_out[0](out.flatten(2, 3).to(query.dtype))  # [B, S/P, H·D] → [B, S/P, D]
 
 
 def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -133,6 +141,9 @@ class ZImageModel(DiffusionModel):
     def __init__(self, transformer, *args, **kwargs):
         super().__init__(transformer, *args, **kwargs)
         transformer.__class__ = with_processor_access(type(transformer))  # same object, same parameters
+        for name in REFINERS:
+            for block in getattr(transformer, name):
+                setattr(block.attention, REFINER_MARK, True)
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The model's output for x [B, 16, h, w] at timestep σ [B], as ComfyUI's NextDiT returns it:
