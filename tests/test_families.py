@@ -1,4 +1,4 @@
-"""SD3, PixArt, Wan and HunyuanVideo 1.5 through the parallel layouts: each equals its serial result
+"""SD3, PixArt, Wan and the newer families through the parallel layouts: each equals its serial result
 (float32, ≤ 1e-4 of the latent's scale); Wan's 5-D latents, and step ranges that split one generation
 into two (Wan 2.2's two experts).
 
@@ -31,6 +31,7 @@ FAMILIES = {
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
     # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
     "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
+    "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 
@@ -76,6 +77,27 @@ def test_another_seed_differs_beyond_the_tolerance(serial):
     for model in FAMILIES:
         other = serial_latent(fields(model, seed=8))
         assert (other - serial[model]).abs().max() > 100 * bound(serial[model]), model
+
+
+@pytest.mark.parametrize("degrees", [{"ulysses": 4}, {"ulysses": 2, "ring": 2}], ids=["ulysses4", "ulysses2xring2"])
+def test_z_image_uneven_heads_and_tokens_equal_serial(degrees, backend4):
+    """Z-Image's 30 heads are not divisible by 4 (the tiny's 6 neither), and 112 × 80 px gives 7 × 5 = 35
+    image tokens; Z-Image pads them and its caption to 32 each, so the unified sequence (64 + 32) splits."""
+    message = fields("z-image-tiny", width=112, height=80)
+    result, _ = backend4.sample({**message, "parallel": degrees})
+    serial = serial_latent(message)
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"z-image-tiny {degrees}: max |parallel − serial| = {difference:.3g}"
+
+
+def test_z_image_with_sharded_weights_equals_serial(backend2):
+    """FSDP2 over Z-Image's three block lists (refiners and main blocks) beside ulysses=2, batch 2."""
+    message = fields("z-image-tiny", batch=2)
+    result, info = backend2.sample({**message, "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded 2 ways" in info["layout"]
+    serial = serial_latent(message)
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"max |sharded − serial| = {difference:.3g}"
 
 
 def test_wan_latent_is_video_shaped(serial):

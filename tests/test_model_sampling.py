@@ -1,6 +1,7 @@
 """Model sampling and latent formats per family, against ComfyUI's own classes when a ComfyUI
 checkout is given (COMFYUI_DIR); the schedules' shape everywhere."""
 
+import importlib
 import os
 import sys
 
@@ -125,3 +126,32 @@ def test_hunyuan_video15_sampling_and_latent_format_match_comfyui():
     assert torch.allclose(spec.latent_format.process_in(latent), latent_format.process_in(latent), rtol=1e-6, atol=1e-6)
     assert torch.allclose(spec.latent_format.process_out(latent), latent_format.process_out(latent), rtol=1e-6,
                           atol=1e-6)
+@pytest.mark.parametrize("steps", [1, 8, 30])
+def test_z_image_sampling_matches_comfyui(steps):
+    """Z-Image: ModelSamplingDiscreteFlow at ComfyUI's ZImage sampling_settings (shift 3, multiplier 1:
+    the model sees σ itself; comfy/supported_models.py, newer than the snapshot, which has the class),
+    and Flux's latent format (Lumina2's, which ZImage inherits)."""
+    from xdit_backend.models.z_image import ZImageSpec
+
+    c = comfy()
+
+    class Config:
+        sampling_settings = {"shift": 3.0, "multiplier": 1.0}
+
+    class Theirs(c.model_sampling.ModelSamplingDiscreteFlow, c.model_sampling.CONST):  # model_base: ModelType.FLOW
+        pass
+
+    theirs = Theirs(Config())
+    spec = ZImageSpec(context_dim=2560, heads=30, blocks=34, layers=30)
+    ours = spec.model_sampling(None)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    x, output = (torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    for sigma in sigmas[:-1]:
+        assert torch.equal(ours.timestep(sigma.view(1)), theirs.timestep(sigma.view(1)))
+        assert torch.equal(ours.calculate_denoised(sigma.view(1), output, x),
+                           theirs.calculate_denoised(sigma.view(1), output, x))
+    assert spec.latent_format is latent_formats.FLUX
+    supported_models = importlib.import_module("comfy.supported_models")
+    assert supported_models.Lumina2.latent_format is c.latent_formats.Flux

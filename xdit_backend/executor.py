@@ -228,7 +228,7 @@ class Executor:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         dtype = compute_dtype(request.dtype, self.rt.device)
-        head_dim = self.computing.transformer.config.attention_head_dim
+        head_dim = registry.attention_geometry(self.computing.transformer.config)[1]
         ours = request.parallel.sequence > 1 or request.parallel.pipefusion > 1  # our kernel, else diffusers' SDPA
         return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s,
                         "sent_bytes": None if sent is None else dict(sent),

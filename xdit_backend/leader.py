@@ -8,6 +8,7 @@ parse (follower.py), and every rank runs it through agreement.run_request.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -150,7 +151,7 @@ class Leader:
         facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
                              request.steps)
         source = registry.resolve(request.model).config  # the width C = heads × head size, for auto's traffic model
-        width = source["num_attention_heads"] * source["attention_head_dim"]
+        width = math.prod(registry.attention_geometry(source))
         model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, width)
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology,

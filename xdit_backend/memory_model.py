@@ -158,12 +158,13 @@ class Widths:
 
     @classmethod
     def of(cls, transformer: torch.nn.Module) -> Widths:
-        config = transformer.config
-        heads = config["num_attention_heads"]
+        from .models.registry import attention_geometry
+
+        heads, head = attention_geometry(transformer.config)
         lists = block_lists(transformer)
         widest = max((m.out_features for list_name in lists for block in getattr(transformer, list_name)[:1]
                       for name, m in _linears(block) if not _PER_ROW.search(name)), default=0)
-        return cls(heads * config["attention_head_dim"], widest, heads)
+        return cls(heads * head, widest, heads)
 
 
 def activation_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank: int, rows: int) -> int:

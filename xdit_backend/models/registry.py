@@ -16,12 +16,13 @@ from safetensors import safe_open
 
 from ..errors import UserError
 from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint, scaled_fp8,
-               sd3_checkpoint, storage, wan_checkpoint, weights)
+               sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
 from .flux import FluxModel, FluxSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
+from .z_image import ZImageModel, ZImageSpec
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ FAMILIES = {
     "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo15Transformer3DModel", HunyuanVideo15Spec.from_config,
                               HunyuanVideo15Model, hunyuan_video15_checkpoint,
                               HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
+    "z_image": Family("z_image", "ZImageTransformer2DModel", ZImageSpec.from_config, ZImageModel, z_image_checkpoint,
+                      ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -190,6 +193,28 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="HunyuanVideo 1.5 architecture, 2 blocks, width 64, random weights (a test model; its byT5 "
                     "projection's hidden width is fixed at 2048, 4.3 M of its parameters)",
+    ),
+    "z-image-tiny": BuiltinModel(
+        family="z_image",
+        config=dict(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=96,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=6,  # like Z-Image's 30, a head count 4 does not divide
+            n_kv_heads=6,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=64,
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=[4, 6, 6],  # sums to the head size 16, in Z-Image's proportions (32, 48, 48)
+            axes_lens=[1536, 512, 512],
+        ),
+        text_tokens=8,
+        description="Z-Image architecture, 1+1 refiner and 2 main blocks, width 96, 6 heads, random weights (a test model)",
     ),
 }
 
@@ -333,6 +358,15 @@ def _block_sizes(ref: str, version: int) -> tuple[int, ...]:
     transformer = _on_meta(ref, version)
     blocks = [b for name in FAMILIES[resolve(ref).family].block_lists for b in getattr(transformer, name)]
     return tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
+
+
+def attention_geometry(config) -> tuple[int, int]:
+    """(heads, head size) from a diffusers config: most families name them num_attention_heads and
+    attention_head_dim; Z-Image names n_heads and its width dim."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if get("num_attention_heads") is not None:
+        return get("num_attention_heads"), get("attention_head_dim")
+    return get("n_heads"), get("dim") // get("n_heads")
 
 
 def spec(ref: str):

@@ -1,0 +1,157 @@
+"""Z-Image (Turbo, Base): diffusers ``ZImageTransformer2DModel`` fed the way ComfyUI feeds its
+Lumina2/NextDiT model for Z-Image (comfy/ldm/lumina/model.py, comfy/supported_models.py ``ZImage``).
+
+A single-stream DiT: the image tokens (2×2 patches, padded to a multiple of 32 with a learned
+``x_pad_token``) pass through noise-refiner blocks, the Qwen3-4B caption tokens (padded to a
+multiple of 32 with a learned ``cap_pad_token``) through context-refiner blocks, then both run as
+one unified sequence through the main blocks, with 3-D RoPE over (caption index or image time,
+row, column). The pad tokens are real tokens: neither ComfyUI nor diffusers masks them (a batch's
+sequences all have the same length), so attention over the unified sequence is plain, unmasked.
+
+Sequence parallelism cuts the unified sequence where it enters the main blocks (``layers.0``)
+and each block's RoPE table alongside it, as one segment (text_tokens 0: caption and image are
+the same kind of token here), and gathers after the final layer. Both halves are padded to 32
+tokens, so every ring × ulysses that divides 32 divides the unified sequence. The refiners run
+whole on every rank (2 + 2 of Z-Image's 34 blocks, the noise refiner over the image tokens only).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..sampling.model_sampling import FlowSampling
+from . import latent_formats
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+
+# comfy/supported_models.py, class ZImage(Lumina2): sampling_settings {"multiplier": 1.0, "shift": 3.0}
+# (ModelSamplingDiscreteFlow: timestep = σ); its latent_format is Lumina2's, latent_formats.Flux.
+Z_IMAGE_DEFAULT_SHIFT = 3.0
+Z_IMAGE_MULTIPLIER = 1.0
+FINAL_LAYER = "all_final_layer.2-1"  # diffusers' name of the output layer for patch 2 × 2, 1 frame
+REFINERS = ("noise_refiner", "context_refiner")  # blocks over the image alone and the caption alone, not cut
+REFINER_MARK = "runs_whole"  # set on the refiners' attention modules by ZImageModel
+
+
+class ZImageAttention:
+    """Z-Image's attention module (diffusers ``Attention`` run by ``ZSingleStreamAttnProcessor``)
+    whose attention itself is ``core(q, k, v, text_tokens=0)`` on this rank's share of one sequence
+    (USPAttention under sequence parallelism): the same projections, q/k RMS norms and RoPE. The
+    refiners' attention modules have the same name but are not cut (their whole sequence is on every
+    rank): they attend locally, as diffusers does."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise NotImplementedError("Z-Image's parallel attention is self-attention over sequences of one length "
+                                      "(no mask): a batch's captions all have the same length")
+        query, key, value = (proj(hidden_states).unflatten(-1, (attn.heads, -1))  # [B, S/P, H, D]
+                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if freqs_cis is not None:  # [B, S/P, D/2] complex: this rank's share of the table
+            query, key = rotate(query, freqs_cis), rotate(key, freqs_cis)
+        if getattr(attn, REFINER_MARK, False):  # a refiner: its whole sequence, on every rank
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+        else:
+            out = self.core(query, key, value, text_tokens=0)  # [B, S/P, H, D]
+        return attn.to_out[0](out.flatten(2, 3).to(query.dtype))  # [B, S/P, H·D] → [B, S/P, D]
+
+
+def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Z-Image's RoPE on interleaved pairs, in float32 as diffusers' processor (and ComfyUI's
+    apply_rope) compute it: x [B, S, H, D], freqs_cis [B, S, D/2] complex."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [B, S, H, D/2]
+    return torch.view_as_real(pairs * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)  # [B, S, H, D]
+
+
+@contextmanager
+def time_embedded_in(t_embedder, dtype: torch.dtype):
+    """For one forward: the time embedding's sinusoid (float32) goes into its MLP in ``dtype``, the
+    compute dtype, as ComfyUI's TimestepEmbedder does (``.to(dtype)``). diffusers casts it to the
+    first Linear's weight dtype instead, which is float8 for an fp8 file (stored weights: storage.py)."""
+
+    def embed(t):  # t [B] float32: 1000·(1 − σ)
+        sinusoid = t_embedder.timestep_embedding(t, t_embedder.frequency_embedding_size)  # [B, 256] float32
+        return t_embedder.mlp(sinusoid.to(dtype))  # [B, min(dim, 256)]
+
+    t_embedder.forward = embed  # an instance attribute: shadows the class's forward, hooks still run
+    try:
+        yield
+    finally:
+        del t_embedder.forward
+
+
+@dataclass(frozen=True)
+class ZImageSpec(FamilySpec):
+    """What a Z-Image model takes and allows, read from its config."""
+
+    context_dim: int  # Qwen3-4B's hidden size (2560)
+    heads: int
+    blocks: int  # noise refiner + context refiner + main blocks, as the stage plan lists them
+    layers: int  # main blocks: each takes the cut RoPE table
+
+    family = "z_image"
+    latent_format = latent_formats.FLUX  # comfy/supported_models.py: Lumina2.latent_format = latent_formats.Flux
+    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    stage_plan = StagePlan(block_lists=("noise_refiner", "context_refiner", "layers"),
+                           attention=(("attention", ZImageAttention, True),))
+
+    @property
+    def sequence_plan(self) -> SequencePlan:
+        """The unified sequence [image (padded); caption (padded)] [B, S, D] where it enters the main
+        blocks, and the RoPE table [B, S, D/2] each main block is given (diffusers passes the same
+        whole table to every block, so each block's input is cut)."""
+        table_cuts = tuple(Cut(f"layers.{i}", 2, 1) for i in range(self.layers))  # freqs_cis, positional
+        return SequencePlan(cuts=(Cut("layers.0", 0, 1), *table_cuts), attention=(("attention", ZImageAttention),),
+                            gather=FINAL_LAYER)
+
+    @classmethod
+    def from_config(cls, config) -> ZImageSpec:
+        get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+        refiners = get("n_refiner_layers")
+        return cls(get("cap_feat_dim"), get("n_heads"), 2 * refiners + get("n_layers"), get("n_layers"))
+
+    def model_sampling(self, shift: float | None) -> FlowSampling:
+        return FlowSampling(Z_IMAGE_DEFAULT_SHIFT if shift is None else shift, multiplier=Z_IMAGE_MULTIPLIER)
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        """Qwen3-4B's hidden states, as CLIPTextEncode with the qwen_3_4b CLIP gives them."""
+        return {"context": (batch, text_tokens, self.context_dim)}
+
+
+@functools.cache
+def with_processor_access(cls: type) -> type:
+    """``cls`` with diffusers' AttentionMixin (``attn_processors``, ``set_attn_processor``), which
+    every other family's transformer has and ZImageTransformer2DModel (diffusers 0.42) lacks: the
+    sequence-parallel and PipeFusion attach/detach read and restore processors through it."""
+    from diffusers.models.attention import AttentionMixin
+
+    return cls if issubclass(cls, AttentionMixin) else type(cls.__name__, (cls, AttentionMixin), {})
+
+
+class ZImageModel(DiffusionModel):
+    """A loaded Z-Image transformer."""
+
+    def __init__(self, transformer, *args, **kwargs):
+        super().__init__(transformer, *args, **kwargs)
+        transformer.__class__ = with_processor_access(type(transformer))  # same object, same parameters
+        for name in REFINERS:
+            for block in getattr(transformer, name):
+                setattr(block.attention, REFINER_MARK, True)
+
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
+        """The model's output for x [B, 16, h, w] at timestep σ [B], as ComfyUI's NextDiT returns it:
+        the transformer at time t = 1 − σ (its embedder multiplies by 1000, in float32) and the
+        result negated (diffusers' pipeline negates it too)."""
+        t = 1.0 - timestep.to(self.device, torch.float32)  # [B]
+        images = list(x.unsqueeze(2).unbind(0))  # B × [16, 1, h, w]: diffusers takes frames
+        captions = list(cond["context"].to(self.device, self.dtype).unbind(0))  # B × [L, 2560]
+        with time_embedded_in(self.transformer.t_embedder, self.dtype):
+            out = self.transformer(images, t, captions, return_dict=False)[0]  # B × [16, 1, h, w]
+        return -torch.stack(out).squeeze(2)  # [B, 16, h, w]
