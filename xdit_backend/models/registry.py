@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint, scaled_fp8,
-               sd3_checkpoint, storage, wan_checkpoint, weights)
+from . import (flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint, lora,
+               pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights)
 from .flux import FluxModel, FluxSpec
+from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -49,6 +50,8 @@ FAMILIES = {
     "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo15Transformer3DModel", HunyuanVideo15Spec.from_config,
                               HunyuanVideo15Model, hunyuan_video15_checkpoint,
                               HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
+    "hunyuan_dit": Family("hunyuan_dit", "HunyuanDiT2DModel", HunyuanDiTSpec.from_config, HunyuanDiTModel,
+                          hunyuan_dit_checkpoint, HunyuanDiTSpec.stage_plan.block_lists, "HunyuanDiT 1.0, 1.1, 1.2"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -190,6 +193,28 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="HunyuanVideo 1.5 architecture, 2 blocks, width 64, random weights (a test model; its byT5 "
                     "projection's hidden width is fixed at 2048, 4.3 M of its parameters)",
+    ),
+    "hunyuan-dit-tiny": BuiltinModel(
+        family="hunyuan_dit",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 divides them
+            attention_head_dim=8,  # ComfyUI's HunyuanDiT asserts a multiple of 8
+            hidden_size=32,  # = heads × head size, as in every HunyuanDiT
+            in_channels=4,
+            patch_size=2,
+            sample_size=16,
+            num_layers=4,  # an even depth: block 3 takes block 0's output as its skip
+            mlp_ratio=4.0,
+            learn_sigma=True,
+            cross_attention_dim=32,  # the CLIP (BERT) width, 1024 at full size
+            cross_attention_dim_t5=16,  # the mT5 width, 2048 at full size
+            pooled_projection_dim=32,  # 1024 at full size
+            text_len=8,  # 77 at full size
+            text_len_t5=8,  # 256 at full size
+            use_style_cond_and_image_meta_size=False,  # HunyuanDiT 1.2
+        ),
+        text_tokens=8,
+        description="HunyuanDiT 1.2 architecture, 4 blocks, width 32, random weights (a test model)",
     ),
 }
 
