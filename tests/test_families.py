@@ -1,6 +1,6 @@
-"""SD3, PixArt, Wan and HunyuanVideo 1.5 through the parallel layouts: each equals its serial result
-(float32, ≤ 1e-4 of the latent's scale); Wan's 5-D latents, and step ranges that split one generation
-into two (Wan 2.2's two experts).
+"""SD3, PixArt, Wan, HunyuanVideo 1.5 and HunyuanDiT through the parallel layouts: each equals its serial
+result (float32, ≤ 1e-4 of the latent's scale); Wan's 5-D latents, and step ranges that split one
+generation into two (Wan 2.2's two experts).
 
 The bound is relative to the largest value of the serial latent (and absolute below 1): a
 random-weight PixArt predicts ε of order 1, which EPS sampling multiplies by σ_max ≈ 157 and
@@ -31,8 +31,11 @@ FAMILIES = {
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
     # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
     "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
+    "hunyuan-dit-tiny": {"width": 128, "height": 64},
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
+# The issue's report: a reference system returned wrong HunyuanDiT images at sequence parallel degree 4.
+EXTRA_LAYOUTS = {"hunyuan-dit-tiny": [(4, {"ulysses": 4}), (4, {"ring": 4})]}
 
 
 def fields(model: str, **extra) -> dict:
@@ -60,7 +63,8 @@ def case_id(case):
     return f"{model}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
 
 
-@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in LAYOUTS], ids=case_id)
+@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in LAYOUTS + EXTRA_LAYOUTS.get(m, [])],
+                         ids=case_id)
 def test_family_layout_equals_serial(case, serial, request):
     model, (world, degrees) = case
     client = request.getfixturevalue(f"backend{world}")
