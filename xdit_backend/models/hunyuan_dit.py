@@ -46,11 +46,17 @@ class RotaryTable(torch.nn.Module):
         self.head_dim, self.patch = head_dim, patch
 
     def forward(self, h: int, w: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.embeddings import get_2d_rotary_pos_embed
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed_from_grid
 
         rows, columns = h // self.patch, w // self.patch
         start, stop = fit_into_base(rows, columns, ROPE_BASE_PIXELS // 8 // self.patch)
-        return get_2d_rotary_pos_embed(self.head_dim, (start, stop), (rows, columns), device=device)
+        # np.linspace(start, stop, n, endpoint=False) per axis, as ComfyUI's get_meshgrid (float64, then
+        # float32). diffusers' get_2d_rotary_pos_embed scales only the stop by (n − 1)/n, which differs
+        # wherever the grid does not start at 0: every image that is not square.
+        axes = [(torch.arange(n, dtype=torch.float64) * ((b - a) / n) + a).float().to(device)
+                for a, b, n in zip(start, stop, (rows, columns))]
+        grid = torch.stack(torch.meshgrid(axes[1], axes[0], indexing="xy"))  # [2, rows, columns]: column, row
+        return get_2d_rotary_pos_embed_from_grid(self.head_dim, grid.unsqueeze(1), use_real=True)  # [N, D] each
 
 
 def fit_into_base(rows: int, columns: int, base: int) -> tuple[tuple[int, int], tuple[int, int]]:
