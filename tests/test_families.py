@@ -35,7 +35,9 @@ FAMILIES = {
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 # The report: a reference system returned wrong HunyuanDiT images at sequence parallel degree 4.
-EXTRA_LAYOUTS = {"hunyuan-dit-tiny": [(4, {"ulysses": 4}), (4, {"ring": 4})]}
+# HunyuanDiT's second-half blocks take a skip input: FSDP2-sharded blocks must pass it through.
+EXTRA_LAYOUTS = {"hunyuan-dit-tiny": [(4, {"ulysses": 4}), (4, {"ring": 4}),
+                                      (2, {"ulysses": 2, "shard_weights": True})]}
 
 
 def fields(model: str, **extra) -> dict:
