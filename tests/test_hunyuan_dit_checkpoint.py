@@ -243,3 +243,11 @@ def test_rope_rows_of_a_wide_image_step_from_its_crop_as_comfyui_lays_them():
     cos, sin = RotaryTable(head_dim=8, patch=2)(8, 12)  # latent 8 × 12 → 4 × 6 tokens
     rows = torch.tensor([6.0, 11.25, 16.5, 21.75])
     assert torch.allclose(cos[::6, 4], rows.cos(), atol=1e-6) and torch.allclose(sin[::6, 4], rows.sin(), atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [2, 6])
+def test_configs_of_other_depths_are_read_off_the_shapes(depth):
+    """A depth-2 file has no skip blocks (nothing after the middle one); depth 6 has two."""
+    config = {**V12, "num_layers": depth}
+    shapes = {k: list(v.shape) for k, v in original_state_dict(build(config)).items()}
+    assert hunyuan_dit_checkpoint.config_from_shapes(shapes, "", "few-blocks.safetensors") == config

@@ -109,8 +109,9 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mlp_t5.2.weight": [clip_dim, 4 * mt5_dim],
         "final_layer.linear.weight": [patch * patch * 2 * in_channels, width],  # ε (v) and the variance
         "final_layer.adaLN_modulation.1.weight": [2 * width, width],
-        f"blocks.{depth - 1}.skip_linear.weight": [width, 2 * width],
     }
+    if depth - 1 > depth // 2:  # the blocks after the middle one take a skip (none at depth 2)
+        expected[f"blocks.{depth - 1}.skip_linear.weight"] = [width, 2 * width]
     wrong = {key: shape(key) if prefix + key in shapes else "missing" for key, want in expected.items()
              if prefix + key not in shapes or shape(key) != want}
     if wrong or width % head_dim or depth % 2:
