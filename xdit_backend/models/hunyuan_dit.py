@@ -38,8 +38,9 @@ ROPE_BASE_PIXELS = 512  # comfy/ldm/hydit/models.py calc_rope: the RoPE grid is 
 
 class RotaryTable(torch.nn.Module):
     """HunyuanDiT's 2-D RoPE (cos, sin) [N, head_dim] for a [.., h, w] latent, as ComfyUI's calc_rope
-    builds it: the token grid fit into a 32 × 32 base grid, rows then columns. A module so that the
-    sequence plan can cut its output; it holds no parameters."""
+    builds it: the token grid fit into a 32 × 32 base grid; the first half of each head's dims turns
+    with the token's column, the second half with its row. A module so that the sequence plan can cut
+    its output; it holds no parameters."""
 
     def __init__(self, head_dim: int, patch: int):
         super().__init__()
@@ -72,7 +73,7 @@ def fit_into_base(rows: int, columns: int, base: int) -> tuple[tuple[int, int], 
 
 class HunyuanDiTProcessor:
     """HunyuanDiT's self-attention (``attn1``: QK layer norm, RoPE on queries and keys) whose attention
-    itself is ``core(q, k, v, text_tokens=0)`` on [B, S, H, D]: USPAttention or PipeFusion's stale K/V."""
+    itself is ``core(q, k, v, text_tokens=0)`` on [B, S, H, D] (sequence parallelism's USPAttention)."""
 
     def __init__(self, core):
         self.core = core
