@@ -140,3 +140,13 @@ def test_hunyuan_video15_with_sharded_weights_equals_serial(serial, backend2):
     assert "weights sharded" in info["layout"]
     reference = serial["hunyuan-video-1.5-tiny"]
     assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+@pytest.mark.parametrize(("world", "degrees"), [(2, {"ring": 2}), (4, {"ulysses": 4})], ids=["ring2", "ulysses4"])
+def test_hunyuan_dit_at_a_token_count_no_degree_divides_equals_serial(world, degrees, request):
+    """80 × 48 px is 5 × 3 = 15 HunyuanDiT tokens: padded shares, and the RoPE table padded with them."""
+    message = {**fields("hunyuan-dit-tiny"), "width": 80, "height": 48}
+    serial = serial_latent(message)
+    result, _ = request.getfixturevalue(f"backend{world}").sample({**message, "parallel": degrees})
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"{degrees}: max |parallel − serial| = {difference:.3g}"
