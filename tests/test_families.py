@@ -32,8 +32,13 @@ FAMILIES = {
     # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
     "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
     "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
+    "hunyuan-dit-tiny": {"width": 128, "height": 64},
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
+# The issue's report: a reference system returned wrong HunyuanDiT images at sequence parallel degree 4.
+# HunyuanDiT's second-half blocks take a skip input: FSDP2-sharded blocks must pass it through.
+EXTRA_LAYOUTS = {"hunyuan-dit-tiny": [(4, {"ulysses": 4}), (4, {"ring": 4}),
+                                      (2, {"ulysses": 2, "shard_weights": True})]}
 
 
 def fields(model: str, **extra) -> dict:
@@ -61,7 +66,8 @@ def case_id(case):
     return f"{model}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
 
 
-@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in LAYOUTS], ids=case_id)
+@pytest.mark.parametrize("case", [(m, layout) for m in FAMILIES for layout in LAYOUTS + EXTRA_LAYOUTS.get(m, [])],
+                         ids=case_id)
 def test_family_layout_equals_serial(case, serial, request):
     model, (world, degrees) = case
     client = request.getfixturevalue(f"backend{world}")
@@ -156,3 +162,13 @@ def test_hunyuan_video15_with_sharded_weights_equals_serial(serial, backend2):
     assert "weights sharded" in info["layout"]
     reference = serial["hunyuan-video-1.5-tiny"]
     assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+@pytest.mark.parametrize(("world", "degrees"), [(2, {"ring": 2}), (4, {"ulysses": 4})], ids=["ring2", "ulysses4"])
+def test_hunyuan_dit_at_a_token_count_no_degree_divides_equals_serial(world, degrees, request):
+    """80 × 48 px is 5 × 3 = 15 HunyuanDiT tokens: padded shares, and the RoPE table padded with them."""
+    message = {**fields("hunyuan-dit-tiny"), "width": 80, "height": 48}
+    serial = serial_latent(message)
+    result, _ = request.getfixturevalue(f"backend{world}").sample({**message, "parallel": degrees})
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"{degrees}: max |parallel − serial| = {difference:.3g}"

@@ -70,7 +70,7 @@ def test_joint_models_cut_their_text_and_the_others_do_not():
     Wan cross-attend."""
     cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
     assert cuts_text == {"flux": True, "sd3": True, "pixart": False, "wan": False, "hunyuan_video15": True,
-                         "z_image": False}
+                         "z_image": False, "hunyuan_dit": False}
 
 
 def family(**attributes):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from xdit_backend.models import latent_formats
+from xdit_backend.models import latent_formats, registry
 from xdit_backend.sampling.generate import cut
 from xdit_backend.sampling.model_sampling import EpsSampling, FlowSampling
 
@@ -92,6 +92,38 @@ def test_pixart_eps_sampling_matches_comfyui(steps):
 
 
 @needs_comfyui
+@pytest.mark.parametrize("size_conditioning", [False, True], ids=["HunyuanDiT-1.2", "HunyuanDiT1-1.0-1.1"])
+@pytest.mark.parametrize("steps", [1, 20, 50])
+def test_hunyuan_dit_v_sampling_matches_comfyui(size_conditioning, steps):
+    """HunyuanDiT (1.2) and HunyuanDiT1 (1.0 / 1.1): ModelSamplingDiscrete over ComfyUI's default
+    "linear" betas, V-prediction, each with its own linear_end, through the family's spec; SDXL latents."""
+    c = comfy()
+    models = importlib.import_module("comfy.supported_models")
+    supported = models.HunyuanDiT1 if size_conditioning else models.HunyuanDiT
+
+    class Config:
+        sampling_settings = supported.sampling_settings
+
+    class Theirs(c.model_sampling.ModelSamplingDiscrete, c.model_sampling.V_PREDICTION):
+        pass
+
+    spec = registry.FAMILIES["hunyuan_dit"].spec({"use_style_cond_and_image_meta_size": size_conditioning})
+    theirs, ours = Theirs(Config()), spec.model_sampling(None)
+    assert supported.latent_format is c.latent_formats.SDXL and spec.latent_format == latent_formats.SDXL
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    x, output, latent = (torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for sigma in sigmas[:-1]:
+        assert torch.equal(ours.timestep(sigma.view(1)), theirs.timestep(sigma.view(1)).float())
+        assert torch.equal(ours.calculate_input(sigma.view(1), x), theirs.calculate_input(sigma.view(1), x))
+        assert torch.equal(ours.calculate_denoised(sigma.view(1), output, x),
+                           theirs.calculate_denoised(sigma.view(1), output, x))
+    assert torch.equal(ours.noise_scaling(sigmas[0], output, latent),
+                       theirs.noise_scaling(sigmas[0], output.clone(), latent, max_denoise=True))
+
+
+@needs_comfyui
 @pytest.mark.parametrize(("ours", "name", "shape"), [
     (latent_formats.FLUX, "Flux", (1, 16, 4, 4)), (latent_formats.SD3, "SD3", (1, 16, 4, 4)),
     (latent_formats.SD15, "SD15", (1, 4, 4, 4)), (latent_formats.SDXL, "SDXL", (1, 4, 4, 4)),
@@ -126,6 +158,9 @@ def test_hunyuan_video15_sampling_and_latent_format_match_comfyui():
     assert torch.allclose(spec.latent_format.process_in(latent), latent_format.process_in(latent), rtol=1e-6, atol=1e-6)
     assert torch.allclose(spec.latent_format.process_out(latent), latent_format.process_out(latent), rtol=1e-6,
                           atol=1e-6)
+
+
+@needs_comfyui
 @pytest.mark.parametrize("steps", [1, 8, 30])
 def test_z_image_sampling_matches_comfyui(steps):
     """Z-Image: ModelSamplingDiscreteFlow at ComfyUI's ZImage sampling_settings (shift 3, multiplier 1:

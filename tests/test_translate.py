@@ -205,3 +205,25 @@ def test_hunyuan_video15_takes_the_glyph_text_only_when_the_prompt_quotes_some()
     glyphs = torch.randn(1, 3, spec.byt5_dim)
     side = translate.conditioning([[context, {"conditioning_byt5small": glyphs}]], spec, 1, "positive")
     assert set(side.tensors) == {"context", "context_byt5"} and torch.equal(side.tensors["context_byt5"], glyphs)
+
+
+def test_a_hunyuan_dit_prompt_as_comfyui_encodes_it_reaches_the_model():
+    """CLIPTextEncode with HunyuanDiT's CLIP: BERT tokens as the tensor, mT5 tokens and both integer
+    masks as options (comfy/text_encoders/hydit.py) → request tensors the model's checks accept → a
+    forward (hunyuan-dit-tiny's widths: BERT 32, mT5 16; prompts longer than its 8 + 8 padded tokens)."""
+    from xdit_backend.protocol import Message
+    from xdit_backend.request import SampleRequest
+
+    spec = registry.spec("hunyuan-dit-tiny")
+    options = {"pooled_output": None, "conditioning_mt5xl": torch.randn(1, 11, 16),
+               "attention_mask": torch.tensor([[1] * 7 + [0] * 3]), "attention_mask_mt5xl": torch.ones(1, 11, dtype=torch.int64)}
+    sides = [translate.conditioning([[torch.randn(1, 10, 32), options]], spec, 2, which) for which in ("positive", "negative")]
+    tensors = {**sides[0].tensors, **{f"negative_{k}": v for k, v in sides[1].tensors.items()}}
+    assert set(sides[0].tensors) == {"context", "context_mt5", "context_mask", "context_mt5_mask"}
+    fields = {"model": "hunyuan-dit-tiny", "width": 64, "height": 64, "steps": 1, "seed": 1, "cfg": 4.0, "batch": 2}
+    request = SampleRequest.parse(Message("sample", fields, tensors))
+    positive, negative = request.conditioning(spec)
+    model = registry.build("hunyuan-dit-tiny", torch.device("cpu"))
+    with torch.no_grad():
+        out = model.output(torch.randn(2, 4, 8, 8), torch.tensor([500.0, 500.0]), positive, None)
+    assert out.shape == (2, 4, 8, 8) and torch.isfinite(out).all()

@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint, scaled_fp8,
-               sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
+from . import (flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint, lora,
+               pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
 from .flux import FluxModel, FluxSpec
+from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -52,6 +53,8 @@ FAMILIES = {
                               HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
     "z_image": Family("z_image", "ZImageTransformer2DModel", ZImageSpec.from_config, ZImageModel, z_image_checkpoint,
                       ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
+    "hunyuan_dit": Family("hunyuan_dit", "HunyuanDiT2DModel", HunyuanDiTSpec.from_config, HunyuanDiTModel,
+                          hunyuan_dit_checkpoint, HunyuanDiTSpec.stage_plan.block_lists, "HunyuanDiT 1.0, 1.1, 1.2"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -215,6 +218,28 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="Z-Image architecture, 1+1 refiner and 2 main blocks, width 96, 6 heads, random weights (a test model)",
+    ),
+    "hunyuan-dit-tiny": BuiltinModel(
+        family="hunyuan_dit",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 divides them
+            attention_head_dim=8,  # ComfyUI's HunyuanDiT asserts a multiple of 8
+            hidden_size=32,  # = heads × head size, as in every HunyuanDiT
+            in_channels=4,
+            patch_size=2,
+            sample_size=16,
+            num_layers=4,  # an even depth: block 3 takes block 0's output as its skip
+            mlp_ratio=4.0,
+            learn_sigma=True,
+            cross_attention_dim=32,  # the CLIP (BERT) width, 1024 at full size
+            cross_attention_dim_t5=16,  # the mT5 width, 2048 at full size
+            pooled_projection_dim=32,  # 1024 at full size
+            text_len=8,  # 77 at full size
+            text_len_t5=8,  # 256 at full size
+            use_style_cond_and_image_meta_size=False,  # HunyuanDiT 1.2
+        ),
+        text_tokens=8,
+        description="HunyuanDiT 1.2 architecture, 4 blocks, width 32, random weights (a test model)",
     ),
 }
 

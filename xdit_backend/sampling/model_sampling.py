@@ -4,6 +4,7 @@ model's output becomes a denoised estimate (comfy/model_sampling.py; float32 as 
 - ``FlowSampling``: rectified flow (CONST). Flux uses ModelSamplingFlux (an exponential shift over
   10000 steps, timestep = σ); SD3 and Wan use ModelSamplingDiscreteFlow (timestep = 1000·σ).
 - ``EpsSampling``: ModelSamplingDiscrete with EPS prediction over discrete betas (PixArt).
+- ``VSampling``: the same with V-prediction (HunyuanDiT).
 """
 
 from __future__ import annotations
@@ -105,10 +106,17 @@ class FlowSampling(_Tabulated):
 class EpsSampling(_Tabulated):
     linear_start: float = 0.0001
     linear_end: float = 0.02
-    timesteps: int = 1000  # "sqrt_linear" betas: linspace(start, end), as ComfyUI's PixArt
+    timesteps: int = 1000
+    # comfy/ldm/modules/diffusionmodules/util.py make_beta_schedule: "sqrt_linear" (PixArt) is
+    # linspace(start, end); "linear" (ComfyUI's default: HunyuanDiT) is linspace(√start, √end)²
+    beta_schedule: str = "sqrt_linear"
 
     def _sigmas64(self) -> torch.Tensor:
-        betas = torch.linspace(self.linear_start, self.linear_end, self.timesteps, dtype=torch.float64)
+        if self.beta_schedule == "linear":
+            betas = torch.linspace(self.linear_start ** 0.5, self.linear_end ** 0.5, self.timesteps,
+                                   dtype=torch.float64) ** 2
+        else:
+            betas = torch.linspace(self.linear_start, self.linear_end, self.timesteps, dtype=torch.float64)
         alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
         return ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5
 
@@ -166,3 +174,12 @@ class EpsSampling(_Tabulated):
         if percent >= 1.0:
             return 0.0
         return self.sigma(torch.tensor((1.0 - percent) * 999.0)).item()  # 999 whatever the table size, as ComfyUI
+
+
+@dataclass(frozen=True)
+class VSampling(EpsSampling):
+    """ModelSamplingDiscrete with V-prediction (comfy/model_sampling.py V_PREDICTION, σ_data = 1)."""
+
+    def calculate_denoised(self, sigma, output, x) -> torch.Tensor:
+        sigma = _view(sigma, output)
+        return x / (sigma ** 2 + 1.0) - output * sigma / (sigma ** 2 + 1.0) ** 0.5
