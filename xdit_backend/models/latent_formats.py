@@ -65,3 +65,7 @@ WAN22 = LatentFormat(  # Wan 2.2 TI2V-5B's 48-channel VAE
          0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
          0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
 )
+# Flux.2's VAE latent as ComfyUI carries it: 32 channels × 2×2 patches, pre-patchified to 128 channels
+# at 1/16 of the pixels; process_in and process_out are the identity (Comfy-Org/ComfyUI
+# comfy/latent_formats.py, class Flux2: latent_channels 128, spacial_downscale_ratio 16).
+FLUX2 = LatentFormat(channels=128, scale=1.0)
