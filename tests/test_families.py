@@ -29,6 +29,7 @@ FAMILIES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    "flux2-tiny": {"width": 128, "height": 64},  # latent [1, 128, 4, 8]: 32 tokens (and 512 of text)
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 

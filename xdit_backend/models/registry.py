@@ -37,11 +37,11 @@ class Family:
     describes: str  # the variants, for messages
 
 
-FAMILIES = {
-    "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
-                   FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
+FAMILIES = {  # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
     "flux2": Family("flux2", "Flux2Transformer2DModel", Flux2Spec.from_config, Flux2Model, flux2_checkpoint,
                     Flux2Spec.stage_plan.block_lists, "Flux.2 (dev, klein 4B and 9B)"),
+    "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
+                   FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
     "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
                   SD3Spec.stage_plan.block_lists, "SD3 (medium), SD3.5 (medium, large)"),
     "pixart": Family("pixart", "PixArtTransformer2DModel", PixArtSpec.from_config, PixArtModel, pixart_checkpoint,
