@@ -15,7 +15,8 @@ DEV_LIKE = {"patch_size": 1, "in_channels": 128, "out_channels": 128, "num_layer
             "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": (4, 4, 4, 4), "rope_theta": 2000,
             "guidance_embeds": True}
 KLEIN_LIKE = {**DEV_LIKE, "num_single_layers": 3, "joint_attention_dim": 32, "guidance_embeds": False}
-# The released sizes (width = heads × 128, double + single blocks, the text features' width).
+# The released sizes (width = heads × 128, double + single blocks, the text features' width); the names
+# depend on the guidance embedding and the width alone.
 FULL = {
     "Flux.2-dev": {"num_attention_heads": 48, "num_layers": 8, "num_single_layers": 48,
                    "joint_attention_dim": 15360, "guidance_embeds": True},  # Mistral-Small: 3 × 5120
