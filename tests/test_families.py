@@ -97,6 +97,12 @@ def test_two_step_ranges_equal_one_run():
     assert (first - whole).abs().max() > 100 * TOLERANCE  # the first half alone is not the result
 
 
+def test_flux2_with_its_weights_sharded_equals_serial(serial, backend2):
+    """Flux.2's blocks (double- and single-stream, their fused projections) sharded under ulysses=2."""
+    result, _ = backend2.sample({**fields("flux2-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert (result["samples"] - serial["flux2-tiny"]).abs().max() <= bound(serial["flux2-tiny"])
+
+
 def test_step_ranges_through_the_backend(backend2):
     """The same split over the socket, under a parallel layout."""
     base = {**fields("wan-tiny", steps=4), "parallel": {"ulysses": 2}}
