@@ -144,6 +144,23 @@ def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path):
     assert torch.isfinite(forward(loaded, DEV_LIKE)).all()
 
 
+def test_a_comfyui_scaled_fp8_file_matches_the_dequantised_model(tmp_path):
+    """ComfyUI's scaled fp8 with a scale per output row: the fused qkv's scales go with their thirds,
+    every Linear stays fp8 with its scale, and the forward is the dequantised model's."""
+    from test_storage import comfy_scaled_file
+
+    path = tmp_path / "flux2-scaled.safetensors"
+    reference = comfy_scaled_file(original_state_dict(build(DEV_LIKE)), path, per_row=True)
+    save_file(reference, str(tmp_path / "dequantised.safetensors"))
+    expected, _ = load(tmp_path / "dequantised.safetensors")
+    loaded, _ = load(path)
+    stored = {name: module for name, module in loaded.named_modules() if isinstance(module, StoredLinear)}
+    assert "transformer_blocks.0.attn.to_k" in stored and "single_transformer_blocks.0.attn.to_out" in stored
+    for name, module in stored.items():
+        assert torch.equal(module.upcast(torch.float32), expected.get_submodule(name).weight), name
+    assert (forward(loaded, DEV_LIKE) - forward(expected, DEV_LIKE)).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("name", list(FULL))
 def test_full_size_configs_and_names_are_read_off_the_shapes(name):
     """For each released size (built on meta): the shapes give its config back, and its name."""
