@@ -93,12 +93,14 @@ def time_embedding(embed, sigma: torch.Tensor, guidance: torch.Tensor | None, dt
 
 @contextmanager
 def time_embedded_in_float32(embed, sigma: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype):
-    """For one forward of diffusers' Flux.2: its time embedding's output replaced by ``time_embedding``'s."""
-    handle = embed.register_forward_hook(lambda module, args, out: time_embedding(module, sigma, guidance, dtype))
+    """For one forward of diffusers' Flux.2: its time embedding module computes ``time_embedding`` from the
+    float32 σ and guidance instead of the rounded values the forward passes it (an instance ``forward``,
+    removed after)."""
+    embed.forward = lambda *rounded: time_embedding(embed, sigma, guidance, dtype)
     try:
         yield
     finally:
-        handle.remove()
+        del embed.forward
 
 
 # The text share each attention core saw in the last double-stream block. A single-stream module gets
