@@ -33,6 +33,7 @@ FAMILIES = {
     "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
     "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
     "hunyuan-dit-tiny": {"width": 128, "height": 64},
+    "flux2-tiny": {"width": 128, "height": 64},  # latent [1, 128, 4, 8]: 32 tokens (and 512 of text)
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 # The issue's report: a reference system returned wrong HunyuanDiT images at sequence parallel degree 4.
@@ -124,6 +125,12 @@ def test_two_step_ranges_equal_one_run():
                           request.generation(spec, positive, negative))
     assert (second - whole).abs().max() <= 1e-5
     assert (first - whole).abs().max() > 100 * TOLERANCE  # the first half alone is not the result
+
+
+def test_flux2_with_its_weights_sharded_equals_serial(serial, backend2):
+    """Flux.2's blocks (double- and single-stream, their fused projections) sharded under ulysses=2."""
+    result, _ = backend2.sample({**fields("flux2-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert (result["samples"] - serial["flux2-tiny"]).abs().max() <= bound(serial["flux2-tiny"])
 
 
 def test_step_ranges_through_the_backend(backend2):

@@ -190,3 +190,33 @@ def test_z_image_sampling_matches_comfyui(steps):
     assert spec.latent_format is latent_formats.FLUX
     supported_models = importlib.import_module("comfy.supported_models")
     assert supported_models.Lumina2.latent_format is c.latent_formats.Flux
+
+
+@needs_comfyui
+@pytest.mark.parametrize("steps", [1, 4, 50])
+def test_flux2_sampling_is_comfyui_model_sampling_flux_at_shift_2_02(steps):
+    """Flux.2 is newer than the snapshot; current ComfyUI's Flux2 config (Comfy-Org/ComfyUI
+    comfy/supported_models.py: a Flux subclass, sampling_settings shift 2.02) runs ModelSamplingFlux,
+    which the snapshot has: the same sigmas, simple schedule and timesteps (σ itself)."""
+    from xdit_backend.models import registry
+
+    c = comfy()
+    theirs = c.model_sampling.ModelSamplingFlux()
+    theirs.set_parameters(shift=2.02)
+    ours = registry.spec("flux2-tiny").model_sampling(None)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    assert torch.equal(ours.timestep(sigmas[:-1]), theirs.timestep(sigmas[:-1]))
+
+
+def test_flux2_latent_format_is_the_identity_on_128_channels():
+    """Current ComfyUI's latent_formats.Flux2 (newer than the snapshot): 128 channels (32 × a 2×2 patch)
+    at 1/16 of the pixels, process_in and process_out the identity."""
+    from xdit_backend.models import registry
+
+    spec = registry.spec("flux2-tiny")
+    latent = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(spec.latent_format.process_in(latent), latent)
+    assert torch.equal(spec.latent_format.process_out(latent), latent)
+    assert spec.latent_shape(1, width=1024, height=768) == (1, 128, 48, 64)

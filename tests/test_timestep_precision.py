@@ -16,9 +16,10 @@ TIME_PROJECTION = {
     "sd3-tiny": "time_text_embed.time_proj",
     "wan-tiny": "condition_embedder.timesteps_proj",
     "pixart-tiny": "adaln_single.emb.time_proj",
+    "flux2-tiny": "time_guidance_embed.time_proj",
 }
 LATENT = {"flux-tiny": (1, 16, 4, 4), "sd3-tiny": (1, 16, 4, 4), "wan-tiny": (1, 16, 2, 4, 4),
-          "pixart-tiny": (1, 4, 4, 4)}
+          "pixart-tiny": (1, 4, 4, 4), "flux2-tiny": (1, 128, 4, 4)}
 SIGMA = 0.7371  # 1000·σ = 737.1: bf16 holds 736 there (spacing 4), and σ itself rounds to 0.73828
 GUIDANCE = 3.5  # 1000·g = 3500: bf16 holds 3504
 
@@ -52,12 +53,13 @@ def embedded_inputs(name: str, path: str) -> tuple[list[torch.Tensor], object]:
 
 
 @pytest.mark.parametrize("path", ["forward", "stage"])
-@pytest.mark.parametrize("name", ["flux-tiny", "sd3-tiny", "wan-tiny"])
+@pytest.mark.parametrize("name", ["flux-tiny", "sd3-tiny", "wan-tiny", "flux2-tiny"])
 def test_flow_families_embed_float32_thousand_sigma(name, path):
-    """Flux, SD3 and Wan embed 1000·σ in float32 (Flux-dev also 1000·guidance), as ComfyUI does."""
+    """Flux, SD3, Wan and Flux.2 embed 1000·σ in float32 (Flux-dev and Flux.2-dev also 1000·guidance), as
+    ComfyUI does."""
     seen, _ = embedded_inputs(name, path)
     expected = [torch.tensor([SIGMA]) * 1000]
-    if name == "flux-tiny":  # a guidance-distilled model: its guidance is embedded the same way
+    if name in ("flux-tiny", "flux2-tiny"):  # a guidance-distilled model: its guidance is embedded the same way
         expected.append(torch.tensor([GUIDANCE]) * 1000)
     assert [t.dtype for t in seen] == [torch.float32] * len(expected)
     assert all(torch.equal(t, e) for t, e in zip(seen, expected))

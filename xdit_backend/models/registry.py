@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint, lora,
-               pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
+from . import (flux2_checkpoint, flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint,
+               lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
 from .flux import FluxModel, FluxSpec
+from .flux2 import Flux2Model, Flux2Spec
 from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
@@ -39,7 +40,9 @@ class Family:
     describes: str  # the variants, for messages
 
 
-FAMILIES = {
+FAMILIES = {  # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
+    "flux2": Family("flux2", "Flux2Transformer2DModel", Flux2Spec.from_config, Flux2Model, flux2_checkpoint,
+                    Flux2Spec.stage_plan.block_lists, "Flux.2 (dev, klein 4B and 9B)"),
     "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
                    FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
     "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
@@ -111,6 +114,26 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=512,
         description="Flux.1-dev's width (3072) with 1 double and 1 single block (545 M parameters), random weights: "
                     "full-size activations on a CPU (bench memory --measure)",
+    ),
+    "flux2-tiny": BuiltinModel(
+        family="flux2",
+        config=dict(
+            patch_size=1,
+            in_channels=128,  # ComfyUI's Flux.2 latent: 32 VAE channels × a 2×2 patch
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=96,  # 3 stacked text-encoder layers of 32, as dev's 3 × 5120
+            timestep_guidance_channels=256,
+            mlp_ratio=3.0,
+            axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+            rope_theta=2000,
+            guidance_embeds=True,
+        ),
+        text_tokens=512,  # ComfyUI pads Flux.2's text to 512 tokens (flux2.MIN_TEXT_TOKENS)
+        description="Flux.2-dev architecture (takes reference images), 2+4 blocks, width 64, random weights "
+                    "(a test model)",
     ),
     "sd3-tiny": BuiltinModel(
         family="sd3",
