@@ -15,11 +15,12 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint, scaled_fp8,
-               sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
+from . import (flux_checkpoint, folder, gguf_file, hunyuan_video15_checkpoint, lora, pixart_checkpoint,
+               qwen_image_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
 from .flux import FluxModel, FluxSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
+from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
 from .z_image import ZImageModel, ZImageSpec
@@ -52,6 +53,9 @@ FAMILIES = {
                               HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
     "z_image": Family("z_image", "ZImageTransformer2DModel", ZImageSpec.from_config, ZImageModel, z_image_checkpoint,
                       ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
+    "qwen_image": Family("qwen_image", "QwenImageTransformer2DModel", QwenImageSpec.from_config, QwenImageModel,
+                         qwen_image_checkpoint, QwenImageSpec.stage_plan.block_lists,
+                         "Qwen-Image, Qwen-Image-Edit (-2509)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -215,6 +219,21 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="Z-Image architecture, 1+1 refiner and 2 main blocks, width 96, 6 heads, random weights (a test model)",
+    ),
+    "qwen-image-tiny": BuiltinModel(
+        family="qwen_image",
+        config=dict(
+            patch_size=2,
+            in_channels=64,  # 16 latent channels × a 2×2 patch
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        ),
+        text_tokens=8,
+        description="Qwen-Image architecture, 2 blocks, width 64, random weights (a test model)",
     ),
 }
 
