@@ -57,11 +57,12 @@ class QwenImageAttention:
         text = [heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
         image[0], image[1] = attn.norm_q(image[0]), attn.norm_k(image[1])
         text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+        text_tokens = encoder_hidden_states.shape[1]  # 0 for PipeFusion's patches that do not carry the text
         if image_rotary_emb is not None:
             image_freqs, text_freqs = image_rotary_emb  # complex [N, D/2], [L, D/2]
             image[:2] = [apply_rotary_emb_qwen(t, image_freqs, use_real=False) for t in image[:2]]
-            text[:2] = [apply_rotary_emb_qwen(t, text_freqs, use_real=False) for t in text[:2]]
-        text_tokens = encoder_hidden_states.shape[1]
+            if text_tokens:  # diffusers' rotation cannot reshape an empty tensor
+                text[:2] = [apply_rotary_emb_qwen(t, text_freqs, use_real=False) for t in text[:2]]
         query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, image))  # [B, L + N, H, D]
         out = self.core(query, key, value, text_tokens=text_tokens).flatten(2, 3).to(query.dtype)  # [B, L + N, H·D]
         image_out = attn.to_out[0](out[:, text_tokens:].contiguous())
