@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from xdit_backend.models import latent_formats
+from xdit_backend.models import latent_formats, registry
 from xdit_backend.sampling.generate import cut
 from xdit_backend.sampling.model_sampling import EpsSampling, FlowSampling
 
@@ -155,3 +155,26 @@ def test_z_image_sampling_matches_comfyui(steps):
     assert spec.latent_format is latent_formats.FLUX
     supported_models = importlib.import_module("comfy.supported_models")
     assert supported_models.Lumina2.latent_format is c.latent_formats.Flux
+
+
+@needs_comfyui
+@pytest.mark.parametrize("steps", [1, 20, 50])
+def test_qwen_image_sampling_and_latent_format_match_comfyuis_model_config(steps):
+    """Qwen-Image as ComfyUI sets it up (supported_models.QwenImage: ModelType.FLUX, shift 1.15, Wan21
+    latents, which ComfyUI carries as [B, 16, 1, h, w]): the same sigmas, timesteps and scaled latent."""
+    c = comfy()
+    model_base, supported_models = (importlib.import_module(f"comfy.{name}") for name in ("model_base", "supported_models"))
+    config = supported_models.QwenImage({"image_model": "qwen_image"})
+    theirs = model_base.model_sampling(config, model_base.ModelType.FLUX)
+    spec = registry.spec("qwen-image-tiny")
+    ours = spec.model_sampling(None)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    assert torch.equal(ours.timestep(sigmas[:-1]), theirs.timestep(sigmas[:-1]))
+    latent = torch.randn(2, 16, 6, 10, generator=torch.Generator().manual_seed(4))
+    comfy_format = config.latent_format  # an instance once the config is built
+    assert torch.allclose(spec.latent_format.process_in(latent), comfy_format.process_in(latent[:, :, None])[:, :, 0],
+                          rtol=1e-6, atol=1e-6)
+    assert torch.allclose(spec.latent_format.process_out(latent),
+                          comfy_format.process_out(latent[:, :, None])[:, :, 0], rtol=1e-6, atol=1e-6)
