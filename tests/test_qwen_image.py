@@ -20,7 +20,7 @@ from xdit_backend.parallel import sequence
 
 TINY = registry.BUILTINS["qwen-image-tiny"].config
 needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
-                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with ComfyUI's own model")
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with its own model")
 
 # ComfyUI's names for one block's tensors (comfy/ldm/qwen_image/model.py's modules), written out here
 # rather than taken from the converter; every one has a weight and a bias unless listed in NORMS.
