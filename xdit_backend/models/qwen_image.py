@@ -185,8 +185,11 @@ class QwenImageModel(DiffusionModel):
         for index, reference in enumerate(references(cond), start=1):
             latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
             latent = pad_to_patches(self.latent_format.process_in(latent.float()).to(self.dtype))
-            if latent.shape[0] != b:
-                latent = latent.repeat(b // latent.shape[0], 1, 1, 1)  # one reference for cond and uncond
+            if b % latent.shape[0]:
+                raise UserError(f"reference latent {index - 1} has batch {latent.shape[0]}, the latent {b}",
+                                "give one reference image, or one per latent in the batch")
+            # each side's references repeated over its own images: [pos refs, neg refs] → [pos ×k, neg ×k]
+            latent = latent.repeat_interleave(b // latent.shape[0], dim=0)
             tokens.append(pack(latent))  # [B, R_i, 64]
             positions.append(image_positions(*latent.shape[-2:], index))
         tables = (rope(torch.cat(positions), self.spec.rope_axes, self.dtype, self.device),  # [N + R, D/2]
