@@ -252,3 +252,30 @@ def test_a_reference_latent_stays_exact_under_ulysses_2_and_ring_2():
     for rank, differences in enumerate(on_ranks(sequence_parallel_differences, 2, x, sigma, edited)):
         assert differences.keys() == {"ulysses", "ring"}
         assert max(differences.values()) <= 1e-5, (rank, differences)
+
+
+@pytest.mark.parametrize("prefix", ["diffusion_model.", "transformer."], ids=["comfyui", "diffusers"])
+def test_a_lora_in_either_naming_equals_a_manual_merge(tmp_path, prefix):
+    """Qwen-Image LoRAs (Lightning and the like) name the modules as ComfyUI's model and diffusers do:
+    a rank-2 LoRA on one block's to_q and img_mlp output, at strength 0.7, equals the merged weights."""
+    from xdit_backend.models.lora import LoraSpec
+
+    g = torch.Generator().manual_seed(8)
+    targets = {"transformer_blocks.0.attn.to_q": (64, 64), "transformer_blocks.1.img_mlp.net.2": (64, 256)}
+    pairs = {name: (torch.randn(2, columns, generator=g), torch.randn(rows, 2, generator=g))
+             for name, (rows, columns) in targets.items()}
+    path = tmp_path / "lora.safetensors"
+    save_file({f"{prefix}{name}.{part}.weight": tensor for name, (down, up) in pairs.items()
+               for part, tensor in (("lora_A", down), ("lora_B", up))}, str(path))
+    patched = registry.build("qwen-image-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 0.7)])
+    assert patched.lora_reports[0]["merged_modules"] == 2 and patched.lora_reports[0]["unmatched_keys"] == 0
+    merged = registry.build("qwen-image-tiny", torch.device("cpu"))
+    x, sigma, cond = inputs(9)
+    base = velocity(merged, x, sigma, cond)
+    modules = dict(merged.transformer.named_modules())
+    with torch.no_grad():
+        for name, (down, up) in pairs.items():
+            modules[name].weight += 0.7 * up @ down
+    ours = velocity(patched, x, sigma, cond)
+    assert (ours - base).abs().max() > 1e-1
+    assert (ours - velocity(merged, x, sigma, cond)).abs().max() <= 1e-4
