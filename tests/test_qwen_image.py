@@ -279,3 +279,14 @@ def test_a_lora_in_either_naming_equals_a_manual_merge(tmp_path, prefix):
     ours = velocity(patched, x, sigma, cond)
     assert (ours - base).abs().max() > 1e-1
     assert (ours - velocity(merged, x, sigma, cond)).abs().max() <= 1e-4
+
+
+def test_pipefusion_refuses_reference_latents_with_the_methods_that_work():
+    """A reference's tokens are neither a band of the noisy latent nor the text PipeFusion carries."""
+    from xdit_backend.errors import UserError
+
+    model = registry.build("qwen-image-tiny", torch.device("cpu"))
+    x, sigma, cond = inputs()
+    with pytest.raises(UserError, match="PipeFusion") as refused:
+        model.step_inputs(tuple(x.shape), sigma, {**cond, "reference_0": torch.zeros(1, 16, 8, 8)}, None)
+    assert "ulysses" in refused.value.hint
