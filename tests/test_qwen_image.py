@@ -290,3 +290,20 @@ def test_pipefusion_refuses_reference_latents_with_the_methods_that_work():
     with pytest.raises(UserError, match="PipeFusion") as refused:
         model.step_inputs(tuple(x.shape), sigma, {**cond, "reference_0": torch.zeros(1, 16, 8, 8)}, None)
     assert "ulysses" in refused.value.hint
+
+
+def test_a_comfyui_scaled_fp8_file_matches_its_dequantised_model(tmp_path):
+    """Comfy-Org's scaled-fp8 form (``scaled_fp8`` marker, ``scale_weight`` per Linear): the block Linears
+    keep fp8 and their scales, and the forward is that of the dequantised weights."""
+    from test_storage import comfy_scaled_file
+
+    path = tmp_path / "qwen-scaled.safetensors"
+    save_file(comfy_scaled_file(tiny_file(), path), str(tmp_path / "reference.safetensors"))
+    loaded = registry.build(str(path), torch.device("cpu"))
+    expected = registry.build(str(tmp_path / "reference.safetensors"), torch.device("cpu"))
+    assert isinstance(loaded.transformer.transformer_blocks[0].attn.to_q, StoredLinear)
+    assert "float8_e4m3fn scaled" in loaded.storage_dtype
+    x, sigma, cond = inputs(10)
+    reference = velocity(expected, x, sigma, cond)
+    # within 1e-5 relative to the largest value (~10 here): the scales multiply in another order
+    assert (velocity(loaded, x, sigma, cond) - reference).abs().max() <= 1e-5 * max(1.0, reference.abs().max())
