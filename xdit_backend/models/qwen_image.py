@@ -85,7 +85,8 @@ class QwenImageSpec(FamilySpec):
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1),  # [B, N + R, 64]: noisy then reference tokens
               Cut("", "encoder_hidden_states", 1, text=True),  # [B, L, context_dim]
-              Cut("pos_embed", None, 0)),  # (image [N + R, D/2], text [L, D/2]) complex RoPE
+              Cut("image_rope", None, 0),  # [N + R, D/2] complex RoPE of the image tokens
+              Cut("text_rope", None, 0, text=True)),  # [L, D/2] of the text
         attention=(("attn", QwenImageAttention),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
                            joint_text=True)
@@ -161,9 +162,13 @@ def pad_to_patches(latent: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def rope_and_time(transformer, tables: tuple[torch.Tensor, torch.Tensor], timestep: torch.Tensor):
     """For one forward of diffusers' Qwen-Image: ``pos_embed`` returns ``tables`` (image, text RoPE in
-    ComfyUI's positions) before any sequence-parallel cut sees them, and the time embedding gets σ
+    ComfyUI's positions), each passed through its module (``image_rope``, ``text_rope``: a sequence-
+    parallel plan cuts the image and the text table by their own lengths), and the time embedding gets σ
     [B] in float32 (diffusers casts it to the weights' dtype; ComfyUI does not)."""
-    handles = [transformer.pos_embed.register_forward_hook(lambda module, args, out: tables, prepend=True),
+    def ours(module, args, out):  # each table through its own pass-through module, where the plan cuts it
+        return transformer.image_rope(tables[0]), transformer.text_rope(tables[1])
+
+    handles = [transformer.pos_embed.register_forward_hook(ours, prepend=True),
                transformer.time_text_embed.register_forward_pre_hook(
                    lambda module, args: (timestep, *args[1:]))]
     try:
@@ -175,6 +180,11 @@ def rope_and_time(transformer, tables: tuple[torch.Tensor, torch.Tensor], timest
 
 class QwenImageModel(DiffusionModel):
     """A loaded Qwen-Image transformer (whole, or one PipeFusion stage of it)."""
+
+    def __init__(self, transformer, *args, **kwargs):
+        super().__init__(transformer, *args, **kwargs)
+        # pass-through modules (no parameters, no state) the RoPE tables leave through (``rope_and_time``)
+        transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for ``x`` [B, 16, h, w] at σ [B]; reference latents [B, 16, h', w'] (raw VAE
