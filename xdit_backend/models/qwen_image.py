@@ -102,8 +102,12 @@ class QwenImageSpec(FamilySpec):
                    tuple(config["axes_dims_rope"]))
 
     def model_sampling(self, shift: float | None) -> FlowSampling:
-        # model_base.QwenImage is ModelType.FLUX: ModelSamplingFlux, timestep = σ
-        return FlowSampling(QWEN_IMAGE_DEFAULT_SHIFT if shift is None else shift, flux=True)
+        """Without a shift, ComfyUI's own: model_base.QwenImage is ModelType.FLUX, so ModelSamplingFlux at
+        shift 1.15, timestep σ. A shift is what Qwen-Image's workflows set it with, ModelSamplingAuraFlow
+        (comfy_extras/nodes_model_advanced.py: ModelSamplingDiscreteFlow, multiplier 1, so timestep σ too)."""
+        if shift is None:
+            return FlowSampling(QWEN_IMAGE_DEFAULT_SHIFT, flux=True)
+        return FlowSampling(shift, multiplier=1.0)
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
         return {"context": (batch, text_tokens, self.context_dim)}
