@@ -167,7 +167,7 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         raise
     except BackendError as exc:
         raise RuntimeError(_readable(exc)) from None
-    return {"samples": result["samples"]}
+    return {"samples": translate.to_comfyui(result["samples"], spec)}
 
 
 def backend_client(parallel: ParallelChoice | None):

@@ -155,6 +155,8 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
             raise TranslationError(f"the latent carries {what}, which the xDiT sampler cannot honour",
                                    "use a plain latent (Empty Latent, VAE Encode)")
     samples = value["samples"]
+    if has_frame_axis(spec) and samples.dim() == 5 and samples.shape[2] == 1:
+        samples = samples[:, :, 0]  # [B, C, 1, h, w] → [B, C, h, w]
     want = 5 if spec.video else 4
     channels = spec.latent_format.channels
     if samples.dim() != want or samples.shape[1] != channels:
@@ -167,6 +169,19 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
     geometry = Geometry(w * spec.vae_factor, h * spec.vae_factor, frames, samples.shape[0])
     samples = samples.detach().to("cpu", torch.float32)
     return geometry, (samples.contiguous() if torch.count_nonzero(samples) else None)
+
+
+def has_frame_axis(spec) -> bool:
+    """ComfyUI carries this image family's latents as one frame, [B, C, 1, h, w]: its latent format is a
+    video one (Qwen-Image's is Wan 2.1's, latent_dimensions 3, so comfy/sample.py's
+    fix_empty_latent_channels adds the axis to an empty image latent, and the Wan VAE decodes 5-D)."""
+    return spec.latent_format.video and not spec.video
+
+
+def to_comfyui(samples: torch.Tensor, spec) -> torch.Tensor:
+    """The backend's latent as ComfyUI's LATENT carries it for this family: [B, C, 1, h, w] where it has
+    a frame axis (``has_frame_axis``), else unchanged."""
+    return samples[:, :, None] if has_frame_axis(spec) else samples
 
 
 def _empty_latent_hint(spec) -> str:

@@ -4,6 +4,7 @@ checkout is given (COMFYUI_DIR); the schedules' shape everywhere."""
 import importlib
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -220,3 +221,52 @@ def test_flux2_latent_format_is_the_identity_on_128_channels():
     assert torch.equal(spec.latent_format.process_in(latent), latent)
     assert torch.equal(spec.latent_format.process_out(latent), latent)
     assert spec.latent_shape(1, width=1024, height=768) == (1, 128, 48, 64)
+
+
+@needs_comfyui
+@pytest.mark.parametrize("steps", [1, 20, 50])
+def test_qwen_image_sampling_and_latent_format_match_comfyuis_model_config(steps):
+    """Qwen-Image as ComfyUI sets it up (supported_models.QwenImage: ModelType.FLUX, shift 1.15, Wan21
+    latents, which ComfyUI carries as [B, 16, 1, h, w]): the same sigmas, timesteps and scaled latent."""
+    c = comfy()
+    model_base, supported_models = (importlib.import_module(f"comfy.{name}") for name in ("model_base", "supported_models"))
+    config = supported_models.QwenImage({"image_model": "qwen_image"})
+    theirs = model_base.model_sampling(config, model_base.ModelType.FLUX)
+    spec = registry.spec("qwen-image-tiny")
+    ours = spec.model_sampling(None)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(steps)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, steps))
+    assert torch.equal(ours.timestep(sigmas[:-1]), theirs.timestep(sigmas[:-1]))
+    latent = torch.randn(2, 16, 6, 10, generator=torch.Generator().manual_seed(4))
+    comfy_format = config.latent_format  # an instance once the config is built
+    assert torch.allclose(spec.latent_format.process_in(latent), comfy_format.process_in(latent[:, :, None])[:, :, 0],
+                          rtol=1e-6, atol=1e-6)
+    assert torch.allclose(spec.latent_format.process_out(latent),
+                          comfy_format.process_out(latent[:, :, None])[:, :, 0], rtol=1e-6, atol=1e-6)
+
+
+@needs_comfyui
+@pytest.mark.parametrize("shift", [3.1, 1.73])
+def test_a_qwen_image_shift_is_comfyuis_model_sampling_aura_flow(shift):
+    """Qwen-Image's workflows set the shift with ModelSamplingAuraFlow (ComfyUI's template: 3.1): the
+    loader's shift gives that node's discrete flow at multiplier 1 (sigmas, schedule, timesteps)."""
+    c = comfy()
+    nodes = importlib.import_module("comfy_extras.nodes_model_advanced")
+
+    class Model:  # what the node reads and writes of a ModelPatcher
+        model = SimpleNamespace(model_config=SimpleNamespace(sampling_settings={}))
+        patches = {}
+
+        def clone(self):
+            return self
+
+        def add_object_patch(self, name, value):
+            self.patches[name] = value
+
+    theirs = nodes.ModelSamplingAuraFlow().patch_aura(Model(), shift)[0].patches["model_sampling"]
+    ours = registry.spec("qwen-image-tiny").model_sampling(shift)
+    assert torch.equal(ours.table(), theirs.sigmas)
+    sigmas = ours.sigmas(20)
+    assert torch.equal(sigmas, c.samplers.simple_scheduler(theirs, 20))
+    assert torch.equal(ours.timestep(sigmas[:-1]), theirs.timestep(sigmas[:-1]))

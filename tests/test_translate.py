@@ -87,6 +87,22 @@ def test_latent_geometry_for_images_and_video():
     assert (geometry.width, geometry.height, geometry.frames) == (64, 64, 9) and torch.equal(samples, video)
 
 
+def test_qwen_image_latents_keep_comfyuis_frame_axis():
+    """Qwen-Image's latent format is Wan 2.1's (a video format): ComfyUI samples and decodes its image
+    latents as one frame [B, 16, 1, h, w] (KSampler's fix_empty_latent_channels). Both forms come in;
+    the result goes back with the axis, as KSampler's would; a Flux latent stays 4-D."""
+    qwen = registry.spec("qwen-image-tiny")
+    image = torch.randn(2, 16, 8, 16)
+    for given in (image, image[:, :, None]):
+        geometry, samples = translate.latent({"samples": given}, qwen)
+        assert (geometry.width, geometry.height, geometry.frames, geometry.batch) == (128, 64, 1, 2)
+        assert torch.equal(samples, image)
+    assert translate.to_comfyui(image, qwen).shape == (2, 16, 1, 8, 16)
+    assert translate.to_comfyui(image, FLUX).shape == (2, 16, 8, 16)
+    with pytest.raises(translate.TranslationError, match="image latent"):
+        translate.latent({"samples": torch.randn(1, 16, 2, 8, 8)}, qwen)  # two frames: a video
+
+
 @pytest.mark.parametrize(("value", "spec", "message"), [
     ({"samples": torch.zeros(1, 4, 8, 8)}, FLUX, "EmptySD3LatentImage"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, PIXART, "EmptyLatentImage"),

@@ -16,12 +16,14 @@ from safetensors import safe_open
 
 from ..errors import UserError
 from . import (flux2_checkpoint, flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint,
-               lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights, z_image_checkpoint)
+               lora, pixart_checkpoint, qwen_image_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights,
+               z_image_checkpoint)
 from .flux import FluxModel, FluxSpec
 from .flux2 import Flux2Model, Flux2Spec
 from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .pixart import PixArtModel, PixArtSpec
+from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
 from .z_image import ZImageModel, ZImageSpec
@@ -58,6 +60,9 @@ FAMILIES = {  # in detection order: a Flux.2 file also holds every key that mark
                       ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
     "hunyuan_dit": Family("hunyuan_dit", "HunyuanDiT2DModel", HunyuanDiTSpec.from_config, HunyuanDiTModel,
                           hunyuan_dit_checkpoint, HunyuanDiTSpec.stage_plan.block_lists, "HunyuanDiT 1.0, 1.1, 1.2"),
+    "qwen_image": Family("qwen_image", "QwenImageTransformer2DModel", QwenImageSpec.from_config, QwenImageModel,
+                         qwen_image_checkpoint, QwenImageSpec.stage_plan.block_lists,
+                         "Qwen-Image, Qwen-Image-Edit (-2509)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -263,6 +268,21 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="HunyuanDiT 1.2 architecture, 4 blocks, width 32, random weights (a test model)",
+    ),
+    "qwen-image-tiny": BuiltinModel(
+        family="qwen_image",
+        config=dict(
+            patch_size=2,
+            in_channels=64,  # 16 latent channels × a 2×2 patch
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        ),
+        text_tokens=8,
+        description="Qwen-Image architecture, 2 blocks, width 64, random weights (a test model)",
     ),
 }
 

@@ -25,7 +25,8 @@ from ..sampling.samplers import SAMPLERS
 from ..sync_audit import count_syncs
 from .runner import Checks, Context, Skip
 
-FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny")
+FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",
+            "z-image-tiny", "hunyuan-video-1.5-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 

@@ -1,0 +1,260 @@
+"""Qwen-Image and Qwen-Image-Edit: diffusers ``QwenImageTransformer2DModel`` fed as ComfyUI feeds its own.
+
+An MM-DiT: every block carries the Qwen2.5-VL text tokens [B, L, 3584] and the image tokens (2×2
+patches of a 16-channel Wan-2.1 latent) side by side and attends over [text; image] jointly, with
+3-axis RoPE. Qwen-Image-Edit is the same architecture given reference latents (ComfyUI's
+``reference_latents``): each is packed as more image tokens after the noisy latent's, with its own
+positions (frame index 1, 2, …), and the output keeps the first N tokens.
+
+Positions follow ComfyUI (comfy/ldm/qwen_image/model.py), where diffusers differs: an image's rows
+and columns are centred at ``len // 2`` (diffusers: ``len - len // 2``, one off for an odd count) and
+the text starts after the noisy latent's half-size only (diffusers: the largest image's). The
+timestep enters the sinusoidal embedding in float32, as in ComfyUI (diffusers rounds σ to the
+weights' dtype first).
+
+Sequence parallelism cuts the whole image sequence (noisy and reference tokens: one sequence in the
+transformer's ``hidden_states``), the text, and the RoPE tables of both, and gathers after
+``proj_out``; the attention is ``QwenImageAttention`` with a pluggable core.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from ..sampling.model_sampling import FlowSampling
+from . import latent_formats
+from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .flux import pack, unpack
+
+QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
+ROPE_THETA = 10000  # comfy/ldm/qwen_image/model.py's EmbedND, diffusers' QwenEmbedRope
+REFERENCE_PREFIX = "reference_"
+
+
+class QwenImageAttention:
+    """Qwen-Image's joint attention (a diffusers processor for its ``attn`` modules) whose attention
+    itself is ``core(q, k, v, text_tokens=L)`` on [text; image] (USPAttention, or PipeFusion's StaleKV)."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                 attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        if encoder_hidden_states_mask is not None or attention_mask is not None:
+            raise NotImplementedError("parallel Qwen-Image attention takes no mask (ComfyUI passes none)")
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(t):
+            return t.unflatten(-1, (-1, head_dim))  # [B, S, H·D] → [B, S, H, D]
+
+        image = [heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v)]  # [B, N, H, D] each
+        text = [heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+        image[0], image[1] = attn.norm_q(image[0]), attn.norm_k(image[1])
+        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+        text_tokens = encoder_hidden_states.shape[1]  # 0 for PipeFusion's patches that do not carry the text
+        if image_rotary_emb is not None:
+            image_freqs, text_freqs = image_rotary_emb  # complex [N, D/2], [L, D/2]
+            image[:2] = [apply_rotary_emb_qwen(t, image_freqs, use_real=False) for t in image[:2]]
+            if text_tokens:  # diffusers' rotation cannot reshape an empty tensor
+                text[:2] = [apply_rotary_emb_qwen(t, text_freqs, use_real=False) for t in text[:2]]
+        query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, image))  # [B, L + N, H, D]
+        out = self.core(query, key, value, text_tokens=text_tokens).flatten(2, 3).to(query.dtype)  # [B, L + N, H·D]
+        image_out = attn.to_out[0](out[:, text_tokens:].contiguous())
+        return image_out, attn.to_add_out(out[:, :text_tokens].contiguous())
+
+
+@dataclass(frozen=True)
+class QwenImageSpec(FamilySpec):
+    """What a Qwen-Image model takes and allows, read from its config."""
+
+    context_dim: int  # Qwen2.5-VL-7B's hidden size (3584)
+    heads: int
+    blocks: int
+    rope_axes: tuple[int, int, int]  # RoPE channels per axis (frame, row, column)
+
+    family = "qwen_image"
+    latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
+    takes_references = True
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
+    sequence_plan = SequencePlan(
+        cuts=(Cut("", "hidden_states", 1),  # [B, N + R, 64]: noisy then reference tokens
+              Cut("", "encoder_hidden_states", 1, text=True),  # [B, L, context_dim]
+              Cut("image_rope", None, 0),  # [N + R, D/2] complex RoPE of the image tokens
+              Cut("text_rope", None, 0, text=True)),  # [L, D/2] of the text
+        attention=(("attn", QwenImageAttention),))
+    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
+                           joint_text=True)
+
+    @classmethod
+    def from_config(cls, config: dict) -> QwenImageSpec:
+        for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
+            if config.get(flag):
+                raise UserError(f"this Qwen-Image model sets {flag} (Qwen-Image-Edit-2511 / Layered / a guidance-"
+                                "distilled variant), which this backend does not run yet",
+                                "use Qwen-Image, Qwen-Image-2512 or Qwen-Image-Edit (-2509)")
+        return cls(config["joint_attention_dim"], config["num_attention_heads"], config["num_layers"],
+                   tuple(config["axes_dims_rope"]))
+
+    def model_sampling(self, shift: float | None) -> FlowSampling:
+        """Without a shift, ComfyUI's own: model_base.QwenImage is ModelType.FLUX, so ModelSamplingFlux at
+        shift 1.15, timestep σ. A shift is what Qwen-Image's workflows set it with, ModelSamplingAuraFlow
+        (comfy_extras/nodes_model_advanced.py: ModelSamplingDiscreteFlow, multiplier 1, so timestep σ too)."""
+        if shift is None:
+            return FlowSampling(QWEN_IMAGE_DEFAULT_SHIFT, flux=True)
+        return FlowSampling(shift, multiplier=1.0)
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+        return {"context": (batch, text_tokens, self.context_dim)}
+
+
+def references(cond: dict) -> list[torch.Tensor]:
+    """The reference latents a side carries (``reference_0``, ``reference_1``, …), in order."""
+    found = []
+    while f"{REFERENCE_PREFIX}{len(found)}" in cond:
+        found.append(cond[f"{REFERENCE_PREFIX}{len(found)}"])
+    return found
+
+
+def image_positions(h: int, w: int, index: int) -> torch.Tensor:
+    """[(h/2)·(w/2), 3] (index, row, column) positions of a latent's 2×2-patch tokens, rows and
+    columns centred as ComfyUI's ``process_img`` centres them (minus len // 2)."""
+    rows, columns = (h + 1) // 2, (w + 1) // 2
+    r = torch.arange(rows, dtype=torch.float64).view(-1, 1).expand(rows, columns) - rows // 2
+    c = torch.arange(columns, dtype=torch.float64).view(1, -1).expand(rows, columns) - columns // 2
+    return torch.stack([torch.full_like(r, index), r, c], dim=-1).reshape(-1, 3)
+
+
+def text_positions(h: int, w: int, text_tokens: int) -> torch.Tensor:
+    """[L, 3] positions of the text: every axis counts from the noisy latent's largest half-size in tokens."""
+    start = max((w + 1) // 2 // 2, (h + 1) // 2 // 2)
+    return torch.arange(start, start + text_tokens, dtype=torch.float64).view(-1, 1).expand(-1, 3)
+
+
+def rope(positions: torch.Tensor, axes: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Complex RoPE factors [S, D/2] of positions [S, 3]: angles in float64, cos and sin rounded to the
+    compute dtype, as ComfyUI's EmbedND (comfy/ldm/flux/math.py rope) and its ``.to(x.dtype)``."""
+    angles = torch.cat([positions[:, i:i + 1] / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+                        for i, d in enumerate(axes)], dim=1)  # [S, D/2]
+    cos, sin = (f(angles).float().to(dtype).float() for f in (torch.cos, torch.sin))
+    return torch.complex(cos, sin).to(device)
+
+
+def squeeze_frames(latent: torch.Tensor, what: str) -> torch.Tensor:
+    """ComfyUI carries Qwen-Image latents as [B, 16, 1, h, w] (Wan21's latent_dimensions = 3); → [B, 16, h, w]."""
+    if latent.dim() == 5 and latent.shape[2] == 1:
+        return latent[:, :, 0]
+    if latent.dim() != 4:
+        raise UserError(f"{what} has shape {list(latent.shape)}; Qwen-Image takes an image latent [B, 16, h, w] "
+                        "(or ComfyUI's [B, 16, 1, h, w])", "encode the image with the Qwen-Image (Wan 2.1) VAE")
+    return latent
+
+
+def pad_to_patches(latent: torch.Tensor) -> torch.Tensor:
+    """An odd side padded to the 2×2 patch circularly, as comfy/ldm/common_dit.pad_to_patch_size does."""
+    h, w = latent.shape[-2:]
+    if h % 2 or w % 2:
+        latent = torch.nn.functional.pad(latent, (0, w % 2, 0, h % 2), mode="circular")
+    return latent
+
+
+@contextmanager
+def rope_and_time(transformer, tables: tuple[torch.Tensor, torch.Tensor], timestep: torch.Tensor):
+    """For one forward of diffusers' Qwen-Image: ``pos_embed`` returns ``tables`` (image, text RoPE in
+    ComfyUI's positions), each passed through its module (``image_rope``, ``text_rope``: a sequence-
+    parallel plan cuts the image and the text table by their own lengths), and the time embedding gets σ
+    [B] in float32 (diffusers casts it to the weights' dtype; ComfyUI does not)."""
+    def ours(module, args, out):  # each table through its own pass-through module, where the plan cuts it
+        return transformer.image_rope(tables[0]), transformer.text_rope(tables[1])
+
+    handles = [transformer.pos_embed.register_forward_hook(ours, prepend=True),
+               transformer.time_text_embed.register_forward_pre_hook(
+                   lambda module, args: (timestep, *args[1:]))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class QwenImageModel(DiffusionModel):
+    """A loaded Qwen-Image transformer (whole, or one PipeFusion stage of it)."""
+
+    def __init__(self, transformer, *args, **kwargs):
+        super().__init__(transformer, *args, **kwargs)
+        # pass-through modules (no parameters, no state) the RoPE tables leave through (``rope_and_time``)
+        transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
+
+    def output(self, x, timestep, cond, guidance) -> torch.Tensor:
+        """The velocity for ``x`` [B, 16, h, w] at σ [B]; reference latents [B, 16, h', w'] (raw VAE
+        space) join as more image tokens, and only the noisy latent's come out."""
+        b, _, h, w = x.shape
+        context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
+        tokens, positions = [pack(x)], [image_positions(h, w, 0)]  # [B, N, 64], [N, 3]
+        for index, reference in enumerate(references(cond), start=1):
+            latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
+            latent = pad_to_patches(self.latent_format.process_in(latent.float()).to(self.dtype))
+            if b % latent.shape[0]:
+                raise UserError(f"reference latent {index - 1} has batch {latent.shape[0]}, the latent {b}",
+                                "give one reference image, or one per latent in the batch")
+            # each side's references repeated over its own images: [pos refs, neg refs] → [pos ×k, neg ×k]
+            latent = latent.repeat_interleave(b // latent.shape[0], dim=0)
+            tokens.append(pack(latent))  # [B, R_i, 64]
+            positions.append(image_positions(*latent.shape[-2:], index))
+        tables = (rope(torch.cat(positions), self.spec.rope_axes, self.dtype, self.device),  # [N + R, D/2]
+                  rope(text_positions(h, w, context.shape[1]), self.spec.rope_axes, self.dtype, self.device))
+        timestep = timestep.to(self.device, torch.float32)  # [B] σ
+        with rope_and_time(self.transformer, tables, timestep):
+            velocity = self.transformer(
+                hidden_states=torch.cat(tokens, dim=1),  # [B, N + R, 64]
+                encoder_hidden_states=context,
+                timestep=timestep,
+                img_shapes=[[(1, h // 2, w // 2)]] * b,  # diffusers' own RoPE, replaced by ``tables``
+                return_dict=False,
+            )[0]  # [B, N + R, 64]
+        return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
+
+    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
+
+    def positions(self, shape):
+        """The image RoPE [N, D/2] of the whole latent, and the latent's size for the text's."""
+        h, w = shape[-2:]
+        return rope(image_positions(h, w, 0), self.spec.rope_axes, self.dtype, self.device), (h, w)
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        if references(cond):
+            raise UserError("reference latents (Qwen-Image-Edit) do not run under PipeFusion yet",
+                            "use ulysses, ring or cfg parallelism for image editing, or leave pipefusion at 1")
+        context = cond["context"]
+        t = self.transformer
+        anchor = torch.empty(0, device=self.device, dtype=self.dtype)  # the embedding's dtype
+        temb = t.time_text_embed(timestep.to(self.device, torch.float32), anchor)  # [B, D]
+        return {"temb": temb, "context": context}
+
+    def embed(self, x, tokens, inputs, positions):
+        return self.transformer.img_in(pack(x))  # [B, C, rows, w] → [B, n, 64] → [B, n, D]
+
+    def embed_text(self, inputs):
+        t = self.transformer
+        return t.txt_in(t.txt_norm(inputs["context"].to(self.device, self.dtype)))  # [B, L, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        image, (h, w) = positions
+        text = rope(text_positions(h, w, text_tokens), self.spec.rope_axes, self.dtype, self.device)  # [L, D/2]
+        return {"temb": inputs["temb"], "image_rotary_emb": (image[tokens], text)}
+
+    def run_block(self, block, image, text, kwargs):
+        text, image = block(hidden_states=image, encoder_hidden_states=text, encoder_hidden_states_mask=None,
+                            **kwargs)
+        return image, text
+
+    def head(self, image, inputs):
+        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
+
+    def unpatchify(self, tokens, shape):
+        return unpack(tokens, shape[-2], shape[-1])  # [B, n, 64] → [B, 16, rows, w]
