@@ -228,7 +228,8 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
                    for r in records if r["world"] == 1), None)
     summaries = [summarise(record, fields, serial) for record in records]
     dims = flux_dims(fields["model"])
-    print(f"{fields['model']}, {fields['width']}×{fields['height']}, batch {fields['batch']}, cfg {fields['cfg']}, "
+    frames = f" × {fields['frames']} frames" if fields.get("frames", 1) != 1 else ""
+    print(f"{fields['model']}, {fields['width']}×{fields['height']}{frames}, batch {fields['batch']}, cfg {fields['cfg']}, "
           f"{fields['steps']} steps (step times: first excluded), {fields.get('dtype', 'auto')}, {device}\n")
     print("| layout | ranks | step median ms | min–max ms | denoise s (end to end) | speed-up | efficiency | "
           "sent/rank/step KiB | formula KiB | weights gathered/rank/step KiB | its formula KiB | "

@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "random weights, for GPUs), a model file or folder")
     layouts.add_argument("--width", type=int, default=512)
     layouts.add_argument("--height", type=int, default=512)
+    layouts.add_argument("--frames", type=int, default=1, help="video frames, for a video model (default 1)")
     layouts.add_argument("--steps", type=int, default=6)
     layouts.add_argument("--batch", type=int, default=2)
     layouts.add_argument("--cfg", type=float, default=3.5)
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import DEFAULT_LAYOUTS, run_layout_bench
 
         fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
-                  "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype}
+                  "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype,
+                  **({"frames": args.frames} if args.frames != 1 else {})}
         handler = lambda a: run_layout_bench(a.layouts or DEFAULT_LAYOUTS, fields, a.json, a.plot,  # noqa: E731
                                              a.device)
     else:
