@@ -29,6 +29,7 @@ FAMILIES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]: 32 tokens, text 8
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 
@@ -67,6 +68,18 @@ def test_family_layout_equals_serial(case, serial, request):
     assert result["samples"].shape == serial[model].shape
     difference = (result["samples"] - serial[model]).abs().max().item()
     assert difference <= bound(serial[model]), f"{case_id(case)}: max |parallel − serial| = {difference:.3g}"
+
+
+# World 4 on one model: the sequence split 4 ways (text and video), and cfg beside ulysses.
+WORLD_FOUR = [{"ulysses": 4}, {"ring": 4}, {"cfg": 2, "ulysses": 2}]
+
+
+@pytest.mark.parametrize("degrees", WORLD_FOUR, ids=lambda d: case_id(("cogvideox-tiny", (4, d))))
+def test_world_four_layouts_equal_serial(degrees, serial, backend4):
+    result, info = backend4.sample({**fields("cogvideox-tiny"), "parallel": degrees})
+    assert info["world_size"] == 4
+    difference = (result["samples"] - serial["cogvideox-tiny"]).abs().max().item()
+    assert difference <= bound(serial["cogvideox-tiny"]), f"{degrees}: max |parallel − serial| = {difference:.3g}"
 
 
 def test_another_seed_differs_beyond_the_tolerance(serial):

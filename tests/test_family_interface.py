@@ -49,9 +49,9 @@ def test_the_plans_name_modules_the_model_has(family):
 
 
 def test_joint_models_cut_their_text_and_the_others_do_not():
-    """Flux and SD3 attend to text and image together, so their text is split; PixArt and Wan cross-attend."""
+    """Flux, SD3 and CogVideoX attend to text and image together, so their text is split; PixArt and Wan cross-attend."""
     cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
-    assert cuts_text == {"flux": True, "sd3": True, "pixart": False, "wan": False}
+    assert cuts_text == {"flux": True, "sd3": True, "pixart": False, "wan": False, "cogvideox": True}
 
 
 def family(**attributes):

@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8, sd3_checkpoint, storage,
-               wan_checkpoint, weights)
+from . import (cogvideox_checkpoint, flux_checkpoint, folder, gguf_file, lora, pixart_checkpoint, scaled_fp8,
+               sd3_checkpoint, storage, wan_checkpoint, weights)
+from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
 from .pixart import PixArtModel, PixArtSpec
 from .sd3 import SD3Model, SD3Spec
@@ -45,6 +46,8 @@ FAMILIES = {
                      PixArtSpec.stage_plan.block_lists, "PixArt-α, PixArt-Σ"),
     "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
                   WanSpec.stage_plan.block_lists, "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+    "cogvideox": Family("cogvideox", "CogVideoXTransformer3DModel", CogVideoXSpec.from_config, CogVideoXModel,
+                        cogvideox_checkpoint, CogVideoXSpec.stage_plan.block_lists, "CogVideoX T2V (2B, 5B, 1.5-5B)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -162,6 +165,26 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "cogvideox-tiny": BuiltinModel(
+        family="cogvideox",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 splits them
+            attention_head_dim=16,  # RoPE: 4 temporal + 6 + 6 spatial
+            in_channels=16,
+            out_channels=16,
+            time_embed_dim=32,
+            text_embed_dim=64,
+            num_layers=2,
+            sample_width=8,  # latent cells: the RoPE's training grid, 64 px
+            sample_height=8,
+            sample_frames=5,
+            patch_size=2,
+            max_text_seq_length=8,
+            use_rotary_positional_embeddings=True,  # 5B's positions
+        ),
+        text_tokens=8,
+        description="CogVideoX-5B architecture, 2 blocks, width 64, random weights (a test model)",
     ),
 }
 
