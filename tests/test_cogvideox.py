@@ -141,6 +141,9 @@ def test_1_5_refuses_an_odd_number_of_latent_frames():
     with pytest.raises(UserError, match="frames 9 make 3 latent frames") as refused:
         spec.check_size(64, 64, 9)
     assert "use frames 5 or 13" in refused.value.hint
+    with pytest.raises(UserError, match="frames 1 make 1 latent frames") as refused:
+        spec.check_size(64, 64, 1)
+    assert refused.value.hint == "use frames 5"
     assert spec.token_grid(64, 96, 13) == (2 * 6 * 4, 6)  # (4 latent frames / 2) × 6 rows × 4 columns; 6 rows
 
 

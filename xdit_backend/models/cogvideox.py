@@ -152,9 +152,10 @@ class CogVideoXSpec(FamilySpec):
         super().check_size(width, height, frames)
         latent = self.latent_frames(frames)
         if latent % self.patch_t:
+            nearest = [n for n in (frames - self.time_factor, frames + self.time_factor) if n >= 1]
             raise UserError(f"frames {frames} make {latent} latent frames, which CogVideoX 1.5's temporal "
                             f"patches of {self.patch_t} do not divide",
-                            f"use frames {frames - self.time_factor} or {frames + self.time_factor}")
+                            f"use frames {' or '.join(map(str, nearest))}")
 
 
 class CogVideoXModel(DiffusionModel):
