@@ -82,6 +82,14 @@ def test_world_four_layouts_equal_serial(degrees, serial, backend4):
     assert difference <= bound(serial["cogvideox-tiny"]), f"{degrees}: max |parallel − serial| = {difference:.3g}"
 
 
+def test_sharded_weights_equal_serial(serial, backend2):
+    """FSDP2 weight sharding over CogVideoX's blocks, beside ulysses=2: the same latent."""
+    result, info = backend2.sample({**fields("cogvideox-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded" in info["layout"]
+    difference = (result["samples"] - serial["cogvideox-tiny"]).abs().max().item()
+    assert difference <= bound(serial["cogvideox-tiny"]), f"max |sharded − serial| = {difference:.3g}"
+
+
 def test_another_seed_differs_beyond_the_tolerance(serial):
     """The tolerance means something for every family: another seed moves the latent far more."""
     for model in FAMILIES:
