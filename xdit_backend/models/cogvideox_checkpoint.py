@@ -25,7 +25,9 @@ MARKERS = ("mixins.patch_embed.proj.weight", "mixins.final_layer.linear.weight",
 LATENT_CHANNELS = 16
 PATCH = 2  # every CogVideoX: 2 × 2 latent cells per token in space
 TEXT_SLOTS = 226  # THUDM's text_length (sat/configs/cogvideox_2b.yaml): 2B's position table's text part
-SAMPLE = {None: (90, 60, 49), 2: (300, 300, 81)}  # by patch_t: (latent width, height, frames) trained at (sat/configs)
+# by patch_t: (latent width, height, frames) trained at (THUDM sat/configs; diffusers' conversion script's
+# get_transformer_init_kwargs for 1.0 and 1.5)
+SAMPLE = {None: (90, 60, 49), 2: (300, 300, 81)}
 
 # diffusers module -> original one; weight / bias names are the same on both sides.
 _GLOBAL = {
