@@ -25,7 +25,7 @@ from ..sampling.samplers import SAMPLERS
 from ..sync_audit import count_syncs
 from .runner import Checks, Context, Skip
 
-FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny")
+FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "cogvideox-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 
