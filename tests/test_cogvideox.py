@@ -1,6 +1,6 @@
 """CogVideoX in one process: the wrapper against diffusers' own forward and pipeline, its PipeFusion
 stage methods against its whole-model call, its attention processor against diffusers', and its
-model sampling against diffusers' CogVideoX scheduler and ComfyUI's discrete v-prediction."""
+model sampling against diffusers' CogVideoX scheduler and ComfyUI's discrete zero-SNR sampling."""
 
 import math
 import os
@@ -132,7 +132,9 @@ def test_2b_takes_its_text_slots_and_the_others_any_text_length():
     assert two.conditioning_shapes(2, 30)["context"] == (2, 8, 64)
     assert five.conditioning_shapes(2, 30)["context"] == (2, 30, 64)
     assert two.sequence_plan.cuts_text and not any(cut.module == "rope" for cut in two.sequence_plan.cuts)
-    assert (two.latent_format, five.latent_format) == (latent_formats.COGVIDEOX_2B, latent_formats.COGVIDEOX_5B)
+    large = CogVideoXSpec.from_config({**VARIANTS["5b"][0], "num_attention_heads": 48})
+    assert (two.latent_format, five.latent_format, large.latent_format) == (
+        latent_formats.COGVIDEOX_2B, latent_formats.COGVIDEOX_2B, latent_formats.COGVIDEOX_5B)  # by heads, as ComfyUI
 
 
 def test_1_5_refuses_an_odd_number_of_latent_frames():
@@ -149,21 +151,30 @@ def test_1_5_refuses_an_odd_number_of_latent_frames():
 
 # -- model sampling ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shift", [3.0, 1.0])
-def test_sigmas_are_diffusers_cogvideox_schedule(shift):
-    """σ = √((1 − ᾱ)/ᾱ) of diffusers' CogVideoXDDIMScheduler with THUDM's settings, up to the last
-    step, where diffusers' ᾱ is 0 and ComfyUI's is pinned (σ finite)."""
+def test_sigmas_are_diffusers_cogvideox_schedule():
+    """σ = √((1 − ᾱ)/ᾱ) of diffusers' CogVideoXDDIMScheduler with the 5B's settings (SNR shift 1), up to
+    the last step, where diffusers' ᾱ is 0 and ComfyUI's is pinned (σ finite)."""
     from diffusers import CogVideoXDDIMScheduler
 
     scheduler = CogVideoXDDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                        prediction_type="v_prediction", rescale_betas_zero_snr=True,
-                                       snr_shift_scale=shift, timestep_spacing="trailing")
+                                       snr_shift_scale=1.0, timestep_spacing="trailing")
     alphas = scheduler.alphas_cumprod.double()
     theirs = ((1 - alphas[:-1]) / alphas[:-1]).sqrt()
-    ours = ZeroSNRVSampling(0.00085, 0.012, snr_shift=shift).table()
+    ours = ZeroSNRVSampling(0.00085, 0.012).table()
     assert torch.allclose(ours[:-1].double(), theirs, rtol=1e-5)
-    assert alphas[-1] == 0 and math.isclose(ours[-1].item(), math.sqrt((1 - 4.8973451890853435e-08) / 4.8973451890853435e-08),
-                                            rel_tol=1e-6)
+    last = 4.8973451890853435e-08
+    assert alphas[-1] == 0 and math.isclose(ours[-1].item(), math.sqrt((1 - last) / last), rel_tol=1e-6)
+
+
+def test_v_prediction_ddpm_gives_the_model_x_and_takes_x0_from_v():
+    """ComfyUI's V_PREDICTION_DDPM (comfy/model_sampling.py): input x unscaled; x0 = (x − v·σ) / √(σ² + 1)."""
+    sampling = ZeroSNRVSampling(0.00085, 0.012)
+    x, v = (torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    sigma = torch.tensor([4.0, 0.5])
+    assert torch.equal(sampling.calculate_input(sigma, x), x)
+    expected = (x - v * sigma.view(2, 1, 1, 1, 1)) / (sigma.view(2, 1, 1, 1, 1) ** 2 + 1) ** 0.5
+    assert torch.allclose(sampling.calculate_denoised(sigma, v, x), expected, rtol=1e-6, atol=1e-6)
 
 
 needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
@@ -172,32 +183,29 @@ needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
 
 @needs_comfyui
 @pytest.mark.parametrize("steps", [1, 20, 50])
-def test_5b_sampling_is_comfyuis_discrete_v_prediction_with_zero_snr(steps):
-    """5B's (SNR shift 1) is exactly ComfyUI's ModelSamplingDiscrete(V_PREDICTION, zsnr) over
-    "linear" betas 0.00085 … 0.012, step by step; 2B's is its σ times √3 before the rescale."""
+def test_schedule_is_comfyuis_discrete_zero_snr(steps):
+    """ComfyUI's ModelSamplingDiscrete over "linear" betas 0.00085 … 0.012 with zsnr (CogVideoX_T2V's
+    settings), step by step: σ table, simple schedule, timesteps and noise scaling exactly. (The
+    snapshot predates V_PREDICTION_DDPM; its input and x0 are checked above from its definition.)"""
     sys.path.insert(0, os.environ["COMFYUI_DIR"])
     from comfy.cli_args import args
 
     args.cpu = True
     import comfy.model_sampling
     import comfy.samplers
-    from comfy.ldm.modules.diffusionmodules.util import make_beta_schedule
 
     class Config:
         sampling_settings = {"beta_schedule": "linear", "linear_start": 0.00085, "linear_end": 0.012, "zsnr": True}
 
-    class Theirs(comfy.model_sampling.ModelSamplingDiscrete, comfy.model_sampling.V_PREDICTION):
+    class Theirs(comfy.model_sampling.ModelSamplingDiscrete, comfy.model_sampling.EPS):
         pass
 
-    theirs, ours = Theirs(Config()), ZeroSNRVSampling(0.00085, 0.012, snr_shift=1.0)
+    theirs, ours = Theirs(Config()), ZeroSNRVSampling(0.00085, 0.012)
     assert torch.equal(ours.table(), theirs.sigmas)
     sigmas = ours.sigmas(steps)
     assert torch.equal(sigmas, comfy.samplers.simple_scheduler(theirs, steps))
-    x, v = (torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    noise, latent = (torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(2))
     for sigma in sigmas[:-1]:
         assert torch.equal(ours.timestep(sigma.view(1)), theirs.timestep(sigma.view(1)).float())
-        assert torch.equal(ours.calculate_input(sigma.view(1), x), theirs.calculate_input(sigma.view(1), x))
-        assert torch.equal(ours.calculate_denoised(sigma.view(1), v, x), theirs.calculate_denoised(sigma.view(1), v, x))
-    alphas = torch.cumprod(1 - make_beta_schedule("linear", 1000, linear_start=0.00085, linear_end=0.012), dim=0)
-    shifted = comfy.model_sampling.rescale_zero_terminal_snr_sigmas(((1 - alphas) / alphas).sqrt() * math.sqrt(3.0))
-    assert torch.equal(ZeroSNRVSampling(0.00085, 0.012, snr_shift=3.0).table(), shifted.float())
+    assert torch.equal(ours.noise_scaling(sigmas[0], noise, latent),
+                       theirs.noise_scaling(sigmas[0], noise.clone(), latent, max_denoise=True))

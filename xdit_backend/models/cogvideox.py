@@ -7,10 +7,10 @@ it, in ComfyUI's terms (constants cited where they are defined):
   VAE with 8× space and 4× time compression. The model space is the raw VAE latent times the
   VAE's scaling factor: 1.15258426 for 2B, 0.7 for 5B and 1.5-5B (THUDM/CogVideo
   sat/configs/cogvideox_2b.yaml, cogvideox_5b.yaml, cogvideox1.5_5b.yaml ``scale_factor``).
-- Model sampling: v-prediction over 1000 discrete "scaled linear" betas 0.00085 … 0.012 with zero
-  terminal SNR, after an SNR shift of 3.0 (2B) or 1.0 (5B, 1.5) (the same configs' ZeroSNRDDPM
-  discretization; diffusers' scripts/convert_cogvideox_to_diffusers.py scheduler config):
-  sampling/v_prediction.py. The timestep is the discrete index, as ComfyUI's discrete sampling gives.
+- Model sampling: ComfyUI's for CogVideoX (comfy/supported_models.py CogVideoX_T2V, comfy/model_base.py
+  CogVideoX): V_PREDICTION_DDPM over 1000 discrete "linear" betas 0.00085 … 0.012 with zero terminal
+  SNR, no SNR shift: sampling/v_prediction.py. The timestep is the discrete index, as ComfyUI's
+  discrete sampling gives.
 - Text: T5-XXL hidden states [B, L, 4096]. Text and video tokens attend jointly in every block;
   the text carries no position. 2B adds fixed 3-D sin-cos position embeddings to the video tokens
   in its patch embedding (a table of exactly ``max_text_seq_length`` = 226 text slots, so its text
@@ -35,8 +35,8 @@ from ..sampling.v_prediction import ZeroSNRVSampling
 from . import latent_formats
 from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
-BETAS = (0.00085, 0.012)  # linear_start, linear_end (sat/configs' ZeroSNRDDPMDiscretization, diffusers' scheduler)
-SNR_SHIFT = {False: 3.0, True: 1.0}  # by rotary: 2B's shift_scale 3.0, 5B's and 1.5's 1.0 (THUDM sat/configs)
+BETAS = (0.00085, 0.012)  # linear_start, linear_end (Comfy-Org/ComfyUI comfy/supported_models.py CogVideoX_T2V)
+FIVE_B_HEADS = 48  # ComfyUI picks the 5B-class latent format (0.7) from 48 heads up (CogVideoX_T2V.__init__)
 
 
 class CogVideoXProcessor:
@@ -129,7 +129,7 @@ class CogVideoXSpec(FamilySpec):
 
     @property
     def latent_format(self):
-        return latent_formats.COGVIDEOX_5B if self.rotary else latent_formats.COGVIDEOX_2B
+        return latent_formats.COGVIDEOX_5B if self.heads >= FIVE_B_HEADS else latent_formats.COGVIDEOX_2B
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -142,7 +142,7 @@ class CogVideoXSpec(FamilySpec):
                    config.get("max_text_seq_length", 226))
 
     def model_sampling(self, shift: float | None) -> ZeroSNRVSampling:
-        return ZeroSNRVSampling(*BETAS, snr_shift=SNR_SHIFT[self.rotary])
+        return ZeroSNRVSampling(*BETAS)
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
         """5B and 1.5 take any text length; 2B exactly its ``text_slots``."""

@@ -65,7 +65,7 @@ WAN22 = LatentFormat(  # Wan 2.2 TI2V-5B's 48-channel VAE
          0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
          0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
 )
-# CogVideoX: the raw VAE latent times the VAE's scaling factor, no shift, no per-channel statistics
-# (THUDM/CogVideo sat/configs/cogvideox_2b.yaml and cogvideox_5b.yaml, cogvideox1.5_5b.yaml: scale_factor)
+# CogVideoX: the raw VAE latent times the VAE's scaling factor (Comfy-Org/ComfyUI comfy/latent_formats.py
+# CogVideoX and CogVideoX1_5; THUDM/CogVideo sat/configs cogvideox_2b.yaml, cogvideox_5b.yaml: scale_factor)
 COGVIDEOX_2B = LatentFormat(channels=16, scale=1.15258426, video=True)
 COGVIDEOX_5B = LatentFormat(channels=16, scale=0.7, video=True)  # 5B and 1.5-5B

@@ -1,14 +1,13 @@
-"""Discrete v-prediction over a zero-terminal-SNR schedule, as ComfyUI computes it (CogVideoX).
+"""CogVideoX's model sampling as ComfyUI computes it: discrete v-prediction ("V_PREDICTION_DDPM")
+over a zero-terminal-SNR schedule.
 
-ComfyUI's ModelSamplingDiscrete with ``V_PREDICTION`` and ``zsnr`` (comfy/model_sampling.py): σ from
-"linear" betas (linspace of the square roots, squared: diffusers' "scaled_linear"), rescaled so the
-last step is (almost) pure noise, its ᾱ pinned at 4.8973451890853435e-08 rather than 0 (σ_max ≈
-4.5·10³, finite). The model input is x / √(σ² + 1) and its output v gives
-x0 = x / (σ² + 1) − v·σ / √(σ² + 1) (σ_data = 1).
-
-CogVideoX adds an SNR shift before the rescale (THUDM's ZeroSNRDDPMDiscretization ``shift_scale``,
-diffusers' CogVideoXDDIMScheduler ``snr_shift_scale``): ᾱ' = ᾱ / (s + (1 − s)·ᾱ), which is
-σ'² = s·σ², so σ' = √s·σ.
+Comfy-Org/ComfyUI comfy/supported_models.py ``CogVideoX_T2V``: ModelSamplingDiscrete with "linear"
+betas (linspace of the square roots, squared: diffusers' "scaled_linear") 0.00085 … 0.012 and
+``zsnr``: σ rescaled so the last step is (almost) pure noise, its ᾱ pinned at
+4.8973451890853435e-08 rather than 0 (σ_max ≈ 4.5·10³, finite). comfy/model_base.py ``CogVideoX``
+uses ``ModelType.V_PREDICTION_DDPM`` (comfy/model_sampling.py): the model is given x as it is (no
+1/√(σ² + 1) input scaling) and its output v gives x0 = x / √(σ² + 1) − v·σ / √(σ² + 1); the noise
+scaling is EPS's. ComfyUI applies no SNR shift, for 2B either (THUDM trained 2B with a shift of 3).
 """
 
 from __future__ import annotations
@@ -24,18 +23,18 @@ LAST_ALPHA_BAR = 4.8973451890853435e-08  # ComfyUI's rescale_zero_terminal_snr_s
 
 @dataclass(frozen=True)
 class ZeroSNRVSampling(EpsSampling):
-    snr_shift: float = 1.0  # s: σ² multiplied by s before the zero-SNR rescale
-
     def _sigmas64(self) -> torch.Tensor:
         betas = torch.linspace(self.linear_start ** 0.5, self.linear_end ** 0.5, self.timesteps,
                                dtype=torch.float64) ** 2  # ComfyUI's "linear", diffusers' "scaled_linear"
         alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
-        sigmas = ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5 * self.snr_shift ** 0.5
-        return _rescale_zero_terminal_snr(sigmas)
+        return _rescale_zero_terminal_snr(((1 - alphas_cumprod) / alphas_cumprod) ** 0.5)
+
+    def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x  # V_PREDICTION_DDPM: the model is given x unscaled
 
     def calculate_denoised(self, sigma, output, x) -> torch.Tensor:
         sigma = _view(sigma, output)
-        return x / (sigma ** 2 + 1.0) - output * sigma / (sigma ** 2 + 1.0) ** 0.5  # x0 from v
+        return x / (sigma ** 2 + 1.0) ** 0.5 - output * sigma / (sigma ** 2 + 1.0) ** 0.5  # x0 from v
 
 
 def _rescale_zero_terminal_snr(sigmas: torch.Tensor) -> torch.Tensor:
