@@ -1,12 +1,12 @@
 """CogVideoX (2B, 5B, 1.5-5B; text to video): diffusers ``CogVideoXTransformer3DModel``.
 
-ComfyUI core has no CogVideoX model, so it is fed as THUDM's configs and diffusers' pipeline feed
-it, in ComfyUI's terms (constants cited where they are defined):
+Fed as ComfyUI's current source feeds its own CogVideoX (newer than the 0.3.64 snapshot; constants
+cited where they are defined), with the positions diffusers' pipeline computes:
 
 - Latents [B, 16, T, h, w] (ComfyUI's video layout; the transformer takes [B, T, C, h, w]), from a
   VAE with 8× space and 4× time compression. The model space is the raw VAE latent times the
-  VAE's scaling factor: 1.15258426 for 2B, 0.7 for 5B and 1.5-5B (THUDM/CogVideo
-  sat/configs/cogvideox_2b.yaml, cogvideox_5b.yaml, cogvideox1.5_5b.yaml ``scale_factor``).
+  VAE's scaling factor: 1.15258426, or 0.7 from 48 heads up (5B, 1.5-5B) (Comfy-Org/ComfyUI
+  comfy/latent_formats.py CogVideoX, CogVideoX1_5; THUDM's sat/configs ``scale_factor`` agree).
 - Model sampling: ComfyUI's for CogVideoX (comfy/supported_models.py CogVideoX_T2V, comfy/model_base.py
   CogVideoX): V_PREDICTION_DDPM over 1000 discrete "linear" betas 0.00085 … 0.012 with zero terminal
   SNR, no SNR shift: sampling/v_prediction.py. The timestep is the discrete index, as ComfyUI's
