@@ -18,7 +18,7 @@ from xdit_backend.models import registry, scaled_fp8
 from xdit_backend.parallel.pipefusion import keep_stage
 
 CUDA = torch.device("cuda", 0)  # a rank's device, as runtime.py pins it
-TINY = ["flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny"]
+TINY = ["flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "cogvideox-tiny"]
 
 
 class RandomDraws(TorchDispatchMode):

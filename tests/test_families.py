@@ -35,6 +35,7 @@ FAMILIES = {
     "hunyuan-dit-tiny": {"width": 128, "height": 64},
     "flux2-tiny": {"width": 128, "height": 64},  # latent [1, 128, 4, 8]: 32 tokens (and 512 of text)
     "qwen-image-tiny": {"width": 128, "height": 64},  # 4 × 8 = 32 image tokens, 8 text tokens
+    "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]: 32 tokens, text 8
 }
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2})]
 # The issue's report: a reference system returned wrong HunyuanDiT images at sequence parallel degree 4.
@@ -78,6 +79,55 @@ def test_family_layout_equals_serial(case, serial, request):
     assert result["samples"].shape == serial[model].shape
     difference = (result["samples"] - serial[model]).abs().max().item()
     assert difference <= bound(serial[model]), f"{case_id(case)}: max |parallel − serial| = {difference:.3g}"
+
+
+# World 4 on one model: the sequence split 4 ways (text and video), and cfg beside ulysses.
+WORLD_FOUR = [{"ulysses": 4}, {"ring": 4}, {"cfg": 2, "ulysses": 2}]
+
+
+@pytest.mark.parametrize("degrees", WORLD_FOUR, ids=lambda d: case_id(("cogvideox-tiny", (4, d))))
+def test_world_four_layouts_equal_serial(degrees, serial, backend4):
+    result, info = backend4.sample({**fields("cogvideox-tiny"), "parallel": degrees})
+    assert info["world_size"] == 4
+    difference = (result["samples"] - serial["cogvideox-tiny"]).abs().max().item()
+    assert difference <= bound(serial["cogvideox-tiny"]), f"{degrees}: max |parallel − serial| = {difference:.3g}"
+
+
+UNEVEN = {"model": "cogvideox-tiny", "width": 80, "height": 48, "frames": 5, "steps": 3, "seed": 7, "cfg": 3.5}
+
+
+def uneven_conditioning() -> dict:
+    """7 text tokens (5B takes any length): with 30 video tokens (2 frames × 3 × 5), neither divides by 4."""
+    generator = torch.Generator().manual_seed(3)
+    return {"context": torch.randn(1, 7, 64, generator=generator),
+            "negative_context": torch.randn(1, 7, 64, generator=generator)}
+
+
+@pytest.fixture(scope="module")
+def uneven_serial():
+    request = SampleRequest.parse(Message("sample", UNEVEN, uneven_conditioning()))
+    spec = registry.spec("cogvideox-tiny")
+    request.check_model(spec)
+    positive, negative = request.conditioning(spec)
+    with torch.no_grad():
+        return generate(Denoiser(registry.build("cogvideox-tiny", torch.device("cpu"))),
+                        request.generation(spec, positive, negative))
+
+
+@pytest.mark.parametrize("degrees", WORLD_FOUR + [{"ulysses": 2, "ring": 2}],
+                         ids=lambda d: case_id(("cogvideox-tiny-uneven", (4, d))))
+def test_uneven_video_and_text_tokens_equal_serial(degrees, uneven_serial, backend4):
+    result, _ = backend4.sample({**UNEVEN, "parallel": degrees}, uneven_conditioning())
+    difference = (result["samples"] - uneven_serial).abs().max().item()
+    assert difference <= bound(uneven_serial), f"{degrees}: max |parallel − serial| = {difference:.3g}"
+
+
+def test_sharded_weights_equal_serial(serial, backend2):
+    """FSDP2 weight sharding over CogVideoX's blocks, beside ulysses=2: the same latent."""
+    result, info = backend2.sample({**fields("cogvideox-tiny"), "parallel": {"ulysses": 2, "shard_weights": True}})
+    assert "weights sharded" in info["layout"]
+    difference = (result["samples"] - serial["cogvideox-tiny"]).abs().max().item()
+    assert difference <= bound(serial["cogvideox-tiny"]), f"max |sharded − serial| = {difference:.3g}"
 
 
 def test_another_seed_differs_beyond_the_tolerance(serial):

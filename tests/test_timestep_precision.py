@@ -17,9 +17,10 @@ TIME_PROJECTION = {
     "wan-tiny": "condition_embedder.timesteps_proj",
     "pixart-tiny": "adaln_single.emb.time_proj",
     "flux2-tiny": "time_guidance_embed.time_proj",
+    "cogvideox-tiny": "time_proj",
 }
 LATENT = {"flux-tiny": (1, 16, 4, 4), "sd3-tiny": (1, 16, 4, 4), "wan-tiny": (1, 16, 2, 4, 4),
-          "pixart-tiny": (1, 4, 4, 4), "flux2-tiny": (1, 128, 4, 4)}
+          "pixart-tiny": (1, 4, 4, 4), "flux2-tiny": (1, 128, 4, 4), "cogvideox-tiny": (1, 16, 2, 4, 4)}
 SIGMA = 0.7371  # 1000·σ = 737.1: bf16 holds 736 there (spacing 4), and σ itself rounds to 0.73828
 GUIDANCE = 3.5  # 1000·g = 3500: bf16 holds 3504
 
@@ -66,9 +67,10 @@ def test_flow_families_embed_float32_thousand_sigma(name, path):
 
 
 @pytest.mark.parametrize("path", ["forward", "stage"])
-def test_pixart_embeds_its_discrete_timestep_in_float32(path):
-    """PixArt's nearest discrete timestep reaches its embedding as a float32 whole number."""
-    seen, sampling = embedded_inputs("pixart-tiny", path)
+@pytest.mark.parametrize("name", ["pixart-tiny", "cogvideox-tiny"])
+def test_discrete_families_embed_their_timestep_in_float32(name, path):
+    """PixArt's and CogVideoX's nearest discrete timestep reaches the embedding as a float32 whole number."""
+    seen, sampling = embedded_inputs(name, path)
     sigmas = sampling.table()
     nearest = (sigmas.log() - torch.tensor(SIGMA).log()).abs().argmin()  # the index of the nearest σ in log
     assert len(seen) == 1 and seen[0].dtype == torch.float32

@@ -71,3 +71,7 @@ HUNYUAN_VIDEO15 = LatentFormat(channels=32, scale=1.03682, video=True)
 # at 1/16 of the pixels; process_in and process_out are the identity (Comfy-Org/ComfyUI
 # comfy/latent_formats.py, class Flux2: latent_channels 128, spacial_downscale_ratio 16).
 FLUX2 = LatentFormat(channels=128, scale=1.0)
+# CogVideoX: the raw VAE latent times the VAE's scaling factor (Comfy-Org/ComfyUI comfy/latent_formats.py
+# CogVideoX and CogVideoX1_5; THUDM/CogVideo sat/configs cogvideox_2b.yaml, cogvideox_5b.yaml: scale_factor)
+COGVIDEOX_2B = LatentFormat(channels=16, scale=1.15258426, video=True)
+COGVIDEOX_5B = LatentFormat(channels=16, scale=0.7, video=True)  # 5B and 1.5-5B

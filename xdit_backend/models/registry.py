@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (flux2_checkpoint, flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint, hunyuan_video15_checkpoint,
-               lora, pixart_checkpoint, qwen_image_checkpoint, scaled_fp8, sd3_checkpoint, storage, wan_checkpoint, weights,
-               z_image_checkpoint)
+from . import (cogvideox_checkpoint, flux2_checkpoint, flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint,
+               hunyuan_video15_checkpoint, lora, pixart_checkpoint, qwen_image_checkpoint, scaled_fp8, sd3_checkpoint,
+               storage, wan_checkpoint, weights, z_image_checkpoint)
+from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
 from .flux2 import Flux2Model, Flux2Spec
 from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
@@ -63,6 +64,8 @@ FAMILIES = {  # in detection order: a Flux.2 file also holds every key that mark
     "qwen_image": Family("qwen_image", "QwenImageTransformer2DModel", QwenImageSpec.from_config, QwenImageModel,
                          qwen_image_checkpoint, QwenImageSpec.stage_plan.block_lists,
                          "Qwen-Image, Qwen-Image-Edit (-2509)"),
+    "cogvideox": Family("cogvideox", "CogVideoXTransformer3DModel", CogVideoXSpec.from_config, CogVideoXModel,
+                        cogvideox_checkpoint, CogVideoXSpec.stage_plan.block_lists, "CogVideoX T2V (2B, 5B, 1.5-5B)"),
 }
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
@@ -283,6 +286,26 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         text_tokens=8,
         description="Qwen-Image architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "cogvideox-tiny": BuiltinModel(
+        family="cogvideox",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 splits them
+            attention_head_dim=16,  # RoPE: 4 temporal + 6 + 6 spatial
+            in_channels=16,
+            out_channels=16,
+            time_embed_dim=32,
+            text_embed_dim=64,
+            num_layers=2,
+            sample_width=8,  # latent cells: the RoPE's training grid, 64 px
+            sample_height=8,
+            sample_frames=5,
+            patch_size=2,
+            max_text_seq_length=8,
+            use_rotary_positional_embeddings=True,  # 5B's positions
+        ),
+        text_tokens=8,
+        description="CogVideoX-5B architecture, 2 blocks, width 64, random weights (a test model)",
     ),
 }
 

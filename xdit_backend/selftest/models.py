@@ -26,7 +26,7 @@ from ..sync_audit import count_syncs
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",
-            "z-image-tiny", "hunyuan-video-1.5-tiny")
+            "z-image-tiny", "hunyuan-video-1.5-tiny", "cogvideox-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 
