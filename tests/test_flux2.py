@@ -1,5 +1,5 @@
 """Flux.2 fed as ComfyUI feeds it: the wrapper against diffusers' own forward with ComfyUI's positions
-written out here; text shorter than 512 tokens padded with zeros in front; reference latents as more
+written out here; text shorter than 512 tokens padded with zeros in front once per generation; reference latents as more
 tokens that change the result, split and attended exactly like the image's under Ulysses."""
 
 from types import SimpleNamespace
@@ -13,6 +13,8 @@ from xdit_backend import attention
 from xdit_backend.errors import UserError
 from xdit_backend.models import registry
 from xdit_backend.parallel import sequence
+from xdit_backend.protocol import Message
+from xdit_backend.request import SampleRequest
 
 SIGMA = torch.tensor([0.7])
 
@@ -48,14 +50,18 @@ def test_output_is_diffusers_forward_on_comfyui_positions():
     assert (out - expected.transpose(1, 2).reshape(1, 128, 4, 8)).abs().max() <= 1e-6
 
 
-def test_short_text_is_padded_to_512_with_zeros_in_front():
-    """As ComfyUI's Flux2.extra_conds: 8 tokens give what 504 zero tokens and then those 8 give."""
-    model = tiny()
-    x, context = inputs(text=8)
-    padded = torch.cat([torch.zeros(1, 504, 96), context], dim=1)
-    with torch.no_grad():
-        short, full = model.output(x, SIGMA, {"context": context}, 3.5), model.output(x, SIGMA, {"context": padded}, 3.5)
-    assert torch.equal(short, full)
+def test_short_text_is_padded_to_512_with_zeros_in_front_once_per_generation():
+    """As ComfyUI's Flux2.extra_conds: 8 tokens become 504 zero tokens and then those 8, on each side (its own
+    length each), when the request becomes a generation; text of 512 tokens or more is left as it is."""
+    spec = registry.spec("flux2-tiny")
+    g = torch.Generator().manual_seed(3)
+    positive, negative, long = (torch.randn(1, n, 96, generator=g) for n in (8, 20, 600))
+    tensors = {"context": positive, "negative_context": negative}
+    request = SampleRequest.parse(Message("sample", {"model": "flux2-tiny", "width": 128, "height": 64}, tensors))
+    gen = request.generation(spec, *request.conditioning(spec))
+    assert torch.equal(gen.positive["context"], torch.cat([torch.zeros(1, 504, 96), positive], dim=1))
+    assert torch.equal(gen.negative["context"], torch.cat([torch.zeros(1, 492, 96), negative], dim=1))
+    assert torch.equal(spec.prepare_conditioning({"context": long})["context"], long)
 
 
 def test_a_reference_is_more_tokens_at_index_10_and_changes_the_result():
@@ -71,13 +77,11 @@ def test_a_reference_is_more_tokens_at_index_10_and_changes_the_result():
     assert (edited - plain).abs().max() > 1e-4  # 8 of 552 keys, random weights: small, but 100× the rounding
 
 
-def test_pipefusion_refuses_references_and_short_text_by_name():
+def test_pipefusion_refuses_references_by_name():
     model = tiny()
     x, context = inputs()
     with pytest.raises(UserError, match="reference images do not run under PipeFusion"):
         model.step_inputs(x.shape, SIGMA, {"context": context, "reference_0": x}, 3.5)
-    with pytest.raises(UserError, match="512 tokens or more.*this one has 8"):
-        model.step_inputs(x.shape, SIGMA, {"context": context[:, :8]}, 3.5)
 
 
 def _ulysses_rank(rank, x, cond):

@@ -130,6 +130,24 @@ def test_family_full_warmup_equals_serial(case, request):
     assert difference <= bound(reference), f"{family_case_id(case)}: max |pipefusion − serial| = {difference:.3g}"
 
 
+def test_flux2_with_a_short_prompt_equals_serial_on_the_text_padded_to_512(backend2):
+    """8 positive and 20 negative text tokens (as Flux.2-dev's Mistral encoder gives for a short prompt), full
+    warm-up at pipefusion=2: equal to serial on the text padded to 512 with zeros in front, written out here."""
+    message = family_fields("flux2-tiny")
+    g = torch.Generator().manual_seed(9)
+    positive, negative = torch.randn(1, 8, 96, generator=g), torch.randn(1, 20, 96, generator=g)
+    short = {"context": positive, "negative_context": negative}
+    padded = {"context": torch.cat([torch.zeros(1, 504, 96), positive], dim=1),
+              "negative_context": torch.cat([torch.zeros(1, 492, 96), negative], dim=1)}
+    result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
+                                                         "warmup_steps": message["steps"]}}, short)
+    request = SampleRequest.parse(Message("sample", message, padded))
+    model = registry.build("flux2-tiny", torch.device("cpu"))
+    with torch.no_grad():
+        reference = generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
 @pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])
 def test_multistep_samplers_keep_a_history_per_patch(sampler, backend2):
     """4 patches, full warm-up: each patch's walk equals its band of the serial walk."""

@@ -145,8 +145,12 @@ class Leader:
         if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
             positive, negative = request.with_references(
                 spec, *registry.random_conditioning(request.model, request.batch, request.seed, spec))
+        # the layout is chosen on the sides as the model takes them (Flux.2: text padded to 512); the ranks
+        # get the sides as sent and prepare them once each (SampleRequest.generation)
+        model_positive = spec.prepare_conditioning(positive)
+        model_negative = None if negative is None else spec.prepare_conditioning(negative)
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
-        text = positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        text = model_positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
         facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
                              request.steps)
@@ -166,7 +170,8 @@ class Leader:
                                "pass through every stage twice per step with the other patches waiting",
                                f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
                                "pipefusion")
-        differ = side_differences(positive, negative) if negative is not None and request.cfg != 1.0 else []
+        differ = (side_differences(model_positive, model_negative) if negative is not None and request.cfg != 1.0
+                  else [])
         if config.pipefusion > 1 and config.cfg == 1 and differ:
             raise RequestError(f"PipeFusion runs the two sides of the guidance as one batch, and they differ: "
                                f"{', '.join(differ)}", "add cfg parallel (each side on its own ranks), give both "

@@ -227,8 +227,8 @@ class SampleRequest(_Fields):
             sampler=self.sampler,
             cfg=self.cfg,
             guidance=self.guidance if self.guidance is not None else spec.default_guidance,
-            positive=positive,
-            negative=negative,
+            positive=spec.prepare_conditioning(positive),  # once, before any layout sizes a buffer from it
+            negative=None if negative is None else spec.prepare_conditioning(negative),
             add_noise=self.add_noise,
         )
 

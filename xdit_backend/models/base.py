@@ -45,6 +45,10 @@ class FamilySpec(ABC):
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies
                       ``latent_format.process_in`` to them, as ComfyUI's model_base does.
+    prepare_conditioning(cond): one side as the model takes it (ComfyUI's ``extra_conds`` reshaping
+                      it: Flux.2 pads its text to 512 tokens). SampleRequest.generation applies it once
+                      per generation to both sides, so every layout (serial, ulysses/ring, cfg, dp,
+                      PipeFusion's buffers) sees them so; the leader applies it to choose the layout.
     """
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan",
@@ -80,6 +84,10 @@ class FamilySpec(ABC):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """The tensors a request carries for one side (positive or negative) of the guidance, by key;
         a dimension None: any length."""
+
+    def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One side's tensors as the model takes them; the identity unless the family reshapes them."""
+        return cond
 
     @property
     def pixel_multiple(self) -> int:

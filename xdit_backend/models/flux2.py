@@ -31,7 +31,11 @@ from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 FLUX2_DEFAULT_SHIFT = 2.02  # comfy/supported_models.py, Flux2.sampling_settings
 FLUX2_DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py, Flux.extra_conds: kwargs.get("guidance", 3.5)
-MIN_TEXT_TOKENS = 512  # comfy/model_base.py, Flux2.extra_conds: target_text_len
+# comfy/model_base.py, Flux2.extra_conds: target_text_len, zeros in front of a shorter cross_attn. dev's text is
+# shorter (comfy/text_encoders/flux.py Mistral3Tokenizer: min_length 1, the prompt's own length); klein's is
+# already 512 (Qwen3Tokenizer / Qwen3Tokenizer8B: min_length 512, pad tokens encoded). comfy/ldm/flux/model.py
+# takes the context as it comes (txt_ids over context.shape[1]).
+MIN_TEXT_TOKENS = 512
 REFERENCE_INDEX_SCALE = 10.0  # comfy/model_detection.py, flux2: ref_index_scale
 REFERENCE = "reference_"  # cond keys reference_0, reference_1, …: ComfyUI's reference_latents, in order
 
@@ -61,7 +65,8 @@ def text_ids(length: int, device: torch.device | None = None) -> torch.Tensor:
 
 
 def pad_text(context: torch.Tensor) -> torch.Tensor:
-    """[B, L, C] → [B, max(L, 512), C]: zeros in front of a shorter text, as ComfyUI's Flux2.extra_conds."""
+    """[B, L, C] → [B, max(L, 512), C]: zeros in front of a shorter text, as ComfyUI's Flux2.extra_conds
+    (Flux2Spec.prepare_conditioning: once per generation, for every layout)."""
     missing = MIN_TEXT_TOKENS - context.shape[1]
     return torch.nn.functional.pad(context, (0, 0, missing, 0)) if missing > 0 else context
 
@@ -201,6 +206,11 @@ class Flux2Spec(FamilySpec):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
         return {"context": (batch, text_tokens, self.context_dim)}
 
+    def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The text padded to 512 tokens, zeros in front, as ComfyUI's Flux2.extra_conds pads it before
+        the model (and so before PipeFusion sizes its K/V buffers and ulysses/ring cut the text)."""
+        return {**cond, "context": pad_text(cond["context"])}
+
 
 class Flux2Model(DiffusionModel):
     """A loaded Flux.2 transformer (whole, or one PipeFusion stage of it)."""
@@ -212,7 +222,7 @@ class Flux2Model(DiffusionModel):
         """The velocity for x [B, 128, h, w] at timestep σ [B], with the references in ``cond`` as more tokens."""
         b, _, h, w = x.shape
         sigma = timestep.to(self.device, torch.float32)  # [B]
-        context = pad_text(cond["context"].to(self.device, self.dtype))  # [B, L ≥ 512, C]
+        context = cond["context"].to(self.device, self.dtype)  # [B, L ≥ 512, C]: Flux2Spec.prepare_conditioning
         tokens, ids = [pack(x)], [image_ids(h, w, device=self.device)]  # [B, h·w, 128], [h·w, 4]
         for number, reference in enumerate(references(cond), start=1):
             reference = self.latent_format.process_in(to_batch(reference, b).to(self.device, torch.float32))
@@ -242,10 +252,6 @@ class Flux2Model(DiffusionModel):
             raise UserError("Flux.2 reference images do not run under PipeFusion: its patches are bands of the "
                             "generated image, and the reference tokens belong to none of them",
                             "drop pipefusion from the parallel degrees; ulysses and ring split the references")
-        if cond["context"].shape[1] < MIN_TEXT_TOKENS:
-            raise UserError(f"Flux.2 under PipeFusion needs the text at {MIN_TEXT_TOKENS} tokens or more (ComfyUI "
-                            f"pads shorter text to {MIN_TEXT_TOKENS}); this one has {cond['context'].shape[1]}",
-                            "drop pipefusion from the parallel degrees, or pad the conditioning to 512 tokens")
         t = self.transformer
         sigma = timestep.to(self.device, torch.float32)  # [B]
         temb = time_embedding(t.time_guidance_embed, sigma, self._guidance(sigma.shape[0], guidance), self.dtype)
