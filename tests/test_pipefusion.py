@@ -111,7 +111,7 @@ def test_stages_are_balanced_by_parameters():
 
 FAMILY_LAYOUTS = [(2, {"pipefusion": 2, "num_pipeline_patch": 4}), (4, {"pipefusion": 2, "ulysses": 2}),
                   (4, {"pipefusion": 2, "cfg": 2})]
-PIPELINED = [m for m in FAMILIES if "pipefusion" in registry.spec(m).parallel_methods]  # not yet: Z-Image
+PIPELINED = [m for m in FAMILIES if "pipefusion" in registry.spec(m).parallel_methods]
 
 
 def family_case_id(case):
@@ -128,6 +128,16 @@ def test_family_full_warmup_equals_serial(case, request):
     reference = serial_latent(message)
     difference = (result["samples"] - reference).abs().max().item()
     assert difference <= bound(reference), f"{family_case_id(case)}: max |pipefusion − serial| = {difference:.3g}"
+
+
+def test_hunyuan_dit_skips_travel_across_every_stage(backend4):
+    """pipefusion=4 over 4 blocks, full warm-up: block 0's output reaches block 3 through stages 1
+    and 2 (carried with each patch); the result equals serial."""
+    message = family_fields("hunyuan-dit-tiny")
+    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
+                                                         "warmup_steps": message["steps"]}})
+    reference = serial_latent(message)
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
 
 
 @pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])
