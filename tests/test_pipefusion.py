@@ -140,6 +140,23 @@ def test_hunyuan_dit_skips_travel_across_every_stage(backend4):
     assert (result["samples"] - reference).abs().max() <= bound(reference)
 
 
+def test_z_image_caption_is_refined_in_whichever_stage_holds_the_context_refiner(backend4):
+    """pipefusion=4 over 1 + 1 refiner and 2 main blocks, full warm-up: the noise refiner on stage 0,
+    the context refiner alone on stage 1 (the caption travels with the first patch), equal serial."""
+    message = family_fields("z-image-tiny")
+    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
+                                                         "warmup_steps": message["steps"]}})
+    reference = serial_latent(message)
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+def test_z_image_with_image_pad_tokens_is_refused_with_the_rule(backend2):
+    """112 × 80 px: 35 image tokens, padded to 64 with pad tokens no PipeFusion stage can hold."""
+    message = family_fields("z-image-tiny", width=112, height=80)
+    with pytest.raises(BackendError, match="image tokens are a multiple of 32; 112 × 80 px has 35"):
+        backend2.sample({**message, "parallel": {"pipefusion": 2}})
+
+
 @pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])
 def test_multistep_samplers_keep_a_history_per_patch(sampler, backend2):
     """4 patches, full warm-up: each patch's walk equals its band of the serial walk."""

@@ -162,6 +162,12 @@ class DiffusionModel(ABC):
     def device(self) -> torch.device:
         return self.transformer.device
 
+    @property
+    def width(self) -> int:
+        """The blocks' hidden size D (what PipeFusion's stages send per token)."""
+        config = self.transformer.config
+        return config.num_attention_heads * config.attention_head_dim
+
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
         """x0 for ``x`` (model space) at noise levels ``sigma`` [B]."""
         sampling = gen.sampling

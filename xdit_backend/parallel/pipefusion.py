@@ -156,8 +156,7 @@ class PipeFusion:
         self.sides = self._sides(begin)
         self.batch = self.sides["context"].shape[0]
         self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
-        config = self.model.transformer.config
-        self.width = config.num_attention_heads * config.attention_head_dim  # the blocks' hidden size D
+        self.width = self.model.width  # the blocks' hidden size D
         pt, ph, pw = self.model.spec.patch
         frames = shape[2] // pt if len(shape) == 5 else 1
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
