@@ -140,8 +140,6 @@ class PipeFusion:
         self.patches = config.num_pipeline_patch or config.pipefusion
         self.warmup = config.warmup_steps
         self.blocks = blocks  # this stage's blocks, in order
-        # per-patch tensors [B, n/P, D] arriving with each patch (StagePlan.carries); stage 0 gets none
-        self.carried = model.carried(blocks[0]) if self.plan.carries and not self.first else 0
         self.chunk = stale_kv.Chunk()
         self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, first patch): receives posted ahead
 
@@ -157,6 +155,8 @@ class PipeFusion:
         self.batch = self.sides["context"].shape[0]
         self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
         self.width = self.model.width  # the blocks' hidden size D
+        # per-patch tensors [B, n/P, D] arriving with each patch (StagePlan.carries); stage 0 gets none
+        self.carried = self.model.carried(self.blocks[0]) if self.plan.carries and not self.first else 0
         pt, ph, pw = self.model.spec.patch
         frames = shape[2] // pt if len(shape) == 5 else 1
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
