@@ -286,7 +286,8 @@ class PipeFusion:
             self.trace.append(("wait", item.step, item.first))
             request.wait()
             context, image = received[:, :text], received[:, text:text + local.numel()]  # [batch, L or 0, D], [batch, n/P, D]
-            carry = list(received[:, text + local.numel():].split(local.numel(), dim=1))  # carried × [batch, n/P, D]
+            # carried × [batch, n/P, D]
+            carry = list(received[:, text + local.numel():].split(local.numel(), dim=1)) if self.carried else []
             if not self.text:
                 context = None
         kwargs = model.block_kwargs(inputs, self.positions, local, text)
@@ -295,7 +296,8 @@ class PipeFusion:
         for block in self.blocks:
             image, context = model.run_block(block, image, context, kwargs)
         if not self.last:
-            activation = torch.cat([*([context] if self.text else []), image, *carry], dim=1).contiguous()
+            parts = [*([context] if self.text else []), image, *carry]
+            activation = (torch.cat(parts, dim=1) if len(parts) > 1 else image).contiguous()
             # [batch, L + n/P + carried·n/P, D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
