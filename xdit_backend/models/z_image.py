@@ -192,7 +192,8 @@ class ZImageModel(DiffusionModel):
         h, w = shape[-2:]
         tokens = (h // 2) * (w // 2)
         if tokens % SEQUENCE_MULTIPLE:
-            raise UserError(f"PipeFusion runs Z-Image only when its image tokens are a multiple of {SEQUENCE_MULTIPLE}; "
+            raise UserError(f"PipeFusion runs Z-Image only when its image tokens are a multiple of "
+                            f"{SEQUENCE_MULTIPLE}; "
                             f"{w * 8} × {h * 8} px has {tokens} ({h // 2} × {w // 2}), padded with "
                             f"{-tokens % SEQUENCE_MULTIPLE} pad tokens that attend to the whole image",
                             "use a size whose (width / 16) × (height / 16) is a multiple of 32 (1024 × 1024, "

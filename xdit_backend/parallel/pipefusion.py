@@ -285,9 +285,10 @@ class PipeFusion:
             received, request = self.pending.pop(index)
             self.trace.append(("wait", item.step, item.first))
             request.wait()
-            context, image = received[:, :text], received[:, text:text + local.numel()]  # [batch, L or 0, D], [batch, n/P, D]
+            n = local.numel()
+            context, image = received[:, :text], received[:, text:text + n]  # [batch, L or 0, D], [batch, n/P, D]
             # carried × [batch, n/P, D]
-            carry = list(received[:, text + local.numel():].split(local.numel(), dim=1)) if self.carried else []
+            carry = list(received[:, text + n:].split(n, dim=1)) if self.carried else []
             if not self.text:
                 context = None
         kwargs = model.block_kwargs(inputs, self.positions, local, text)

@@ -137,7 +137,7 @@ def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
     ("layers.attention": the main blocks' attention of Z-Image, not its refiners')."""
     kinds = {name: (kind, sees_text) for name, kind, sees_text in plan.attention}
     for name, module in transformer.named_modules():
-        path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.3.attention" → "layers.attention"
+        path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
         entry = kinds.get(name.rsplit(".", 1)[-1], kinds.get(path))
         if entry is not None:
             kind, sees_text = entry
