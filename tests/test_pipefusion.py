@@ -111,7 +111,7 @@ def test_stages_are_balanced_by_parameters():
 
 FAMILY_LAYOUTS = [(2, {"pipefusion": 2, "num_pipeline_patch": 4}), (4, {"pipefusion": 2, "ulysses": 2}),
                   (4, {"pipefusion": 2, "cfg": 2})]
-PIPELINED = [m for m in FAMILIES if "pipefusion" in registry.spec(m).parallel_methods]  # not yet: Z-Image
+PIPELINED = [m for m in FAMILIES if "pipefusion" in registry.spec(m).parallel_methods]
 
 
 def family_case_id(case):
@@ -146,6 +146,33 @@ def test_flux2_with_a_short_prompt_equals_serial_on_the_text_padded_to_512(backe
     with torch.no_grad():
         reference = generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
     assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+def test_hunyuan_dit_skips_travel_across_every_stage(backend4):
+    """pipefusion=4 over 4 blocks, full warm-up: block 0's output reaches block 3 through stages 1
+    and 2 (carried with each patch); the result equals serial."""
+    message = family_fields("hunyuan-dit-tiny")
+    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
+                                                         "warmup_steps": message["steps"]}})
+    reference = serial_latent(message)
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+def test_z_image_caption_is_refined_in_whichever_stage_holds_the_context_refiner(backend4):
+    """pipefusion=4 over 1 + 1 refiner and 2 main blocks, full warm-up: the noise refiner on stage 0,
+    the context refiner alone on stage 1 (the caption travels with the first patch), equal serial."""
+    message = family_fields("z-image-tiny")
+    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
+                                                         "warmup_steps": message["steps"]}})
+    reference = serial_latent(message)
+    assert (result["samples"] - reference).abs().max() <= bound(reference)
+
+
+def test_z_image_with_image_pad_tokens_is_refused_with_the_rule(backend2):
+    """112 × 80 px: 35 image tokens, padded to 64 with pad tokens no PipeFusion stage can hold."""
+    message = family_fields("z-image-tiny", width=112, height=80)
+    with pytest.raises(BackendError, match="image tokens are a multiple of 32; 112 × 80 px has 35"):
+        backend2.sample({**message, "parallel": {"pipefusion": 2}})
 
 
 @pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])

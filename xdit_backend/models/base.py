@@ -170,6 +170,12 @@ class DiffusionModel(ABC):
     def device(self) -> torch.device:
         return self.transformer.device
 
+    @property
+    def width(self) -> int:
+        """The blocks' hidden size D (what PipeFusion's stages send per token)."""
+        config = self.transformer.config
+        return config.num_attention_heads * config.attention_head_dim
+
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
         """x0 for ``x`` (model space) at noise levels ``sigma`` [B]."""
         sampling = gen.sampling
@@ -214,6 +220,11 @@ class DiffusionModel(ABC):
     def run_block(self, block, image: torch.Tensor, text: torch.Tensor | None, kwargs: dict):
         """One block on [B, n, D] image tokens (and [B, L, D] text tokens or None) → (image, text)."""
         raise NotImplementedError
+
+    def carried(self, block) -> int:
+        """StagePlan.carries: how many per-patch tensors [B, n, D] are on the patch's carry list when
+        ``block`` runs (what the previous stage sends with the activations when ``block`` starts a stage)."""
+        return 0
 
     def head(self, image: torch.Tensor, inputs: dict) -> torch.Tensor:
         """Last stage: the output layers, per token: [B, n, D] → [B, n, patch values]."""
@@ -286,6 +297,10 @@ class StagePlan:
     joint_text:  the text's hidden states change from block to block (MM-DiT), so they travel
                  between stages with the first patch of each step; otherwise every stage takes the
                  projected text from ``step_inputs`` itself.
+    carries:     a block's output feeds a later block besides the next (HunyuanDiT's long skips):
+                 the kwargs ``run_block`` gets hold ``"carry"``, the patch's list of such tensors
+                 [B, n, D] (this rank's tokens), which ``run_block`` pops and pushes; what is on it
+                 at a stage's end travels to the next stage with the patch (``carried`` says how many).
     A patch enters a stage through the family's ``embed``/``embed_text`` (stage 0) or as the
     previous stage's activations, and leaves through ``head``/``unpatchify`` (last stage).
     """
@@ -293,3 +308,4 @@ class StagePlan:
     block_lists: tuple[str, ...]
     attention: tuple[tuple[str, str | type, bool], ...]
     joint_text: bool = False
+    carries: bool = False

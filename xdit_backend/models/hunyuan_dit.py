@@ -14,8 +14,9 @@ from float32.
 Sequence parallelism cuts the patch embedding's output and the RoPE table (``rotary_table``, a
 parameterless module the wrapper adds to the transformer so the plan can cut its output) and
 gathers after ``proj_out``: self-attention communicates, cross-attention reads the whole text
-with this rank's queries. PipeFusion is refused: a patch's second-half blocks need the same
-patch's first-half activations (the skips), which a stage does not carry.
+with this rank's queries. PipeFusion: stale K/V in the self-attention only; a patch's skips are
+its carried tensors (StagePlan.carries), pushed by first-half blocks and popped by second-half
+blocks whichever stage runs them, so they travel between stages with the patch.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class HunyuanDiTSpec(FamilySpec):
 
     family = "hunyuan_dit"
     latent_format = latent_formats.SDXL  # comfy/supported_models.py HunyuanDiT
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses", "pipefusion"})
     takes_shift = False  # discrete V-prediction sampling
     optional_conditioning = ("context_mask", "context_mt5_mask")
     # comfy/model_base.py HunyuanDiT.extra_conds: the options CLIPTextEncodeHunyuanDiT's encoder sets
@@ -120,7 +121,8 @@ class HunyuanDiTSpec(FamilySpec):
         cuts=(Cut("pos_embed", None, 1),  # the patch tokens [B, N, D]
               Cut("rotary_table", None, 0)),  # RoPE (cos, sin) [N, head_dim] each
         attention=(("attn1", HunyuanDiTProcessor),))  # cross-attention (attn2) reads the whole text
-    stage_plan = StagePlan(block_lists=("blocks",), attention=())  # PipeFusion refused (skips)
+    stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", HunyuanDiTProcessor, False),),
+                           carries=True)  # the long skips travel with the patch
 
     @classmethod
     def from_config(cls, config: dict) -> HunyuanDiTSpec:
@@ -141,6 +143,8 @@ class HunyuanDiTModel(DiffusionModel):
 
     def __init__(self, transformer, *args, **kwargs):
         super().__init__(transformer, *args, **kwargs)
+        # each block's layer, taken before a PipeFusion stage drops the others (it decides the skips)
+        self.layers = {block: layer for layer, block in enumerate(transformer.blocks)}
         if not hasattr(transformer, "rotary_table"):
             config = transformer.config
             transformer.rotary_table = RotaryTable(config.attention_head_dim, config.patch_size)
@@ -153,17 +157,53 @@ class HunyuanDiTModel(DiffusionModel):
         temb = self._embedding(timestep, cond, b, h, w)  # [B, D]
         rope = t.rotary_table(h, w, device=self.device)  # (cos, sin) [N, head_dim]; cut to N/P
         hidden = t.pos_embed(x.to(self.device, self.dtype))  # [B, N, D]; cut to [B, N/P, D]
-        depth, skips = len(t.blocks), []
-        for layer, block in enumerate(t.blocks):
-            skip = skips.pop() if layer > depth // 2 else None  # block depth − 1 − layer's output
-            hidden = block(hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope, skip=skip)
-            if layer < depth // 2 - 1:
-                skips.append(hidden)
+        kwargs = {"text": text, "temb": temb, "rope": rope, "carry": []}
+        for block in t.blocks:
+            hidden, _ = self.run_block(block, hidden, None, kwargs)
         hidden = t.proj_out(t.norm_out(hidden, temb.to(torch.float32)))  # [B, N, p·p·2C]; gathered
-        p = t.config.patch_size
-        patches = hidden.reshape(b, h // p, w // p, p, p, -1)  # [B, rows, columns, p, p, 2C]
-        out = torch.einsum("nhwpqc->nchpwq", patches).reshape(b, -1, h, w)  # [B, 2C, h, w]
-        return out[:, :c]  # v; the learned variance dropped, as ComfyUI does
+        return self.unpatchify(hidden, tuple(x.shape))
+
+    # PipeFusion's stage methods (base.DiffusionModel)
+
+    def positions(self, shape):
+        return self.transformer.rotary_table(shape[-2], shape[-1], device=self.device)  # (cos, sin) [N, head_dim]
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        b, (h, w) = cond["context"].shape[0], shape[-2:]  # b: cond and uncond batched, the latent's batch × 2
+        return {"text": self._text(cond), "temb": self._embedding(timestep, cond, b, h, w)}
+
+    def embed(self, x, tokens, inputs, positions):
+        return self.transformer.pos_embed(x.to(self.device, self.dtype))  # [B, n, D]: no position added (RoPE)
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        return {**inputs, "rope": tuple(table[tokens] for table in positions)}  # (cos, sin) [n, head_dim]
+
+    def run_block(self, block, image, text, kwargs):
+        """One block; block ``depth − 1 − layer``'s output is popped as the skip of a second-half block,
+        and a first-half block's output pushed for its partner (``kwargs["carry"]``: the patch's skips)."""
+        layer, depth, skips = self.layers[block], self.spec.blocks, kwargs["carry"]
+        skip = skips.pop() if layer > depth // 2 else None
+        image = block(image, encoder_hidden_states=kwargs["text"], temb=kwargs["temb"],
+                      image_rotary_emb=kwargs["rope"], skip=skip)
+        if layer < depth // 2 - 1:
+            skips.append(image)
+        return image, text
+
+    def carried(self, block) -> int:
+        """Skips pushed by the layers before ``block`` (those < depth/2 − 1) less those popped (> depth/2)."""
+        layer, half = self.layers[block], self.spec.blocks // 2
+        return min(layer, half - 1) - max(0, layer - half - 1)
+
+    def head(self, image, inputs):
+        t = self.transformer
+        return t.proj_out(t.norm_out(image, inputs["temb"].to(torch.float32)))  # [B, n, p·p·2C]
+
+    def unpatchify(self, tokens, shape):
+        """[B, n, p·p·2C] of a band → v [B, C, rows, w]; the learned variance dropped, as ComfyUI does."""
+        b, c, h, w = shape
+        p = self.transformer.config.patch_size
+        patches = tokens.reshape(b, h // p, w // p, p, p, -1)  # [B, rows, columns, p, p, 2C]
+        return torch.einsum("nhwpqc->nchpwq", patches).reshape(b, -1, h, w)[:, :c]  # [B, C, h, w]
 
     def _text(self, cond: dict) -> torch.Tensor:
         """[CLIP; projected mT5] tokens [B, L1 + L2, 1024], the last 77 (256) padded tokens of each

@@ -13,6 +13,15 @@ and each block's RoPE table alongside it, as one segment (text_tokens 0: caption
 the same kind of token here), and gathers after the final layer. Both halves are padded to 32
 tokens, so every ring × ulysses that divides 32 divides the unified sequence. The refiners run
 whole on every rank (2 + 2 of Z-Image's 34 blocks, the noise refiner over the image tokens only).
+
+PipeFusion runs the three block lists in order as one pipeline. The padded caption is the joint
+text that travels with each step's first patch: the context refiners (caption alone) run on it
+wherever they sit, the noise refiners run on the image patch alone (stale K/V over the image),
+the main blocks on [caption; patch] (stale K/V over both: attention is unmasked, so the order of
+the keys does not matter). Its rule: the image tokens are a multiple of 32, so the unified
+sequence has no image pad tokens: those attend to the whole image in the noise refiner and would
+be a second, image-dependent text that no stage has while the patches pass (stale_kv's buffers
+hold one text per module, the same for every module that sees text).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
@@ -35,6 +45,7 @@ Z_IMAGE_MULTIPLIER = 1.0
 FINAL_LAYER = "all_final_layer.2-1"  # diffusers' name of the output layer for patch 2 × 2, 1 frame
 REFINERS = ("noise_refiner", "context_refiner")  # blocks over the image alone and the caption alone, not cut
 REFINER_MARK = "runs_whole"  # set on the refiners' attention modules by ZImageModel
+SEQUENCE_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF (ComfyUI's pad_tokens_multiple): image and caption padded to it
 
 
 class ZImageAttention:
@@ -43,6 +54,8 @@ class ZImageAttention:
     (USPAttention under sequence parallelism): the same projections, q/k RMS norms and RoPE. The
     refiners' attention modules have the same name but are not cut (their whole sequence is on every
     rank): they attend locally, as diffusers does."""
+
+    runs_whole_refiners = True  # the refiners attend locally (sequence parallelism does not cut them)
 
     def __init__(self, core):
         self.core = core
@@ -56,11 +69,18 @@ class ZImageAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         if freqs_cis is not None:  # [B, S/P, D/2] complex: this rank's share of the table
             query, key = rotate(query, freqs_cis), rotate(key, freqs_cis)
-        if getattr(attn, REFINER_MARK, False):  # a refiner: its whole sequence, on every rank
+        if self.runs_whole_refiners and getattr(attn, REFINER_MARK, False):  # a refiner: its whole sequence
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
         else:
             out = self.core(query, key, value, text_tokens=0)  # [B, S/P, H, D]
         return attn.to_out[0](out.flatten(2, 3).to(query.dtype))  # [B, S/P, H·D] → [B, S/P, D]
+
+
+class ZImagePatchAttention(ZImageAttention):
+    """The noise refiners' attention under PipeFusion: the patch's image tokens attend through the
+    core (stale K/V over the whole image), like the main blocks' without the caption."""
+
+    runs_whole_refiners = False
 
 
 def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -98,9 +118,11 @@ class ZImageSpec(FamilySpec):
 
     family = "z_image"
     latent_format = latent_formats.FLUX  # comfy/supported_models.py: Lumina2.latent_format = latent_formats.Flux
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses", "pipefusion"})
+    # the context refiners' attention (caption alone, whole on the first stage that holds them) keeps diffusers'
     stage_plan = StagePlan(block_lists=("noise_refiner", "context_refiner", "layers"),
-                           attention=(("attention", ZImageAttention, True),))
+                           attention=(("noise_refiner.attention", ZImagePatchAttention, False),
+                                      ("layers.attention", ZImageAttention, True)), joint_text=True)
 
     @property
     def sequence_plan(self) -> SequencePlan:
@@ -144,6 +166,12 @@ class ZImageModel(DiffusionModel):
         for name in REFINERS:
             for block in getattr(transformer, name):
                 setattr(block.attention, REFINER_MARK, True)
+        # each block's list, taken before a PipeFusion stage drops the others (it decides what a block runs on)
+        self.kinds = {block: name for name in self.spec.stage_plan.block_lists for block in getattr(transformer, name)}
+
+    @property
+    def width(self) -> int:
+        return self.transformer.config.dim
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The model's output for x [B, 16, h, w] at timestep σ [B], as ComfyUI's NextDiT returns it:
@@ -155,3 +183,75 @@ class ZImageModel(DiffusionModel):
         with time_embedded_in(self.transformer.t_embedder, self.dtype):
             out = self.transformer(images, t, captions, return_dict=False)[0]  # B × [16, 1, h, w]
         return -torch.stack(out).squeeze(2)  # [B, 16, h, w]
+
+    # PipeFusion's stage methods (base.DiffusionModel): the unified sequence as [caption (joint text); image]
+
+    def positions(self, shape):
+        """None: the image's RoPE positions follow the caption's length (step_inputs makes them). Refuses
+        a latent whose image tokens need pad tokens (the module docstring says why)."""
+        h, w = shape[-2:]
+        tokens = (h // 2) * (w // 2)
+        if tokens % SEQUENCE_MULTIPLE:
+            raise UserError(f"PipeFusion runs Z-Image only when its image tokens are a multiple of "
+                            f"{SEQUENCE_MULTIPLE}; "
+                            f"{w * 8} × {h * 8} px has {tokens} ({h // 2} × {w // 2}), padded with "
+                            f"{-tokens % SEQUENCE_MULTIPLE} pad tokens that attend to the whole image",
+                            "use a size whose (width / 16) × (height / 16) is a multiple of 32 (1024 × 1024, "
+                            "1024 × 768, 1280 × 768, …), or ulysses / ring / cfg instead of pipefusion")
+        return None
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time embedding, the padded captions and the RoPE tables (diffusers' own patchify of a
+        latent of this shape gives the position ids: caption 1…L, image from L + 1)."""
+        t = self.transformer
+        h, w = shape[-2:]
+        captions = list(cond["context"].to(self.device, self.dtype).unbind(0))  # B × [L, 2560]
+        latent = torch.zeros(shape[1], 1, h, w, device=self.device, dtype=self.dtype)  # [16, 1, h, w]
+        _, padded, _, (image_ids, *_), (caption_ids, *_), _, caption_pads = t.patchify_and_embed(
+            [latent] * len(captions), captions, 2, 1)  # image_ids [N, 3] (no pad: positions), caption_ids [≥ L, 3]
+        with time_embedded_in(t.t_embedder, self.dtype):
+            adaln = t.t_embedder((1.0 - timestep.to(self.device, torch.float32)) * t.t_scale).to(self.dtype)  # [B, 256]
+        return {"adaln": adaln, "captions": torch.stack(padded), "caption_pads": torch.stack(caption_pads),
+                "caption_freqs": t.rope_embedder(caption_ids)[None, :len(padded[0])],  # [1, L, D/2] complex
+                "image_freqs": t.rope_embedder(image_ids)}  # [N, D/2] complex
+
+    def joint_text_tokens(self, cond) -> int:
+        length = cond["context"].shape[1]
+        return length + (-length) % SEQUENCE_MULTIPLE
+
+    def embed(self, x, tokens, inputs, positions):
+        """The patch [B, 16, rows, w] → its tokens [B, n, D], as diffusers' patchify (2 × 2, C last)."""
+        b, c, rows, w = x.shape
+        patches = x.reshape(b, c, rows // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1)  # [B, rows/2, w/2, 2, 2, C]
+        return self.transformer.all_x_embedder["2-1"](patches.reshape(b, -1, 4 * c).to(self.device, self.dtype))
+
+    def embed_text(self, inputs):
+        """The padded captions embedded, their pad tokens the learned ``cap_pad_token``: [B, L, D]."""
+        t = self.transformer
+        embedded = t.cap_embedder(inputs["captions"])  # [B, L, D]
+        return torch.where(inputs["caption_pads"].unsqueeze(-1), t.cap_pad_token.to(embedded.dtype), embedded)
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        image = inputs["image_freqs"][tokens][None]  # [1, n, D/2] complex
+        joint = torch.cat([inputs["caption_freqs"][:, :text_tokens], image], dim=1)  # [1, L + n, D/2]
+        return {"adaln": inputs["adaln"], "image": image, "joint": joint, "caption": inputs["caption_freqs"]}
+
+    def run_block(self, block, image, text, kwargs):
+        """A noise refiner on the patch, a context refiner on the caption (when it travels with this
+        patch), a main block on [caption; patch]."""
+        kind, L = self.kinds[block], text.shape[1]
+        if kind == "noise_refiner":
+            return block(image, None, kwargs["image"], kwargs["adaln"]), text
+        if kind == "context_refiner":
+            return image, (block(text, None, kwargs["caption"]) if L else text)
+        unified = block(torch.cat([text, image], dim=1), None, kwargs["joint"], kwargs["adaln"])  # [B, L + n, D]
+        return unified[:, L:], unified[:, :L]
+
+    def head(self, image, inputs):
+        return self.transformer.all_final_layer["2-1"](image, c=inputs["adaln"])  # [B, n, 2·2·16]
+
+    def unpatchify(self, tokens, shape):
+        """[B, n, 2·2·C] of a band → the model's output [B, C, rows, w], negated as ComfyUI's NextDiT returns it."""
+        b, c, rows, w = shape
+        patches = tokens.reshape(b, rows // 2, w // 2, 2, 2, c)  # [B, rows/2, w/2, 2, 2, C]
+        return -patches.permute(0, 5, 1, 3, 2, 4).reshape(b, c, rows, w)

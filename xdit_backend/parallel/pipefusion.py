@@ -9,6 +9,9 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
   are frames × band rows × columns (positions: those of the whole latent, cut to the patch). The
   first ``warmup_steps`` steps send the whole latent as one chunk (exact); later steps send
   ``num_pipeline_patch`` patches. Joint-text families' text travels with each step's first chunk.
+- Carried tensors (StagePlan.carries: HunyuanDiT's long skips): a patch's blocks may leave
+  tensors [B, n/P, D] for its later blocks on a per-patch list; the ones still on it at a stage's
+  end travel with the patch's activations, [text; image; carried...] along the tokens.
 - Stale K/V: stale_kv.py. Schedule and step gate: schedule.py — patches of step k + 1 enter stage
   0 while the last stage finishes step k; each stage meets the gate where it stands then.
 - Sampler: the one implementation (sampling/samplers.py). The last stage keeps one walk per
@@ -151,8 +154,9 @@ class PipeFusion:
         self.sides = self._sides(begin)
         self.batch = self.sides["context"].shape[0]
         self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
-        config = self.model.transformer.config
-        self.width = config.num_attention_heads * config.attention_head_dim  # the blocks' hidden size D
+        self.width = self.model.width  # the blocks' hidden size D
+        # per-patch tensors [B, n/P, D] arriving with each patch (StagePlan.carries); stage 0 gets none
+        self.carried = self.model.carried(self.blocks[0]) if self.plan.carries and not self.first else 0
         pt, ph, pw = self.model.spec.patch
         frames = shape[2] // pt if len(shape) == 5 else 1
         token_rows, columns = shape[-2] // ph, shape[-1] // pw
@@ -243,9 +247,10 @@ class PipeFusion:
             return
         for index in schedule.window(gates[self.stage - 1], gate):
             item = self.work[index]
-            tokens = self._tokens(item)[1].numel() + (self.text if self._with_text(index) else 0)
+            local = self._tokens(item)[1].numel()
+            tokens = local * (1 + self.carried) + (self.text if self._with_text(index) else 0)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
-            # [B, L + n/P, D] from the previous stage
+            # [B, L + n/P + carried·n/P, D] from the previous stage
             self.pending[index] = (buffer, _irecv(buffer, self.links.incoming))
             self.trace.append(("post", item.step, item.first))
 
@@ -275,19 +280,26 @@ class PipeFusion:
             context = model.embed_text(inputs) if text else None
             if self.text and not text:
                 context = image.new_zeros(self.batch, 0, image.shape[2])  # joint blocks without the text this time
+            carry = []
         else:
             received, request = self.pending.pop(index)
             self.trace.append(("wait", item.step, item.first))
             request.wait()
-            context, image = received[:, :text], received[:, text:]  # [batch, L or 0, D], [batch, n/P, D]
+            n = local.numel()
+            context, image = received[:, :text], received[:, text:text + n]  # [batch, L or 0, D], [batch, n/P, D]
+            # carried × [batch, n/P, D]
+            carry = list(received[:, text + n:].split(n, dim=1)) if self.carried else []
             if not self.text:
                 context = None
         kwargs = model.block_kwargs(inputs, self.positions, local, text)
+        if self.plan.carries:
+            kwargs["carry"] = carry  # the blocks pop and push the patch's carried tensors here
         for block in self.blocks:
             image, context = model.run_block(block, image, context, kwargs)
         if not self.last:
-            activation = (torch.cat([context, image], dim=1) if self.text else image).contiguous()
-            # [batch, L + n/P, D] to the next stage
+            parts = [*([context] if self.text else []), image, *carry]
+            activation = (torch.cat(parts, dim=1) if len(parts) > 1 else image).contiguous()
+            # [batch, L + n/P + carried·n/P, D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
         self._sample(item, model.head(image, inputs), sigma)

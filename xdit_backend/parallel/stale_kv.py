@@ -132,10 +132,13 @@ def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
 
 def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
     """Give every attention module the plan lists a stale-K/V processor (one buffer each). Undo with
-    ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before."""
+    ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before.
+    A plan names a module by its attribute ("attn1") or by its path without block indices
+    ("layers.attention": the main blocks' attention of Z-Image, not its refiners')."""
     kinds = {name: (kind, sees_text) for name, kind, sees_text in plan.attention}
     for name, module in transformer.named_modules():
-        entry = kinds.get(name.rsplit(".", 1)[-1])
+        path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
+        entry = kinds.get(name.rsplit(".", 1)[-1], kinds.get(path))
         if entry is not None:
             kind, sees_text = entry
             module.set_processor(sequence.processor_class(kind)(StaleKV(chunk, sp_group, kernel, sees_text)))
