@@ -284,6 +284,27 @@ def test_an_fp8_renamed_file_keeps_its_linear_weights_in_fp8(layout, tmp_path):
         assert torch.equal(tensor.float(), value.to(torch.float8_e4m3fn).float()), key
 
 
+@pytest.mark.parametrize("layout", list(WRITERS))
+def test_a_scaled_fp8_renamed_file_loads_its_weights_times_their_scale(layout, tmp_path):
+    """ComfyUI's scaled fp8 (what ComfyUI saves): each 2-D weight in float8 beside a scalar ``scale_weight``."""
+    built = build(TINY)
+    scaled = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for key, value in WRITERS[layout](built).items():
+        if key.endswith(".weight") and value.dim() == 2:
+            scale = value.abs().max() / 448
+            scaled[key] = (value / scale).to(torch.float8_e4m3fn)
+            scaled[key.removesuffix("weight") + "scale_weight"] = scale.reshape(1)
+        else:
+            scaled[key] = value
+    path = tmp_path / "cogvideox-scaled.safetensors"
+    save_file(scaled, str(path))
+    model = registry.build(str(path), torch.device("cpu"))
+    reference = CogVideoXModel(built, "built", CogVideoXSpec.from_config(TINY), compute_dtype=torch.float32)
+    ours, theirs = forward(model, TINY), forward(reference, TINY)
+    assert model.storage_dtype.startswith("float8_e4m3fn")
+    assert (ours - theirs).norm() < 0.1 * theirs.norm()  # fp8's rounding, not a wrong tensor
+
+
 def full_config(name):
     return {**TINY, "attention_head_dim": 64, "text_embed_dim": 4096, "time_embed_dim": 512, **FULL[name]}
 
