@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from xdit_backend.errors import UserError
 from xdit_backend.models import cogvideox_checkpoint, registry
 from xdit_backend.models.cogvideox import CogVideoXModel, CogVideoXSpec
+from xdit_backend.models.lora import LoraSpec
 from xdit_backend.models.storage import StoredLinear
 
 # What the converter cannot read off the shapes is THUDM's: the training grid and 226 text slots.
@@ -303,6 +304,27 @@ def test_a_scaled_fp8_renamed_file_loads_its_weights_times_their_scale(layout, t
     ours, theirs = forward(model, TINY), forward(reference, TINY)
     assert model.storage_dtype.startswith("float8_e4m3fn")
     assert (ours - theirs).norm() < 0.1 * theirs.norm()  # fp8's rounding, not a wrong tensor
+
+
+def test_a_lora_in_comfyui_names_lands_on_a_comfyui_file_as_peft_names_do(tmp_path):
+    """The table of a file in ComfyUI's names is ComfyUI's names: a LoRA on ``blocks.0.q`` there changes
+    the output exactly as the same LoRA on diffusers' ``transformer_blocks.0.attn1.to_q``."""
+    save_file({"model.diffusion_model." + k: v for k, v in comfyui_state_dict(build(TINY)).items()},
+              str(tmp_path / "comfyui.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    down, up = torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g)
+    names = {"peft": "transformer.transformer_blocks.0.attn1.to_q", "comfyui": "diffusion_model.blocks.0.q"}
+    outputs = {}
+    for name, module in names.items():
+        lora = tmp_path / f"lora-{name}.safetensors"
+        save_file({f"{module}.lora_A.weight": down, f"{module}.lora_B.weight": up}, str(lora))
+        model = registry.build(str(tmp_path / "comfyui.safetensors"), torch.device("cpu"),
+                               loras=[LoraSpec(str(lora), 1.0)])
+        assert (model.lora_reports[0]["merged_modules"], model.lora_reports[0]["unmatched_keys"]) == (1, 0)
+        outputs[name] = forward(model, TINY)
+    base = forward(registry.build(str(tmp_path / "comfyui.safetensors"), torch.device("cpu")), TINY)
+    assert (outputs["peft"] - base).abs().max() > 1e-3
+    assert torch.equal(outputs["comfyui"], outputs["peft"])
 
 
 def full_config(name):
