@@ -13,9 +13,9 @@ itself; they are read only to tell the two apart. Image-to-video files (32 input
 Two more layouts name every tensor by module, so their table is a rename (``renamed``):
 diffusers' own names (``transformer_blocks.N.attn1.to_q``, ``patch_embed.proj``: a diffusers
 transformer saved as one file, e.g. kijai's ComfyUI-CogVideoXWrapper files) and ComfyUI's
-(``blocks.N.q``, ``time_embedding_linear_1``: comfy/ldm/cogvideo/model.py, the names
-Comfy-Org/ComfyUI's comfy/model_detection.py detects CogVideoX by, ``blocks.0.norm1.linear.weight``). Neither holds
-the 2B's position table, so there the position kind is read off the width (1920: 2B, sin-cos).
+(``blocks.N.q``, ``time_embedding_linear_1``: Comfy-Org/ComfyUI's comfy/ldm/cogvideo/model.py; its
+comfy/model_detection.py tells CogVideoX by ``blocks.0.norm1.linear.weight``). Neither holds the
+2B's position table, so there the position kind is read off the width (1920: 2B, sin-cos).
 A renamed layout's config carries ``"_key_layout"`` (diffusers' ``register_to_config`` keeps
 ``_`` keys out of ``__init__``), so the table can be built from the config alone.
 """
