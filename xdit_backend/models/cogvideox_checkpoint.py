@@ -1,4 +1,4 @@
-"""CogVideoX single files in THUDM's original (SAT) key layout, read into diffusers' CogVideoX.
+"""CogVideoX single files (THUDM's SAT key layout, diffusers' names, ComfyUI's) read into diffusers' CogVideoX.
 
 The layout is that of THUDM's SAT checkpoints (``model.diffusion_model.`` prefixed, or bare), as
 diffusers' scripts/convert_cogvideox_to_diffusers.py reads it: blocks under
@@ -9,6 +9,15 @@ then the same six for the text) that diffusers splits between ``norm1`` (attenti
 ``pos_embedding``, 5B's RoPE ``freqs_cos`` / ``freqs_sin``) are buffers that diffusers computes
 itself; they are read only to tell the two apart. Image-to-video files (32 input channels, 1.5's
 ``ofs_embed``) are refused by name.
+
+Two more layouts name every tensor by module, so their table is a rename (``renamed``):
+diffusers' own names (``transformer_blocks.N.attn1.to_q``, ``patch_embed.proj``: a diffusers
+transformer saved as one file, e.g. kijai's ComfyUI-CogVideoXWrapper files) and ComfyUI's
+(``blocks.N.q``, ``time_embedding_linear_1``: Comfy-Org/ComfyUI's comfy/ldm/cogvideo/model.py; its
+comfy/model_detection.py tells CogVideoX by ``blocks.0.norm1.linear.weight``). Neither holds the
+2B's position table, so there the position kind is read off the width (1920: 2B, sin-cos).
+A renamed layout's config carries ``"_key_layout"`` (diffusers' ``register_to_config`` keeps
+``_`` keys out of ``__init__``), so the table can be built from the config alone.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ TEXT_SLOTS = 226  # THUDM's text_length (sat/configs/cogvideox_2b.yaml): 2B's po
 # by patch_t: (latent width, height, frames) trained at (THUDM sat/configs; diffusers' conversion script's
 # get_transformer_init_kwargs for 1.0 and 1.5)
 SAMPLE = {None: (90, 60, 49), 2: (300, 300, 81)}
+WIDTH_2B = 1920  # the only CogVideoX with sin-cos positions (THUDM sat/configs/cogvideox_2b.yaml hidden_size)
 
 # diffusers module -> original one; weight / bias names are the same on both sides.
 _GLOBAL = {
@@ -49,6 +59,22 @@ _BLOCK = {  # under transformer.layers.N
 }
 _ADALN = "mixins.adaln_layer"
 
+LAYOUT_KEY = "_key_layout"  # in a config read from a renamed layout: which one
+LAYOUT_MARKERS = {  # keys that tell each renamed layout (all of them present, under one prefix)
+    "diffusers": ("patch_embed.proj.weight", "patch_embed.text_proj.weight", "time_embedding.linear_1.weight",
+                  "transformer_blocks.0.norm1.linear.weight"),
+    # comfy/model_detection.py (Comfy-Org/ComfyUI) tells CogVideoX by blocks.0.norm1.linear.weight
+    "comfyui": ("patch_embed.proj.weight", "patch_embed.text_proj.weight", "time_embedding_linear_1.weight",
+                "blocks.0.norm1.linear.weight"),
+}
+# diffusers name -> ComfyUI's (comfy/ldm/cogvideo/model.py: CogVideoXBlock's q, k, v, norm_q, norm_k,
+# attn_out, ff_proj, ff_out; the time MLP as two top-level Linears); every other name is the same
+_COMFYUI_GLOBAL = {"time_embedding.linear_1": "time_embedding_linear_1",
+                   "time_embedding.linear_2": "time_embedding_linear_2"}
+_COMFYUI_BLOCK = {"attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v", "attn1.norm_q": "norm_q",
+                  "attn1.norm_k": "norm_k", "attn1.to_out.0": "attn_out", "ff.net.0.proj": "ff_proj",
+                  "ff.net.2": "ff_out"}
+
 
 @dataclass(frozen=True)
 class OuterBands(Source):
@@ -61,10 +87,28 @@ class OuterBands(Source):
 
 
 def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
-    """The original source of every diffusers key: renames, q/k/v rows of the fused projection, and
-    each block's two modulations gathered from the 12 chunks of its one AdaLN linear."""
+    """The original source of every diffusers key: in THUDM's layout renames, q/k/v rows of the fused
+    projection, and each block's two modulations gathered from the 12 chunks of its one AdaLN
+    linear; in a renamed layout the same tensor under its name there."""
+    layout = config.get(LAYOUT_KEY)
+    if layout is not None:
+        return {key: Source(prefix + renamed(key, layout)) for key in diffusers_keys}
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
+
+
+def renamed(key: str, layout: str) -> str:
+    """A diffusers key's name in a renamed layout (diffusers: itself)."""
+    if layout == "diffusers":
+        return key
+    module, _, param = key.rpartition(".")
+    if module in _COMFYUI_GLOBAL:
+        return f"{_COMFYUI_GLOBAL[module]}.{param}"
+    block = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module)
+    if block is None:
+        return key
+    index, rest = block.groups()
+    return f"blocks.{index}.{_COMFYUI_BLOCK.get(rest, rest)}.{param}"
 
 
 def _source(key: str, prefix: str, width: int) -> Source:
@@ -89,12 +133,24 @@ def _source(key: str, prefix: str, width: int) -> Source:
 
 
 def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a CogVideoX model in THUDM's layout, or None."""
-    return find_prefix(keys, MARKERS)
+    """The key prefix under which the file holds a CogVideoX model (THUDM's, diffusers' or ComfyUI's
+    layout), or None."""
+    keys = set(keys)
+    return next((prefix for markers in (MARKERS, *LAYOUT_MARKERS.values())
+                 if (prefix := find_prefix(keys, markers)) is not None), None)
+
+
+def layout_of(keys, prefix: str) -> str | None:
+    """Which renamed layout the file's keys under ``prefix`` are in; None: THUDM's."""
+    return next((layout for layout, markers in LAYOUT_MARKERS.items()
+                 if all(prefix + marker in keys for marker in markers)), None)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' CogVideoXTransformer3DModel config, read off the tensor shapes; errors name the file."""
+    layout = layout_of(shapes, prefix)
+    if layout is not None:
+        return _renamed_config(shapes, prefix, path, layout)
 
     def shape(key):
         return list(shapes[prefix + key])
@@ -102,13 +158,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
     patch = shape("mixins.patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
-    out_rows = shape("mixins.final_layer.linear.weight")[0]  # pt·2·2·16
-    patch_t = None if len(patch) == 4 else out_rows // (PATCH * PATCH * LATENT_CHANNELS)
-    in_channels = patch[1] if patch_t is None else patch[1] // (patch_t * PATCH * PATCH)
-    if in_channels != LATENT_CHANNELS or "ofs_embed.0.weight" in own:
-        raise UserError(f"{path}: image-to-video CogVideoX is not supported (input channels {in_channels}"
-                        f"{', an ofs embedding' if 'ofs_embed.0.weight' in own else ''})",
-                        "use a CogVideoX text-to-video file (CogVideoX-2b, CogVideoX-5b, CogVideoX1.5-5B)")
+    patch_t, in_channels = _patches(patch, shape("mixins.final_layer.linear.weight"))
+    _text_to_video(path, in_channels, "ofs_embed.0.weight" in own)
     head_dim = shape(f"{_ADALN}.query_layernorm_list.0.weight")[0]  # the per-head q/k LayerNorm
     time_embed_dim = shape("time_embed.0.weight")[0]
     expected = {
@@ -119,28 +170,86 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mixins.final_layer.linear.weight": [(patch_t or 1) * PATCH * PATCH * LATENT_CHANNELS, width],
         "mixins.final_layer.adaLN_modulation.1.weight": [2 * width, time_embed_dim],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    _check(path, {key: shape(key) for key, want in expected.items() if shape(key) != want}, width, head_dim)
+    blocks = len({int(m.group(1)) for key in own if (m := re.match(r"transformer\.layers\.(\d+)\.", key))})
+    return _config(width, head_dim, patch_t, time_embed_dim, shape("mixins.patch_embed.text_proj.weight")[1], blocks,
+                   "mixins.patch_embed.proj.bias" in own, _rotary(own, width))
+
+
+def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout: str) -> dict:
+    """The config of a file in diffusers' or ComfyUI's names (read as diffusers' through ``renamed``)."""
+
+    def shape(key):
+        return list(shapes[prefix + renamed(key, layout)])
+
+    own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+    patch = shape("patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
+    width = patch[0]
+    patch_t, in_channels = _patches(patch, shape("proj_out.weight"))
+    # 1.5-I2V's ofs embedding: diffusers' ofs_embedding.linear_1, ComfyUI's ofs_embedding_linear_1
+    _text_to_video(path, in_channels, bool({"ofs_embedding.linear_1.weight", "ofs_embedding_linear_1.weight"} & own))
+    if "patch_embed.pos_embedding" in own:  # a learned position table: CogVideoX-5b-I2V's
+        raise UserError(f"{path}: CogVideoX with learned position embeddings (image to video) is not supported",
+                        "use a CogVideoX text-to-video file (CogVideoX-2b, CogVideoX-5b, CogVideoX1.5-5B)")
+    head_dim = shape("transformer_blocks.0.attn1.norm_q.weight")[0]  # the per-head q/k LayerNorm
+    time_embed_dim = shape("time_embedding.linear_1.weight")[0]
+    expected = {
+        "transformer_blocks.0.attn1.to_q.weight": [width, width],
+        "transformer_blocks.0.attn1.to_out.0.weight": [width, width],
+        "transformer_blocks.0.norm1.linear.weight": [6 * width, time_embed_dim],
+        "time_embedding.linear_1.weight": [time_embed_dim, width],
+        "proj_out.weight": [(patch_t or 1) * PATCH * PATCH * LATENT_CHANNELS, width],
+        "norm_out.linear.weight": [2 * width, time_embed_dim],
+    }
+    _check(path, {renamed(key, layout): shape(key) for key, want in expected.items() if shape(key) != want},
+           width, head_dim)
+    block = r"transformer_blocks\.(\d+)\." if layout == "diffusers" else r"blocks\.(\d+)\."
+    blocks = len({int(m.group(1)) for key in own if (m := re.match(block, key))})
+    config = _config(width, head_dim, patch_t, time_embed_dim, shape("patch_embed.text_proj.weight")[1], blocks,
+                     renamed("patch_embed.proj.bias", layout) in own, width != WIDTH_2B)
+    return {**config, LAYOUT_KEY: layout}
+
+
+def _patches(patch: list[int], out: list[int]) -> tuple[int | None, int]:
+    """(temporal patch, input channels) from the patch embedding's weight [D, C, 2, 2] (a Conv2d:
+    1.0, no temporal patch) or [D, C·pt·2·2] (a Linear: 1.5) and the output projection's [pt·2·2·16, D]."""
+    patch_t = None if len(patch) == 4 else out[0] // (PATCH * PATCH * LATENT_CHANNELS)
+    return patch_t, patch[1] if patch_t is None else patch[1] // (patch_t * PATCH * PATCH)
+
+
+def _text_to_video(path: str, in_channels: int, ofs: bool) -> None:
+    if in_channels != LATENT_CHANNELS or ofs:
+        raise UserError(f"{path}: image-to-video CogVideoX is not supported (input channels {in_channels}"
+                        f"{', an ofs embedding' if ofs else ''})",
+                        "use a CogVideoX text-to-video file (CogVideoX-2b, CogVideoX-5b, CogVideoX1.5-5B)")
+
+
+def _check(path: str, wrong: dict, width: int, head_dim: int) -> None:
     if wrong or width % head_dim:
         raise UserError(f"{path}: its CogVideoX tensors match no CogVideoX variant (width {width}, head size "
                         f"{head_dim}; unexpected shapes: {wrong or 'width not a multiple of the head size'})",
                         "the file may be damaged or of another architecture; re-download it")
+
+
+def _config(width: int, head_dim: int, patch_t: int | None, time_embed_dim: int, text_dim: int, blocks: int,
+            patch_bias: bool, rotary: bool) -> dict:
     sample_width, sample_height, sample_frames = SAMPLE[patch_t]
     return {
         "num_attention_heads": width // head_dim,
         "attention_head_dim": head_dim,
-        "in_channels": in_channels,
+        "in_channels": LATENT_CHANNELS,
         "out_channels": LATENT_CHANNELS,
         "time_embed_dim": time_embed_dim,
-        "text_embed_dim": shape("mixins.patch_embed.text_proj.weight")[1],
-        "num_layers": len({int(m.group(1)) for key in own if (m := re.match(r"transformer\.layers\.(\d+)\.", key))}),
+        "text_embed_dim": text_dim,
+        "num_layers": blocks,
         "sample_width": sample_width,
         "sample_height": sample_height,
         "sample_frames": sample_frames,
         "patch_size": PATCH,
         "patch_size_t": patch_t,
-        "patch_bias": "mixins.patch_embed.proj.bias" in own,
+        "patch_bias": patch_bias,
         "max_text_seq_length": TEXT_SLOTS,
-        "use_rotary_positional_embeddings": _rotary(own, width),
+        "use_rotary_positional_embeddings": rotary,
     }
 
 
@@ -151,7 +260,7 @@ def _rotary(own: set[str], width: int) -> bool:
         return True
     if "mixins.pos_embed.pos_embedding" in own:
         return False
-    return width != 1920
+    return width != WIDTH_2B
 
 
 FULL_SIZE = {  # (width, blocks, patch_t) of the released text-to-video models
