@@ -46,13 +46,14 @@ class USPAttention:
         self.shard = shard
         self.ulysses = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
         self.all_to_all, self.ring_attention = SeqAllToAll4D.apply, ring_flash_attn_func
-        self.padded_keys: dict[tuple, PaddedKeys | None] = {}  # by (local length, text tokens, whole lengths)
+        self.padded_keys: dict[tuple, PaddedKeys] = {}  # by (local length, text tokens, whole lengths)
 
     def __call__(self, q, k, v, text_tokens: int = 0):
         """q, k, v: [B, S/P, H, D], this rank's share of the sequence laid out [text share (``text_tokens``,
         or the whole text share when it is there and 0 is given: Flux's single-stream blocks); image
         share]; returns the same shape."""
-        keys = self._padded_keys(q.shape[1], text_tokens, q.device)
+        padding = self.shard.padding  # None unless a share is padded (set by the cuts, outside compiled blocks)
+        keys = None if padding is None else self._padded_keys(padding, q.shape[1], text_tokens, q.device)
         heads = q.shape[2]
         ug = self.ulysses_group
         if ug is not None:
@@ -73,11 +74,10 @@ class USPAttention:
             out = self.all_to_all(ug, out.contiguous(), 1, 2, False)[:, :, :heads]  # [B, S/P, H, D]
         return out
 
-    def _padded_keys(self, local: int, text_tokens: int, device: torch.device) -> PaddedKeys | None:
-        """Which keys are real in each ring rank's K/V block, or None when no share is padded (built once
-        per request and layout of the local sequence, on the device: no copy per attention call)."""
-        lengths = tuple(sorted(self.shard.lengths.items()))
-        key = (local, text_tokens, lengths)
+    def _padded_keys(self, padding: tuple, local: int, text_tokens: int, device: torch.device) -> PaddedKeys:
+        """Which keys are real in each ring rank's K/V block (built once per request and layout of the
+        local sequence, on the device: no copy per attention call)."""
+        key = (local, text_tokens, padding)
         if key not in self.padded_keys:
             self.padded_keys[key] = PaddedKeys.build(self.shard, local, text_tokens, self.ulysses, self.ring_group,
                                                      device)
@@ -102,10 +102,8 @@ class PaddedKeys:
 
     @classmethod
     def build(cls, shard: Shard, local: int, text_tokens: int, ulysses: int, ring_group,
-              device: torch.device) -> PaddedKeys | None:
+              device: torch.device) -> PaddedKeys:
         image, text = shard.lengths.get("image", 0), shard.lengths.get("text", 0)
-        if not any(length % shard.parts for length in (image, text)):
-            return None
         image_share, text_share = shard.share(image), shard.share(text)
         if local == image_share and not text_tokens:
             layout = (("image", image),)
@@ -237,6 +235,14 @@ class Shard:
     def __init__(self, group, index: int, parts: int):
         self.group, self.index, self.parts = group, index, parts
         self.lengths: dict[str, int] = {}  # "text" / "image" → S
+        # The lengths when some share is padded, else None: what attention (inside compiled blocks) reads,
+        # so an unpadded request of any prompt length compiles nothing new (a guard on None).
+        self.padding: tuple | None = None
+
+    def clear(self) -> None:
+        """Before each model call: its cuts record the lengths anew."""
+        self.lengths.clear()
+        self.padding = None
 
     def counts(self, length: int) -> list[int]:
         """The real tokens of each rank's share."""
@@ -254,6 +260,8 @@ class Shard:
                              f"{self.lengths[kind]}: the sequence plan cuts tensors that do not match")
         if length < self.parts and kind == "image":  # validation refuses such requests first (config.py)
             raise ValueError(f"{what}: {length} tokens cannot give each of ring × ulysses = {self.parts} ranks one")
+        if length % self.parts or self.padding is not None:
+            self.padding = tuple(sorted(self.lengths.items()))  # every length cut so far in this call
         if length % self.parts == 0:
             return tensor.chunk(self.parts, dim=dim)[self.index]
         counts = self.counts(length)
@@ -288,7 +296,7 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     """Make ``transformer`` sequence parallel under ``layout`` as ``plan`` says, until ``detach``."""
     shard = Shard(layout.sequence_group, layout.sequence_index, layout.config.sequence)
     modules = dict(transformer.named_modules())
-    attached = Attached(transformer, [transformer.register_forward_pre_hook(lambda module, args: shard.lengths.clear())])
+    attached = Attached(transformer, [transformer.register_forward_pre_hook(lambda module, args: shard.clear())])
     for name in dict.fromkeys(cut.module for cut in plan.cuts):  # one hook per module, in plan order
         cuts = [cut for cut in plan.cuts if cut.module == name]
         inputs = [cut for cut in cuts if cut.arg is not None]
