@@ -1,0 +1,245 @@
+"""The built-in test and benchmark models: real architectures from a config, random weights from a fixed seed.
+
+A family adds its tiny model here (the issue's ``<family>-tiny``): every rank and every process builds
+bit-identical weights without a file (weights.py draws them module by module on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A random-weight model for demos, tests and benchmarks: built from a config and a fixed seed,
+    so every rank and every process builds bit-identical weights without any file, on any device
+    (drawn on the CPU, module by module: weights.py)."""
+
+    family: str
+    config: dict
+    text_tokens: int  # length of the random conditioning a request without embeddings gets
+    seed: int = 0
+    description: str = field(default="", compare=False)
+
+
+# Flux.1-dev's transformer config (its diffusers config.json), for the full-size random-weight built-ins
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+
+BUILTINS: dict[str, BuiltinModel] = {
+    "flux-tiny": BuiltinModel(
+        family="flux",
+        config=dict(
+            patch_size=1,
+            in_channels=64,  # 16 latent channels × a 2×2 patch
+            num_layers=2,
+            num_single_layers=5,  # 5 single ≈ 2 double in parameters: PipeFusion stages can balance
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        ),
+        text_tokens=8,
+        description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
+    ),
+    "flux-dev-random": BuiltinModel(
+        family="flux",
+        config=FLUX_DEV,
+        text_tokens=512,
+        description="the full Flux.1-dev architecture (12 B parameters) with random weights, for GPU benchmarks",
+    ),
+    "flux-dev-two-blocks": BuiltinModel(
+        family="flux",
+        config={**FLUX_DEV, "num_layers": 1, "num_single_layers": 1},
+        text_tokens=512,
+        description="Flux.1-dev's width (3072) with 1 double and 1 single block (545 M parameters), random weights: "
+                    "full-size activations on a CPU (bench memory --measure)",
+    ),
+    "flux2-tiny": BuiltinModel(
+        family="flux2",
+        config=dict(
+            patch_size=1,
+            in_channels=128,  # ComfyUI's Flux.2 latent: 32 VAE channels × a 2×2 patch
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=96,  # 3 stacked text-encoder layers of 32, as dev's 3 × 5120
+            timestep_guidance_channels=256,
+            mlp_ratio=3.0,
+            axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+            rope_theta=2000,
+            guidance_embeds=True,
+        ),
+        text_tokens=512,  # ComfyUI pads Flux.2's text to 512 tokens (flux2.MIN_TEXT_TOKENS)
+        description="Flux.2-dev architecture (takes reference images), 2+4 blocks, width 64, random weights "
+                    "(a test model)",
+    ),
+    "sd3-tiny": BuiltinModel(
+        family="sd3",
+        config=dict(
+            sample_size=32,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=3,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=128,
+            pooled_projection_dim=32,
+            pos_embed_max_size=32,  # images up to 32 × 2 × 8 = 512 px
+            qk_norm="rms_norm",
+            dual_attention_layers=(0,),  # SD3.5-medium's extra image-only attention, in block 0
+        ),
+        text_tokens=8,
+        description="SD3.5-medium architecture, 3 blocks, width 128, random weights (a test model)",
+    ),
+    "pixart-tiny": BuiltinModel(
+        family="pixart",
+        config=dict(
+            num_attention_heads=2,
+            attention_head_dim=72,  # PixArt's head size
+            in_channels=4,
+            out_channels=8,  # ε and the learned variance
+            num_layers=2,
+            cross_attention_dim=144,
+            caption_channels=64,
+            sample_size=16,
+            patch_size=2,
+            interpolation_scale=0.25,  # Σ's rule, sample_size / 64: this marks it PixArt-Σ
+            use_additional_conditions=False,
+            norm_type="ada_norm_single",
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+        ),
+        text_tokens=8,
+        description="PixArt-Σ architecture, 2 blocks, width 144, random weights (a test model)",
+    ),
+    "wan-tiny": BuiltinModel(
+        family="wan",
+        config=dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=32,
+            in_channels=16,
+            out_channels=16,
+            text_dim=64,
+            freq_dim=32,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        ),
+        text_tokens=8,
+        description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "hunyuan-video-1.5-tiny": BuiltinModel(
+        family="hunyuan_video15",
+        config=dict(
+            in_channels=65,  # 32 latent channels, a 32-channel image latent and a mask
+            out_channels=32,
+            num_attention_heads=2,
+            attention_head_dim=32,
+            num_layers=2,
+            num_refiner_layers=1,
+            mlp_ratio=2.0,
+            patch_size=1,
+            patch_size_t=1,
+            qk_norm="rms_norm",
+            text_embed_dim=64,
+            text_embed_2_dim=32,
+            image_embed_dim=32,
+            rope_theta=256.0,
+            rope_axes_dim=(4, 14, 14),  # sums to attention_head_dim, in the released (16, 56, 56)'s proportions
+            task_type="t2v",
+        ),
+        text_tokens=8,
+        description="HunyuanVideo 1.5 architecture, 2 blocks, width 64, random weights (a test model; its byT5 "
+                    "projection's hidden width is fixed at 2048, 4.3 M of its parameters)",
+    ),
+    "z-image-tiny": BuiltinModel(
+        family="z_image",
+        config=dict(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=96,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=6,  # like Z-Image's 30, a head count 4 does not divide
+            n_kv_heads=6,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=64,
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=[4, 6, 6],  # sums to the head size 16, in Z-Image's proportions (32, 48, 48)
+            axes_lens=[1536, 512, 512],
+        ),
+        text_tokens=8,
+        description="Z-Image architecture, 1+1 refiner and 2 main blocks, width 96, 6 heads, random weights (a test model)",
+    ),
+    "hunyuan-dit-tiny": BuiltinModel(
+        family="hunyuan_dit",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 divides them
+            attention_head_dim=8,  # ComfyUI's HunyuanDiT asserts a multiple of 8
+            hidden_size=32,  # = heads × head size, as in every HunyuanDiT
+            in_channels=4,
+            patch_size=2,
+            sample_size=16,
+            num_layers=4,  # an even depth: block 3 takes block 0's output as its skip
+            mlp_ratio=4.0,
+            learn_sigma=True,
+            cross_attention_dim=32,  # the CLIP (BERT) width, 1024 at full size
+            cross_attention_dim_t5=16,  # the mT5 width, 2048 at full size
+            pooled_projection_dim=32,  # 1024 at full size
+            text_len=8,  # 77 at full size
+            text_len_t5=8,  # 256 at full size
+            use_style_cond_and_image_meta_size=False,  # HunyuanDiT 1.2
+        ),
+        text_tokens=8,
+        description="HunyuanDiT 1.2 architecture, 4 blocks, width 32, random weights (a test model)",
+    ),
+    "qwen-image-tiny": BuiltinModel(
+        family="qwen_image",
+        config=dict(
+            patch_size=2,
+            in_channels=64,  # 16 latent channels × a 2×2 patch
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+        ),
+        text_tokens=8,
+        description="Qwen-Image architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "cogvideox-tiny": BuiltinModel(
+        family="cogvideox",
+        config=dict(
+            num_attention_heads=4,  # Ulysses 4 splits them
+            attention_head_dim=16,  # RoPE: 4 temporal + 6 + 6 spatial
+            in_channels=16,
+            out_channels=16,
+            time_embed_dim=32,
+            text_embed_dim=64,
+            num_layers=2,
+            sample_width=8,  # latent cells: the RoPE's training grid, 64 px
+            sample_height=8,
+            sample_frames=5,
+            patch_size=2,
+            max_text_seq_length=8,
+            use_rotary_positional_embeddings=True,  # 5B's positions
+        ),
+        text_tokens=8,
+        description="CogVideoX-5B architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+}
