@@ -230,3 +230,23 @@ def test_hunyuan_dit_at_a_token_count_no_degree_divides_equals_serial(world, deg
     result, _ = request.getfixturevalue(f"backend{world}").sample({**message, "parallel": degrees})
     difference = (result["samples"] - serial).abs().max().item()
     assert difference <= bound(serial), f"{degrees}: max |parallel − serial| = {difference:.3g}"
+
+
+def test_a_reference_latent_through_the_backend_changes_qwen_image_and_stays_exact_under_ulysses_2(backend2):
+    """An edit request end to end: the reference latent (reference_0, as --reference-latent and the nodes send
+    it) moves the result well beyond the tolerance, and ulysses=2 gives the serial latent. 10 × 6 latent cells
+    of reference: 15 reference tokens with the 32 image tokens, which 2 does not divide (padded shares)."""
+    message = fields("qwen-image-tiny")
+    spec = registry.spec("qwen-image-tiny")
+    positive, negative = registry.random_conditioning("qwen-image-tiny", 1, 7, spec, references=((6, 10),))
+    tensors = {**positive, **{f"negative_{key}": value for key, value in negative.items()}}
+    request = SampleRequest.parse(Message("sample", message, tensors))
+    model = registry.build("qwen-image-tiny", torch.device("cpu"))
+    with torch.no_grad():
+        serial = generate(Denoiser(model), request.generation(spec, *request.conditioning(spec)))
+    result, _ = backend2.sample({**message, "parallel": {"ulysses": 2}}, tensors)
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"ulysses=2 with a reference: max |parallel − serial| = {difference:.3g}"
+    without, _ = backend2.sample({**message, "parallel": {"ulysses": 2}},
+                                 {k: v for k, v in tensors.items() if "reference" not in k})
+    assert (without["samples"] - serial).abs().max() > 10 * bound(serial)  # 0.09: 50 × the bound (random weights)
