@@ -9,6 +9,8 @@ casts it there (float8 files included).
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +25,12 @@ def find_prefix(keys, markers: tuple[str, ...]) -> str | None:
     """The prefix under which ``keys`` hold every one of a layout's ``markers``, or None."""
     keys = set(keys)
     return next((prefix for prefix in PREFIXES if all(prefix + marker in keys for marker in markers)), None)
+
+
+def count_blocks(keys, name: str, prefix: str = "") -> int:
+    """How many blocks a file holds in its list ``name``: the distinct N of keys ``prefix + name.N.…``."""
+    pattern = re.compile(re.escape(prefix + name) + r"\.(\d+)\.")
+    return len({int(m.group(1)) for key in keys if (m := pattern.match(key))})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 MARKERS = ("mixins.patch_embed.proj.weight", "mixins.final_layer.linear.weight", "transformer.final_layernorm.weight")
 LATENT_CHANNELS = 16
@@ -171,7 +171,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mixins.final_layer.adaLN_modulation.1.weight": [2 * width, time_embed_dim],
     }
     _check(path, {key: shape(key) for key, want in expected.items() if shape(key) != want}, width, head_dim)
-    blocks = len({int(m.group(1)) for key in own if (m := re.match(r"transformer\.layers\.(\d+)\.", key))})
+    blocks = count_blocks(own, "transformer.layers")
     return _config(width, head_dim, patch_t, time_embed_dim, shape("mixins.patch_embed.text_proj.weight")[1], blocks,
                    "mixins.patch_embed.proj.bias" in own, _rotary(own, width))
 
@@ -203,8 +203,7 @@ def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout
     }
     _check(path, {renamed(key, layout): shape(key) for key, want in expected.items() if shape(key) != want},
            width, head_dim)
-    block = r"transformer_blocks\.(\d+)\." if layout == "diffusers" else r"blocks\.(\d+)\."
-    blocks = len({int(m.group(1)) for key in own if (m := re.match(block, key))})
+    blocks = count_blocks(own, "transformer_blocks" if layout == "diffusers" else "blocks")
     config = _config(width, head_dim, patch_t, time_embed_dim, shape("patch_embed.text_proj.weight")[1], blocks,
                      renamed("patch_embed.proj.bias", layout) in own, width != WIDTH_2B)
     return {**config, LAYOUT_KEY: layout}

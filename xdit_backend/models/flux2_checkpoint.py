@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 MARKERS = ("img_in.weight", "double_stream_modulation_img.lin.weight", "final_layer.linear.weight")
 
@@ -84,9 +84,6 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     def shape(key):
         return list(shapes[prefix + key])
 
-    def blocks(kind):
-        return len({int(m.group(1)) for k in shapes if (m := re.match(re.escape(prefix + kind) + r"\.(\d+)\.", k))})
-
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.2.weight")[1]  # the MLP's hidden width (3·D)
@@ -94,8 +91,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "patch_size": 1,
         "in_channels": in_channels,
         "out_channels": shape("final_layer.linear.weight")[0],
-        "num_layers": blocks("double_blocks"),
-        "num_single_layers": blocks("single_blocks"),
+        "num_layers": count_blocks(shapes, "double_blocks", prefix),
+        "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
         "attention_head_dim": head_dim,
         "num_attention_heads": width // head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1],

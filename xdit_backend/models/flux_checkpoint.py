@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
 
@@ -89,17 +89,13 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     def shape(key):
         return shapes[prefix + key]
 
-    def blocks(kind):
-        found = {int(m.group(1)) for k in shapes if (m := re.match(re.escape(prefix + kind) + r"\.(\d+)\.", k))}
-        return len(found)
-
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     config = {
         "patch_size": 1,
         "in_channels": in_channels,
-        "num_layers": blocks("double_blocks"),
-        "num_single_layers": blocks("single_blocks"),
+        "num_layers": count_blocks(shapes, "double_blocks", prefix),
+        "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
         "attention_head_dim": head_dim,
         "num_attention_heads": width // head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 MARKERS = ("mlp_t5.0.weight", "x_embedder.proj.weight", "extra_embedder.0.weight", "text_embedding_padding")
 SIZE_EMBEDDING = 6 * 256  # six image-size numbers, each a 256-wide sinusoid (comfy/ldm/hydit/models.py)
@@ -93,7 +93,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # Conv2d: [D, C, p, p]
     head_dim = shape("blocks.0.attn1.q_norm.weight")[0]  # the QK layer norm is per head
-    depth = len({int(m.group(1)) for key in own if (m := re.match(r"blocks\.(\d+)\.", key))})
+    depth = count_blocks(own, "blocks")
     text_len_t5 = shape("pooler.positional_embedding")[0] - 1  # the pooler's extra mean token
     text_len = shape("text_embedding_padding")[0] - text_len_t5
     clip_dim, mt5_dim = shape("text_embedding_padding")[1], shape("mlp_t5.0.weight")[1]

@@ -25,7 +25,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 # t_block and the cross-attention's q_linear are PixArt's own (SD3 also has x_embedder / t_embedder).
 MARKERS = ("t_block.1.weight", "blocks.0.cross_attn.q_linear.weight", "x_embedder.proj.weight")
@@ -94,7 +94,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         return list(shapes[prefix + key])
 
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # a conv: [W, C, p, p]
-    layers = len({m.group(1) for k in shapes if (m := re.match(re.escape(prefix) + r"blocks\.(\d+)\.", k))})
+    layers = count_blocks(shapes, "blocks", prefix)
     caption_channels = shape("y_embedder.y_proj.fc1.weight")[1]
     out_rows = shape("final_layer.linear.weight")[0]  # p·p·out_channels, patch pixels outermost
     micro = prefix + "csize_embedder.mlp.0.weight" in shapes

@@ -9,10 +9,8 @@ architecture (an Edit model is the same weights' shapes used with reference late
 
 from __future__ import annotations
 
-import re
-
 from ..errors import UserError
-from .checkpoint import Source, find_prefix
+from .checkpoint import Source, count_blocks, find_prefix
 
 MARKERS = ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.img_mod.1.weight",
            "transformer_blocks.0.attn.add_q_proj.weight")
@@ -37,8 +35,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
 
     width, in_channels = shape("img_in.weight")
     head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
-    blocks = len({int(m.group(1)) for k in shapes
-                  if (m := re.match(re.escape(prefix) + r"transformer_blocks\.(\d+)\.", k))})
+    blocks = count_blocks(shapes, "transformer_blocks", prefix)
     out_values = shape("proj_out.weight")[0]
     if prefix + "time_text_embed.addition_t_embedding.weight" in shapes:
         raise UserError(f"{path}: a Qwen-Image-Layered model (it has an additional timestep embedding), "

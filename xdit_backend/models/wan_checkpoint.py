@@ -18,7 +18,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, find_prefix
+from .checkpoint import Source, count_blocks, find_prefix
 
 MARKERS = ("patch_embedding.weight", "time_projection.1.weight", "head.modulation")
 HEAD_DIM = 128  # every released Wan: 1.3B 1536 = 12 x 128, 5B 3072 = 24 x 128, 14B 5120 = 40 x 128
@@ -122,7 +122,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "text_dim": shape("text_embedding.0.weight")[1],
         "freq_dim": shape("time_embedding.0.weight")[1],
         "ffn_dim": ffn_dim,
-        "num_layers": len({int(m.group(1)) for key in own if (m := re.match(r"blocks\.(\d+)\.", key))}),
+        "num_layers": count_blocks(own, "blocks"),
         "cross_attn_norm": "blocks.0.norm3.weight" in own,
         "qk_norm": "rms_norm_across_heads",
         "eps": 1e-6,

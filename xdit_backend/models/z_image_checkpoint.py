@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import Source, bands, count_blocks, find_prefix
 
 MARKERS = ("x_embedder.weight", "cap_embedder.1.weight", "x_pad_token", "cap_pad_token",
            "layers.0.attention.qkv.weight")
@@ -61,10 +61,6 @@ def detect_prefix(keys) -> str | None:
     return find_prefix(keys, MARKERS)
 
 
-def _count(own: list[str], name: str) -> int:
-    return len({int(m.group(1)) for key in own if (m := re.match(rf"{name}\.(\d+)\.", key))})
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' ZImageTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
@@ -79,7 +75,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     head = shape("layers.0.attention.q_norm.weight")[0]  # one RMS norm over a head
     patch_values = shape("x_embedder.weight")[1]  # Linear(2 · 2 · C, D)
     in_channels = patch_values // (PATCH * PATCH)
-    layers = {name: _count(own, name) for name in BLOCK_LISTS}
+    layers = {name: count_blocks(own, name) for name in BLOCK_LISTS}
     missing = [f"{name}.{i}.{tensor}" for name, count in layers.items() for i in range(count)
                for tensor in _BLOCK_TENSORS + (("adaLN_modulation.0.weight",) if name != "context_refiner" else ())
                if f"{name}.{i}.{tensor}" not in own]
