@@ -14,13 +14,27 @@ from xdit_backend.client import Client
 
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
-def flux_tiny_conditioning(seed: int = 5) -> dict:
-    """Text embeddings for flux-tiny at batch 2, positive and negative, from ``seed``."""
+def flux_tiny_conditioning(seed: int = 5, batch: int = 2, text_tokens: int = 8) -> dict:
+    """Text embeddings for flux-tiny, positive and negative, from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = {"context": (2, 8, 64), "pooled": (2, 32)}
+    shapes = {"context": (batch, text_tokens, 64), "pooled": (batch, 32)}
     tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
     tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
     return tensors
+
+
+def serial_of(fields: dict, tensors: dict) -> torch.Tensor:
+    """The serial latent of a request, computed in this process by the world-1 code path."""
+    from xdit_backend.models import registry
+    from xdit_backend.parallel.denoiser import Denoiser
+    from xdit_backend.protocol import Message
+    from xdit_backend.request import SampleRequest
+    from xdit_backend.sampling.generate import generate
+
+    request = SampleRequest.parse(Message("sample", fields, tensors))
+    model = registry.build(request.model, torch.device("cpu"))
+    with torch.no_grad():
+        return generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
 
 
 LONG = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 2000, "seed": 1}

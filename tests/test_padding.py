@@ -5,13 +5,8 @@ text tokens, which no degree below divides)."""
 import pytest
 import torch
 
-from conftest import Backends
-from xdit_backend.models import registry
-from xdit_backend.parallel.denoiser import Denoiser
+from conftest import Backends, flux_tiny_conditioning, serial_of
 from xdit_backend.parallel.sequence import Shard
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.sampling.generate import generate
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 272, "height": 272, "steps": 2, "seed": 3, "cfg": 3.5, "batch": 1}
@@ -28,20 +23,13 @@ CASES = [
 @pytest.fixture(scope="module")
 def conditioning():
     """A 7-token prompt for flux-tiny, positive and negative."""
-    generator = torch.Generator().manual_seed(11)
-    shapes = {"context": (1, 7, 64), "pooled": (1, 32)}
-    tensors = {k: torch.randn(s, generator=generator) for k, s in shapes.items()}
-    tensors.update({f"negative_{k}": torch.randn(s, generator=generator) for k, s in shapes.items()})
-    return tensors
+    return flux_tiny_conditioning(seed=11, batch=1, text_tokens=7)
 
 
 @pytest.fixture(scope="module")
 def serial(conditioning):
-    request = SampleRequest.parse(Message("sample", FIELDS, conditioning))
-    model = registry.build("flux-tiny", torch.device("cpu"))
-    positive, negative = request.conditioning(model.spec)
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+    """The serial latent, computed in this process by the world-1 code path."""
+    return serial_of(FIELDS, conditioning)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.request import SampleRequest
 from xdit_backend.protocol import Message
 from xdit_backend.sampling.generate import generate
-from conftest import flux_tiny_conditioning
+from conftest import flux_tiny_conditioning, serial_of
 
 TOLERANCE = 1e-4
 
@@ -38,11 +38,7 @@ def conditioning():
 @pytest.fixture(scope="module")
 def serial(conditioning):
     """The serial latent, computed in this process by the world-1 code path."""
-    request = SampleRequest.parse(Message("sample", FIELDS, conditioning))
-    model = registry.build("flux-tiny", torch.device("cpu"))
-    positive, negative = request.conditioning(model.spec)
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+    return serial_of(FIELDS, conditioning)
 
 
 def layout_id(case):

@@ -7,11 +7,7 @@ import torch
 
 from xdit_backend.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
 from xdit_backend.models import registry
-from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.sampling.generate import generate
-from conftest import flux_tiny_conditioning
+from conftest import flux_tiny_conditioning, serial_of
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 3, "seed": 21, "cfg": 3.5, "batch": 2}
@@ -35,11 +31,8 @@ def conditioning():
 
 @pytest.fixture(scope="module")
 def serial(conditioning):
-    request = SampleRequest.parse(Message("sample", FIELDS, conditioning))
-    model = registry.build("flux-tiny", torch.device("cpu"))
-    positive, negative = request.conditioning(model.spec)
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, positive, negative))
+    """The serial latent, computed in this process by the world-1 code path."""
+    return serial_of(FIELDS, conditioning)
 
 
 @pytest.fixture(scope="module")
