@@ -178,8 +178,9 @@ def test_another_uid_is_refused_even_past_the_directory():
         os.chmod(path.parent, 0o711)  # open both doors on purpose, to reach the check behind them
         os.chmod(path, 0o666)
         # the whole reply, to the server's close (a reset, as it leaves unread bytes): one recv may get only its header
-        probe = ("import os, socket, sys\nos.setuid(65534)\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
-                 "s.sendall(bytes.fromhex(sys.argv[2]))\ns.settimeout(10)\nreply = b''\ntry:\n"
+        # it sends only after the server has refused it: the send must still land and the reply still arrive
+        probe = ("import os, socket, sys, time\nos.setuid(65534)\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+                 "time.sleep(0.3)\ns.sendall(bytes.fromhex(sys.argv[2]))\ns.settimeout(10)\nreply = b''\ntry:\n"
                  "    while chunk := s.recv(4096):\n        reply += chunk\nexcept ConnectionResetError:\n    pass\n"
                  "print(reply)")
         hello = frame({"type": "hello", "id": "x"}).hex()

@@ -26,6 +26,7 @@ log = logging.getLogger("xdit_backend.server")
 
 QUEUED_TYPES = ("sample", "unload", "shutdown")
 MAX_CONNECTIONS = 64
+_REFUSAL_DRAIN_S = 1.0  # how long a refused peer may go on sending before its socket is closed
 
 
 class Job:
@@ -212,9 +213,16 @@ class SocketServer:
             threading.Thread(target=self._serve_connection, args=(sock, tcp), name="xdit-conn", daemon=True).start()
 
     def _refuse(self, sock: socket.socket, kind: str, message: str, hint: str) -> None:
+        """Send the refusal, then read what the peer is still sending before closing.
+
+        Closing at once races the peer's first send: it meets a closed socket (a broken pipe) and never
+        reads the reason. Half-closing and draining for a moment lets its send land and its read see the reply.
+        """
         conn = Connection(sock, self.limits, direction="request")
         try:
             conn.send(error_message(kind, message, hint))
+            sock.shutdown(socket.SHUT_WR)
+            _drain(sock, seconds=_REFUSAL_DRAIN_S, max_bytes=self.limits.max_header_bytes)
         except OSError:
             pass
         conn.close()
@@ -296,6 +304,21 @@ class SocketServer:
                 mine[:] = [j for j in mine if not j.cancelled and j.id in self._jobs] + [job]
                 if message.type == "shutdown" and self._running is not None:
                     self._running.cancel("the backend is shutting down")
+
+
+def _drain(sock: socket.socket, seconds: float, max_bytes: int) -> None:
+    """Read and drop what the peer sends, until it closes, ``seconds`` pass or ``max_bytes`` arrive."""
+    deadline = time.monotonic() + seconds
+    received = 0
+    while received < max_bytes and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except (socket.timeout, OSError):
+            return
+        if not chunk:
+            return
+        received += len(chunk)
 
 
 def _peer_uid(sock: socket.socket) -> int:
