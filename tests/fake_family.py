@@ -3,7 +3,7 @@ and translation tests (tests/test_conditioning_request.py, tests/test_translate.
 
 from dataclasses import dataclass
 
-from xdit_backend.models.base import FamilySpec, SequencePlan, StagePlan
+from xdit_backend.models.base import CachePlan, FamilySpec, SequencePlan, StagePlan
 from xdit_backend.models.latent_formats import LatentFormat
 
 
@@ -17,6 +17,7 @@ class EditSpec(FamilySpec):
     parallel_methods = ("ulysses",)
     sequence_plan = SequencePlan(cuts=(), attention=())
     stage_plan = StagePlan(block_lists=(), attention=())
+    cache_plan = CachePlan(blocks=(), returns={}, probe="temb", teacache=(1.0, 0.0))
     optional_conditioning = ("context_mask", "context_mt5_mask", "glyph")
     comfy_conditioning = {"attention_mask": "context_mask", "conditioning_mt5xl": "context_mt5",
                           "attention_mask_mt5xl": "context_mt5_mask", "conditioning_glyph": "glyph"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xdit_backend.models import registry
-from xdit_backend.models.base import Cut, FamilySpec, SequencePlan, StagePlan
+from xdit_backend.models.base import CachePlan, Cut, FamilySpec, SequencePlan, StagePlan
 from xdit_backend.parallel import sequence
 from xdit_backend.request import CONDITIONING_NAME, REFERENCE
 
@@ -85,13 +85,15 @@ BASICS = {"family": "test", "latent_format": None, "parallel_methods": frozenset
 
 def test_a_family_that_leaves_a_required_attribute_unset_fails_where_it_is_defined():
     """The missing attributes are named at class creation, not in a request."""
-    with pytest.raises(TypeError, match="does not set sequence_plan, stage_plan"):
+    with pytest.raises(TypeError, match="does not set sequence_plan, stage_plan, cache_plan"):
         family(**BASICS)
 
 
 def test_a_family_without_its_methods_cannot_be_built():
     """model_sampling, conditioning_shapes and from_config are abstract."""
     incomplete = family(**BASICS, sequence_plan=SequencePlan(cuts=(Cut("pos_embed", None, 1),), attention=()),
-                        stage_plan=StagePlan(block_lists=("transformer_blocks",), attention=()))
+                        stage_plan=StagePlan(block_lists=("transformer_blocks",), attention=()),
+                        cache_plan=CachePlan(blocks=("transformer_blocks",), returns={"transformer_blocks": ("hidden_states",)},
+                                             probe="temb", teacache=(1.0, 0.0)))
     with pytest.raises(TypeError, match="abstract"):
         incomplete(4, 2)

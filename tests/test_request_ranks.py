@@ -21,7 +21,8 @@ def common(lora: str) -> dict:
     return {"width": 64, "height": 48, "batch": 2, "steps": 5, "seed": 2**63 + 11, "cfg": 2.5, "shift": 2.75,
             "profile": True, "dtype": "float32", "loras": [{"path": lora, "strength": 0.5}], "start_step": 1,
             "end_step": 4, "add_noise": False, "return_with_leftover_noise": True, "sampler": "heun",
-            "scheduler": "karras", "denoise": 0.0, "compile": True}
+            "scheduler": "karras", "denoise": 0.0, "compile": True, "cache": "fbcache", "cache_threshold": 0.3,
+            "cache_start": 0, "cache_end": 0}
 
 
 @pytest.fixture

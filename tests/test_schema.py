@@ -21,7 +21,8 @@ def every_field(tmp_path) -> dict:
             "guidance": 4.25, "shift": 2.75, "parallel": ParallelConfig(cfg=2).to_json(), "profile": True,
             "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}], "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
-            "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True}
+            "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True,
+            "cache": "teacache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 0}
 
 
 def through_the_wire(fields: dict) -> Message:

@@ -41,7 +41,14 @@ class Executor:
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
         self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
+        self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
+
         self.computing = None  # the model (or stage) the last request ran on
+
+    @property
+    def cache_counts(self) -> dict | None:
+        """Model evaluations computed and reused by the last generation's step cache."""
+        return None if self.last_cache is None else self.last_cache.counts
 
     def key(self, name: str, dtype: str = "auto", weight_dtype: str = "default", shard_mesh=None,
             stage: tuple[int, int] | None = None) -> ModelKey:
@@ -177,7 +184,7 @@ class Executor:
             self.spare_shared_gpu()
 
     def _generate(self, request: SampleRequest, after_step) -> torch.Tensor:
-        layout = self.meshes.get(request.parallel) if self.rt.world_size > 1 else None
+        layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
         spec = registry.spec(request.model)
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
@@ -194,7 +201,11 @@ class Executor:
         self.computing = entry.model
         if stage is None:
             _inject_fault(self.computing, self.rt.rank)
-            return generate(Denoiser(self.computing, layout), gen, after_step)
+            denoiser = Denoiser(self.computing, layout)
+            try:
+                return generate(denoiser, gen, after_step)
+            finally:
+                self.last_cache = denoiser.cache
         _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
         denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks)
@@ -243,7 +254,10 @@ class Executor:
                         "shard_bytes_per_pass": (shard.gathered_bytes(shard.blocks_of(self.computing),
                                                                       request.parallel.shard_size)
                                                  if request.parallel.shard_weights else None),
-                        "pipeline_trace": self.last_trace}
+                        "pipeline_trace": self.last_trace,
+                        # the step cache's decisions on this rank: (step, statistic, reused) per evaluation
+                        "cache_trace": (None if self.last_cache is None else
+                                        [[d.step, d.ratio, d.reused] for d in self.last_cache.trace])}
 
 
 def _compiled(model) -> bool:

@@ -62,6 +62,7 @@ class Layout:
     sequence_group: object = None  # ring × ulysses: the ranks that hold slices of one sequence (None without SP)
     links: Links | None = None  # PipeFusion's links (None without PipeFusion)
     shard_mesh: DeviceMesh | None = None  # the ranks sharing each block's weights (None without shard_weights)
+    step_group: object = None  # the ranks that run the same blocks, for the step cache's decision (None unless asked)
 
     def group(self, axis: str):
         return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
@@ -95,18 +96,20 @@ class MeshCache:
         self.timeout = timeout
         self._built: dict[tuple[int, ...], _Built] = {}
 
-    def get(self, config: ParallelConfig) -> Layout:
-        """This request's layout: its own config (patches, warm-up…) over the cached mesh of its degrees."""
+    def get(self, config: ParallelConfig, step_cache: bool = False) -> Layout:
+        """This request's layout: its own config (patches, warm-up…) over the cached mesh of its degrees;
+        with ``step_cache``, the group of the ranks that run the same blocks too (the step cache agrees over it)."""
         shape = tuple(getattr(config, axis) for axis in AXES)
         if shape not in self._built:
             self._built[shape] = self._build(config, shape)
         built = self._built[shape]
-        if config.shard_weights and built.shard_mesh is None:
+        if (config.shard_weights or step_cache) and built.shard_mesh is None:
             built.shard_mesh = self._shard_mesh(built.mesh)
             if built.shard_mesh.get_group() is not dist.group.WORLD:
                 built.created.append(built.shard_mesh.get_group())
         return Layout(config, built.mesh, built.sequence_group, built.links,
-                      built.shard_mesh if config.shard_weights else None)
+                      built.shard_mesh if config.shard_weights else None,
+                      built.shard_mesh.get_group() if step_cache else None)
 
     def clear(self) -> None:
         """Destroy every group the cache created and forget the meshes (after a failed request: a group

@@ -17,6 +17,7 @@ from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
 from .models.base import shape_fits, shape_text
+from .parallel.step_cache import DEFAULT_THRESHOLDS, CacheOptions
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
@@ -230,7 +231,14 @@ class SampleRequest(_Fields):
             positive=spec.prepare_conditioning(positive),  # once, before any layout sizes a buffer from it
             negative=None if negative is None else spec.prepare_conditioning(negative),
             add_noise=self.add_noise,
+            cache=self.cache_options(),
         )
+
+    def cache_options(self) -> CacheOptions | None:
+        if self.cache == "none":
+            return None
+        threshold = DEFAULT_THRESHOLDS[self.cache] if self.cache_threshold is None else self.cache_threshold
+        return CacheOptions(self.cache, threshold, self.cache_start, self.cache_end)
 
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
@@ -259,9 +267,9 @@ def _read(field: schema.Field, fields: dict):
         raise RequestError(f"{field.name} {value} is out of range: it must lie in {field.low}..{field.high}")
     if field.kind == "float":
         return float(value)  # its range: _check_ranges
-    if field.kind == "choice" and value not in CHOICES[field.choices]:
-        raise RequestError(f"{field.name} {value!r} is not supported",
-                           f"use one of: {', '.join(CHOICES[field.choices])}")
+    names = field.choices if isinstance(field.choices, tuple) else CHOICES.get(field.choices, ())
+    if field.kind == "choice" and value not in names:
+        raise RequestError(f"{field.name} {value!r} is not supported", f"use one of: {', '.join(names)}")
     if field.kind == "dtype" and value not in field.choices:
         raise RequestError(f"{field.name} {value!r} is not supported", f"use {', '.join(field.choices)}")
     if field.kind == "layout":

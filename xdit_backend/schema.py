@@ -25,6 +25,7 @@ MAX_FRAMES = 1025
 # Reference latents per side (image editing): Flux.2 takes up to 10 reference images (Black Forest
 # Labs' model card), Qwen-Image-Edit-2509 three; two sides of them fit protocol.Limits.max_tensors.
 MAX_REFERENCES = 10
+CACHE_METHODS = ("none", "fbcache", "teacache")  # parallel/step_cache.py
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
 WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)
@@ -104,6 +105,13 @@ SAMPLE: tuple[Field, ...] = (
     Field("compile", bool, "bool", "bool", False,
           help="torch.compile the transformer's blocks (the first request compiles; the backend keeps the "
                "compiled model for later requests, at any size)"),
+    Field("cache", str, "choice", "str", "none", choices=CACHE_METHODS,
+          help="step cache: reuse the blocks after the first on steps where they barely change (fbcache: the "
+               "first block's residual decides; teacache: the time embedding's change, rescaled per family)"),
+    Field("cache_threshold", NUMBER, "float", "float | None", None, 0.0, 10.0,
+          help="higher reuses more steps, further from the uncached result (default: fbcache 0.08, teacache 0.25)"),
+    Field("cache_start", int, "int", "int", 2, 0, MAX_STEPS, help="steps always computed at the start"),
+    Field("cache_end", int, "int", "int", 1, 0, MAX_STEPS, help="steps always computed at the end"),
 )
 FIELDS = {field.name: field for field in SAMPLE}
 

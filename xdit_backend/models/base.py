@@ -30,6 +30,7 @@ class FamilySpec(ABC):
     parallel_methods: the degrees it can run with > 1 (config.DEGREES)
     sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
     stage_plan:       how PipeFusion cuts its blocks into stages and keeps stale K/V (StagePlan)
+    cache_plan:       which blocks a step cache may skip, and what it reads to decide (CachePlan)
     and the dataclass fields ``heads`` (attention heads: Ulysses splits them) and ``blocks``
     (transformer blocks: PipeFusion cuts them into stages).
 
@@ -52,7 +53,7 @@ class FamilySpec(ABC):
     """
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan",
-                                           "stage_plan", "heads", "blocks")
+                                           "stage_plan", "cache_plan", "heads", "blocks")
 
     vae_factor = 8  # pixels per latent cell (Wan 2.2-5B's VAE: 16)
     patch = (1, 2, 2)  # latent cells per token: (frames, rows, columns)
@@ -309,3 +310,28 @@ class StagePlan:
     attention: tuple[tuple[str, str | type, bool], ...]
     joint_text: bool = False
     carries: bool = False
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Which blocks the step cache (parallel/step_cache.py) runs as one span, and how it reads them.
+
+    blocks:  the ModuleLists of the span, in execution order: the first block always runs, the rest are
+             skipped on a reused step. The image stream keeps its shape from the first block's output
+             to the last block's (Flux.2's span is its single-stream blocks: the streams join before them).
+    returns: per ModuleList, the block's returned tensors named by the forward argument each one
+             continues, in return order (one name: the block returns a bare tensor). A skipped block
+             returns its inputs so.
+    image:   the argument (and returned tensor) of the image stream whose residual is cached.
+    probe:   teacache's indicator: the first block's timestep-modulation argument (its rows are the
+             batch rows), whose relative change between steps the fitted polynomial rescales.
+    teacache: that polynomial's coefficients, highest power first (numpy.polyval), fitted per family
+             (docs/step-cache.md: the data and the fit).
+    """
+
+    blocks: tuple[str, ...]
+    returns: dict[str, tuple[str, ...]]
+    probe: str
+    teacache: tuple[float, ...]
+    image: str = "hidden_states"
+

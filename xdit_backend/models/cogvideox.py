@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import UserError
 from ..sampling.v_prediction import ZeroSNRVSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 BETAS = (0.00085, 0.012)  # linear_start, linear_end (Comfy-Org/ComfyUI comfy/supported_models.py CogVideoX_T2V)
 FIVE_B_HEADS = 48  # ComfyUI picks the 5B-class latent format (0.7) from 48 heads up (CogVideoX_T2V.__init__)
@@ -104,6 +104,11 @@ def resize_crop_region(grid: tuple[int, int], base_height: int, base_width: int)
     return (top, left), (top + height, left + width)
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class CogVideoXSpec(FamilySpec):
     context_dim: int  # T5-XXL (4096)
@@ -119,6 +124,9 @@ class CogVideoXSpec(FamilySpec):
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn1", CogVideoXProcessor, True),),
                            joint_text=True)
+    cache_plan = CachePlan(blocks=("transformer_blocks",),
+                           returns={"transformer_blocks": ("hidden_states", "encoder_hidden_states")},
+                           probe="temb", teacache=TEACACHE)
 
     @property
     def sequence_plan(self) -> SequencePlan:

@@ -15,7 +15,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
@@ -66,6 +66,11 @@ def time_embedded_in_float32(time_text_embed, timestep: torch.Tensor, guidance: 
         handle.remove()
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class FluxSpec(FamilySpec):
     """What a Flux model takes and allows, read from its config: enough to validate a request
@@ -86,6 +91,10 @@ class FluxSpec(FamilySpec):
         attention=(("attn", "flux"),))  # double- and single-stream blocks alike
     stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
                            attention=(("attn", "flux", True),), joint_text=True)
+    cache_plan = CachePlan(blocks=("transformer_blocks", "single_transformer_blocks"),
+                           returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states"),
+                                    "single_transformer_blocks": ("encoder_hidden_states", "hidden_states")},
+                           probe="temb", teacache=TEACACHE)
 
     @property
     def default_guidance(self) -> float | None:

@@ -27,7 +27,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 FLUX2_DEFAULT_SHIFT = 2.02  # comfy/supported_models.py, Flux2.sampling_settings
 FLUX2_DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py, Flux.extra_conds: kwargs.get("guidance", 3.5)
@@ -168,6 +168,11 @@ def _rotate(query, key, rope):
     return apply_rotary_emb(query, rope, sequence_dim=1), apply_rotary_emb(key, rope, sequence_dim=1)
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class Flux2Spec(FamilySpec):
     """What a Flux.2 model takes and allows, read from its config."""
@@ -189,6 +194,9 @@ class Flux2Spec(FamilySpec):
         attention=(("attn", Flux2Processor),))  # double- and single-stream blocks alike
     stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
                            attention=(("attn", Flux2Processor, True),), joint_text=True)
+    cache_plan = CachePlan(blocks=("single_transformer_blocks",),
+                           returns={"single_transformer_blocks": ("hidden_states",)},
+                           probe="temb_mod", teacache=TEACACHE)
 
     @property
     def default_guidance(self) -> float | None:

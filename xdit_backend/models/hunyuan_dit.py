@@ -28,7 +28,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import VSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 # comfy/supported_models.py, HunyuanDiT ("hydit": 1.2) and HunyuanDiT1 ("hydit1": 1.0 / 1.1, told
 # apart by the size and style conditioning): V-prediction over ComfyUI's default "linear" betas.
@@ -99,6 +99,11 @@ class HunyuanDiTProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class HunyuanDiTSpec(FamilySpec):
     context_dim: int  # Chinese CLIP (BERT) width: 1024
@@ -123,6 +128,9 @@ class HunyuanDiTSpec(FamilySpec):
         attention=(("attn1", HunyuanDiTProcessor),))  # cross-attention (attn2) reads the whole text
     stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", HunyuanDiTProcessor, False),),
                            carries=True)  # the long skips travel with the patch
+    cache_plan = CachePlan(blocks=("blocks",),
+                           returns={"blocks": ("hidden_states",)},
+                           probe="temb", teacache=TEACACHE)
 
     @classmethod
     def from_config(cls, config: dict) -> HunyuanDiTSpec:

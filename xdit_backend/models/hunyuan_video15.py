@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 # Comfy-Org/ComfyUI comfy/supported_models.py, class HunyuanVideo15: sampling_settings {"shift": 7.0},
 # model_base.HunyuanVideo15 is ModelType.FLOW (discrete flow, timestep 1000·σ).
@@ -90,6 +90,11 @@ class HunyuanVideo15Processor:
         return image_out, attn.to_add_out(out[:, :L].contiguous())
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class HunyuanVideo15Spec(FamilySpec):
     context_dim: int  # Qwen2.5-VL-7B hidden states (3584)
@@ -115,6 +120,9 @@ class HunyuanVideo15Spec(FamilySpec):
         attention=(("attn", HunyuanVideo15Processor),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",),
                            attention=(("attn", HunyuanVideo15Processor, True),), joint_text=True)
+    cache_plan = CachePlan(blocks=("transformer_blocks",),
+                           returns={"transformer_blocks": ("hidden_states", "encoder_hidden_states")},
+                           probe="temb", teacache=TEACACHE)
 
     @classmethod
     def from_config(cls, config: dict) -> HunyuanVideo15Spec:

@@ -15,7 +15,12 @@ import torch
 
 from ..sampling.model_sampling import EpsSampling
 from . import latent_formats, patch_embed
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+
+
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,9 @@ class PixArtSpec(FamilySpec):
     sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),),  # [B, N, C], positions already added
                                  attention=(("attn1", "joint"),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn1", "joint", False),))
+    cache_plan = CachePlan(blocks=("transformer_blocks",),
+                           returns={"transformer_blocks": ("hidden_states",)},
+                           probe="timestep", teacache=TEACACHE)
 
     @property
     def latent_format(self):

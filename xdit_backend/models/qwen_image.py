@@ -27,7 +27,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 from .flux import pack, unpack
 
 QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
@@ -69,6 +69,11 @@ class QwenImageAttention:
         return image_out, attn.to_add_out(out[:, :text_tokens].contiguous())
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class QwenImageSpec(FamilySpec):
     """What a Qwen-Image model takes and allows, read from its config."""
@@ -90,6 +95,9 @@ class QwenImageSpec(FamilySpec):
         attention=(("attn", QwenImageAttention),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
                            joint_text=True)
+    cache_plan = CachePlan(blocks=("transformer_blocks",),
+                           returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states")},
+                           probe="temb", teacache=TEACACHE)
 
     @classmethod
     def from_config(cls, config: dict) -> QwenImageSpec:

@@ -15,9 +15,14 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats, patch_embed
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 SD3_DEFAULT_SHIFT = 3.0  # ComfyUI's SD3 sampling_settings
+
+
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class SD3Spec(FamilySpec):
     # attn2: SD3.5-medium's extra image-only self-attention in its first blocks
     stage_plan = StagePlan(block_lists=("transformer_blocks",),
                            attention=(("attn", "joint", True), ("attn2", "joint", False)), joint_text=True)
+    cache_plan = CachePlan(blocks=("transformer_blocks",),
+                           returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states")},
+                           probe="temb", teacache=TEACACHE)
 
     @classmethod
     def from_config(cls, config: dict) -> SD3Spec:

@@ -16,9 +16,14 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
+
+
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class WanSpec(FamilySpec):
                                        Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]
                                  attention=(("attn1", "wan"),))
     stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", "wan", False),))
+    cache_plan = CachePlan(blocks=("blocks",),
+                           returns={"blocks": ("hidden_states",)},
+                           probe="temb", teacache=TEACACHE)
 
     @property
     def latent_format(self):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 # comfy/supported_models.py, class ZImage(Lumina2): sampling_settings {"multiplier": 1.0, "shift": 3.0}
 # (ModelSamplingDiscreteFlow: timestep = σ); its latent_format is Lumina2's, latent_formats.Flux.
@@ -107,6 +107,11 @@ def time_embedded_in(t_embedder, dtype: torch.dtype):
         del t_embedder.forward
 
 
+# teacache: the polynomial that maps the relative change of the first block's time embedding between
+# steps to the change of the model's output, fitted on this family's models (docs/step-cache.md).
+TEACACHE = (1.0, 0.0)
+
+
 @dataclass(frozen=True)
 class ZImageSpec(FamilySpec):
     """What a Z-Image model takes and allows, read from its config."""
@@ -123,6 +128,9 @@ class ZImageSpec(FamilySpec):
     stage_plan = StagePlan(block_lists=("noise_refiner", "context_refiner", "layers"),
                            attention=(("noise_refiner.attention", ZImagePatchAttention, False),
                                       ("layers.attention", ZImageAttention, True)), joint_text=True)
+    cache_plan = CachePlan(blocks=("layers",),
+                           returns={"layers": ("x",)},
+                           probe="adaln_input", teacache=TEACACHE, image="x")
 
     @property
     def sequence_plan(self) -> SequencePlan:

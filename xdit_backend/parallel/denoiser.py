@@ -9,7 +9,7 @@ Without a layout (or world 1) it is the serial computation, batching cond and un
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import attention
 from ..sampling.generate import side_differences
 from . import sequence
+from .step_cache import StepCache
 
 
 class Denoiser:
@@ -27,6 +28,7 @@ class Denoiser:
         self.device = model.device
         self.cfg_group = layout.group("cfg") if layout else None
         self.dp_group = layout.group("dp") if layout else None
+        self.cache: StepCache | None = None  # the generation's step cache, when it asks for one (``attached``)
 
     def rows(self, batch: int) -> slice:
         """The batch rows this rank's dp group generates."""
@@ -37,17 +39,30 @@ class Denoiser:
         return slice(start, start + per)
 
     @contextmanager
-    def attached(self):
-        """Sequence parallelism on the model, as its family's plan says, for one generation; then undone."""
-        if self.layout is None or self.layout.config.sequence == 1:
+    def attached(self, gen=None):
+        """For one generation: sequence parallelism on the model, as its family's plan says, and the
+        step cache ``gen`` asks for; then both undone."""
+        with ExitStack() as stack:
+            shard = None
+            if self.layout is not None and self.layout.config.sequence > 1:
+                attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
+                                           attention.local_attention(self.device))
+                stack.callback(attached.detach)
+                shard = attached.shard
+            if gen is not None and gen.cache is not None:
+                plan = self.model.spec.cache_plan
+                self.cache = StepCache(gen.cache, gen.steps, plan.teacache,
+                                       self.layout.step_group if self.layout else None, shard)
+                stack.enter_context(self.cache.attached(self.model.transformer, plan))
             yield self
-            return
-        attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
-                                   attention.local_attention(self.device))
-        try:
-            yield self
-        finally:
-            attached.detach()
+
+    def step_done(self, done: int) -> None:
+        if self.cache is not None:
+            self.cache.step_done(done)
+
+    def _call(self, slot: int, decides: bool, rows: slice | None):
+        """A model call, as the step cache sees it (parallel/step_cache.py: which call decides, and its cond rows)."""
+        return nullcontext() if self.cache is None else self.cache.call(slot, decides, rows)
 
     def conditioning(self, positive: dict, negative: dict | None) -> dict | tuple[dict, dict]:
         """What this rank's model calls take, built once per generation from the sides on the device
@@ -66,14 +81,23 @@ class Denoiser:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B],
         from ``conditioning`` (``self.conditioning``)."""
         if self.cfg_group is not None:
-            mine = self.model.predict_x0(x, sigma, conditioning, gen)  # [B, C, (T,) h, w], this rank's side
+            cond = self.layout.index("cfg") == 0
+            with self._call(0, True, slice(None) if cond else None):
+                mine = self.model.predict_x0(x, sigma, conditioning, gen)  # [B, C, (T,) h, w], this rank's side
             return guided(mine, gen.cfg, self.cfg_group)
         if not gen.uses_cfg:
-            return self.model.predict_x0(x, sigma, conditioning, gen)
+            with self._call(0, True, slice(None)):
+                return self.model.predict_x0(x, sigma, conditioning, gen)
         if isinstance(conditioning, tuple):  # sides that cannot batch: one call each, [B, ...] → [2B, ...]
-            both = torch.cat([self.model.predict_x0(x, sigma, side, gen) for side in conditioning])
+            positive, negative = conditioning
+            with self._call(0, True, slice(None)):
+                cond = self.model.predict_x0(x, sigma, positive, gen)
+            with self._call(1, False, None):
+                uncond = self.model.predict_x0(x, sigma, negative, gen)
+            both = torch.cat([cond, uncond])
         else:
-            both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
+            with self._call(0, True, slice(0, x.shape[0])):  # the cond rows come first
+                both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
         return guided(both, gen.cfg)
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:

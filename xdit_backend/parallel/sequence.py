@@ -282,8 +282,8 @@ class Shard:
 class Attached:
     """The hooks and processors a plan put on a transformer; ``detach`` restores it as it was."""
 
-    def __init__(self, transformer, hooks: list):
-        self.transformer, self.hooks = transformer, hooks
+    def __init__(self, transformer, hooks: list, shard: Shard):
+        self.transformer, self.hooks, self.shard = transformer, hooks, shard
         self.saved = transformer.attn_processors  # taken before any processor is replaced
 
     def detach(self) -> None:
@@ -296,7 +296,7 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     """Make ``transformer`` sequence parallel under ``layout`` as ``plan`` says, until ``detach``."""
     shard = Shard(layout.sequence_group, layout.sequence_index, layout.config.sequence)
     modules = dict(transformer.named_modules())
-    attached = Attached(transformer, [transformer.register_forward_pre_hook(lambda module, args: shard.clear())])
+    attached = Attached(transformer, [transformer.register_forward_pre_hook(lambda module, args: shard.clear())], shard)
     for name in dict.fromkeys(cut.module for cut in plan.cuts):  # one hook per module, in plan order
         cuts = [cut for cut in plan.cuts if cut.module == name]
         inputs = [cut for cut in cuts if cut.arg is not None]

@@ -32,6 +32,7 @@ class Generation:
     add_noise: bool = True
     sampler: str = "euler"  # samplers.SAMPLERS
     cpu_noise: bool = False  # ancestral noise from the CPU generator (the ranks' GPUs differ: noise.StepNoise)
+    cache: object = None  # parallel/step_cache.CacheOptions, or None: every step computes every block
 
     @property
     def steps(self) -> int:
@@ -123,6 +124,10 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
     def x0(x, sigma):  # sigma [B]
         return denoiser.x0(x, sigma, conditioning, gen)
 
-    with denoiser.attached():
-        x = samplers.sample(gen.sampler, x0, begin.x, begin.sigmas, gen.sampling, begin.noise, after_step)
+    def stepped(done: int, total: int) -> bool:
+        denoiser.step_done(done)
+        return after_step(done, total)
+
+    with denoiser.attached(gen):
+        x = samplers.sample(gen.sampler, x0, begin.x, begin.sigmas, gen.sampling, begin.noise, stepped)
     return denoiser.gather_rows(finish(gen, fmt, x, begin.sigmas)).cpu()

@@ -1,0 +1,121 @@
+"""The step cache (parallel/step_cache.py): every layout takes the serial run's decisions and gives its latent.
+
+flux-tiny at 144×144 px (9 × 9 = 81 image tokens) with 7-token prompts: under ulysses=2 and ring=2 each
+rank holds a padded share, so the decision's sums must leave the padding out to match serial.
+"""
+
+import pytest
+import torch
+
+from conftest import flux_tiny_conditioning
+from xdit_backend.models import registry
+from xdit_backend.parallel.denoiser import Denoiser
+from xdit_backend.protocol import Message
+from xdit_backend.request import SampleRequest
+from xdit_backend.sampling.generate import generate
+
+TOLERANCE = 1e-4
+FIELDS = {"model": "flux-tiny", "width": 144, "height": 144, "steps": 12, "seed": 3, "cfg": 3.5, "batch": 2}
+# Thresholds that reuse some steps with every statistic well away from them (test_thresholds_are_away_from_every_decision)
+THRESHOLDS = {"fbcache": 0.45, "teacache": 0.9}
+MARGIN = 0.01  # the least |statistic − threshold| of the serial run; the layouts' statistics agree to ~1e-6
+LAYOUTS = [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}, {"dp": 2}, {"ulysses": 2, "shard_weights": True}]
+
+
+@pytest.fixture(scope="module")
+def conditioning():
+    return flux_tiny_conditioning(seed=11, batch=2, text_tokens=7)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return registry.build("flux-tiny", torch.device("cpu"))
+
+
+def serial(model, tensors: dict, **fields):
+    """(latent, step cache) of the world-1 code path, in this process."""
+    request = SampleRequest.parse(Message("sample", {**FIELDS, **fields}, tensors))
+    denoiser = Denoiser(model)
+    with torch.no_grad():
+        latent = generate(denoiser, request.generation(model.spec, *request.conditioning(model.spec)))
+    return latent, denoiser.cache
+
+
+def cached(method: str) -> dict:
+    return {"cache": method, "cache_threshold": THRESHOLDS[method]}
+
+
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_threshold_zero_equals_the_uncached_run_exactly(model, conditioning, method):
+    uncached, _ = serial(model, conditioning)
+    latent, cache = serial(model, conditioning, cache=method, cache_threshold=0.0)
+    assert cache.counts == {"computed": FIELDS["steps"], "reused": 0}
+    assert torch.equal(latent, uncached)
+
+
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_thresholds_are_away_from_every_decision(model, conditioning, method):
+    """The statistic the threshold is compared with, at every step the serial run decides, is at least
+    MARGIN from the threshold: a layout whose sums differ in the last digits takes the same decisions."""
+    _, cache = serial(model, conditioning, **cached(method))
+    ratios = [d.ratio for d in cache.trace if d.ratio is not None]
+    margin = min(abs(r - THRESHOLDS[method]) for r in ratios)
+    assert margin >= MARGIN, f"{method}: a statistic lies {margin:.3g} from the threshold {THRESHOLDS[method]}"
+    assert 0 < cache.counts["reused"] < FIELDS["steps"] - 3, cache.counts
+
+
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_the_cached_latent_stays_near_the_uncached_one(model, conditioning, method):
+    """Relative to the latent's scale, reusing steps moves the result far less than another seed does."""
+    uncached, _ = serial(model, conditioning)
+    latent, cache = serial(model, conditioning, **cached(method))
+    other_seed, _ = serial(model, conditioning, seed=FIELDS["seed"] + 1)
+    assert cache.counts["reused"] > 0
+    distance = ((latent - uncached).norm() / uncached.norm()).item()
+    seeds = ((other_seed - uncached).norm() / uncached.norm()).item()
+    assert distance < 0.1 * seeds, f"{method}: cached is {distance:.3g} from uncached, another seed {seeds:.3g}"
+
+
+def test_sides_that_run_one_call_each_decide_once_per_step(model):
+    """A negative prompt of another length runs as a second model call: it follows the first call's
+    decision, and the result equals the batched-sides rule (cond rows decide) run under cfg=2 below."""
+    tensors = flux_tiny_conditioning(seed=11, batch=2, text_tokens=7)
+    shorter = flux_tiny_conditioning(seed=12, batch=2, text_tokens=5)
+    tensors.update({k: v for k, v in shorter.items() if k.startswith("negative_")})
+    latent, cache = serial(model, tensors, **cached("fbcache"))
+    assert len(cache.trace) == FIELDS["steps"] and cache.counts["reused"] > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_every_layout_takes_the_serial_decisions_and_gives_its_latent(backend2, model, conditioning, method, layout):
+    expected, cache = serial(model, conditioning, **cached(method))
+    result, info = backend2.sample({**FIELDS, **cached(method), "parallel": layout, "profile": True}, conditioning)
+    assert info["cache"] == cache.counts
+    difference = (result["samples"] - expected).abs().max().item()
+    assert difference <= TOLERANCE, f"{method} {layout}: max |parallel − cached serial| = {difference:.3g}"
+    traces = [record["cache_trace"] for record in info["profile"]]
+    assert traces[0] == traces[1], "the ranks decided differently"
+    for (step, ratio, reused), decision in zip(traces[0], cache.trace, strict=True):
+        assert (step, reused) == (decision.step, decision.reused)
+        assert (ratio is None) == (decision.ratio is None)
+        if ratio is not None:
+            assert abs(ratio - decision.ratio) <= 1e-5 * max(1.0, decision.ratio)
+
+
+def test_negative_of_another_length_under_cfg_2_equals_serial(backend2, model):
+    tensors = flux_tiny_conditioning(seed=11, batch=2, text_tokens=7)
+    shorter = flux_tiny_conditioning(seed=12, batch=2, text_tokens=5)
+    tensors.update({k: v for k, v in shorter.items() if k.startswith("negative_")})
+    expected, cache = serial(model, tensors, **cached("fbcache"))
+    result, info = backend2.sample({**FIELDS, **cached("fbcache"), "parallel": {"cfg": 2}}, tensors)
+    assert info["cache"] == cache.counts
+    assert (result["samples"] - expected).abs().max().item() <= TOLERANCE
+
+
+def test_the_cache_under_pipefusion_is_refused_with_the_fix(backend2, conditioning):
+    from xdit_backend.client import BackendError
+
+    with pytest.raises(BackendError) as caught:
+        backend2.sample({**FIELDS, **cached("fbcache"), "parallel": {"pipefusion": 2}}, conditioning)
+    assert "PipeFusion" in str(caught.value) and "ulysses, ring, cfg or dp" in str(caught.value)

@@ -1,0 +1,244 @@
+"""Step cache: skip the blocks whose output barely changes between denoising steps, every rank agreeing.
+
+Two methods, for every family through its ``CachePlan`` (models/base.py). Both always run the first
+block of the span and, on a reused step, skip the others: the image stream leaves the span as the
+first block's output plus what the other blocks added at the last computed step (their residual).
+
+- ``fbcache`` (first-block cache, ParaAttention's and xDiT's): the first block's residual r (its image
+  output − its image input) is compared with r at the last computed step c: Σ|r − r_c| / Σ|r_c| below
+  the threshold reuses.
+- ``teacache`` (TeaCache, Liu et al. 2024): the relative change of the first block's time embedding
+  (``CachePlan.probe``) since the previous step, rescaled by the family's fitted polynomial
+  (``CachePlan.teacache``), is added up; while the sum stays below the threshold the steps reuse, and
+  the step that reaches it computes and starts the sum again. (TeaCache reads the modulated input
+  inside the first block; the time embedding is what every family's first block takes as an argument,
+  outside the compiled block, and is the indicator TeaCache uses for Wan.)
+
+The first ``start`` steps and the last ``end`` steps always compute.
+
+One decision for all ranks. Each rank holds a part of what the serial run decides from: its share
+of the tokens (sequence parallel), its batch rows (dp), one side of the guidance (cfg). The decision
+is taken from the positive side (cond) of the guidance: its rows are in every layout's first model
+call of a step (the batched [cond; uncond] call, the cond call when the sides run one call each, the
+cond rank under cfg), so every layout can decide before running the rest. Each rank sums over its
+cond rows and its real tokens (a padded share's padding left out), and one 2-element all-reduce over
+the ranks that run the same blocks (dp × cfg × ring × ulysses; the uncond rank adds zeros) gives every
+rank the serial run's two sums, hence its ratio and its decision. The decision is a Python branch
+around the blocks' forwards, outside the compiled blocks: a decision compiles nothing.
+
+Unit: a model evaluation of the sampler (one per step for euler and the other one-call samplers;
+heun and the two-call samplers decide at each of theirs). With weight sharding, a skipped block's
+weights are still all-gathered (FSDP's hooks run around the skipped forward): the compute is saved,
+the gather is not.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+
+METHODS = ("none", "fbcache", "teacache")
+# ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
+DEFAULT_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
+DEFAULT_START = 2  # the first step has nothing to compare with; the second sets the composition
+DEFAULT_END = 1  # the last step sets the finest detail
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    method: str  # METHODS, not "none"
+    threshold: float
+    start: int = DEFAULT_START
+    end: int = DEFAULT_END
+
+
+@dataclass
+class _Call:
+    """One model call inside a sampler evaluation."""
+
+    slot: int  # 0: the call that decides; 1: the uncond call when the sides run one call each
+    decides: bool
+    rows: slice | None  # this call's cond rows (None: it has none, the uncond rank under cfg)
+
+
+@dataclass
+class Decision:
+    step: int
+    ratio: float | None  # what the threshold was compared with (fbcache: the ratio; teacache: the sum); None: forced
+    reused: bool
+
+
+@dataclass
+class StepCache:
+    options: CacheOptions
+    steps: int  # of the generation: the last ``end`` always compute
+    coefficients: tuple[float, ...] = (1.0, 0.0)  # teacache's polynomial: the family's CachePlan.teacache
+    group: object = None  # the ranks that run the same blocks (None: this rank alone)
+    shard: object = None  # sequence.Shard of a sequence-parallel layout (its padding is left out)
+    step: int = 0  # the sampler's current step (``step_done``)
+    trace: list[Decision] = field(default_factory=list)
+    _call: _Call | None = None
+    _reuse: bool = False
+    _previous: torch.Tensor | None = None  # fbcache: r at the last computed step; teacache: the last probe
+    _accumulated: float = 0.0
+    _slots: dict = field(default_factory=dict)  # slot → {"head": first block's image output, "tail": residual}
+
+    @property
+    def counts(self) -> dict:
+        reused = sum(d.reused for d in self.trace)
+        return {"computed": len(self.trace) - reused, "reused": reused}
+
+    def step_done(self, done: int) -> None:
+        self.step = done
+
+    @contextmanager
+    def call(self, slot: int, decides: bool, rows: slice | None):
+        """A model call of the current evaluation (parallel/denoiser.py says which)."""
+        self._call = _Call(slot, decides, rows)
+        try:
+            yield
+        finally:
+            self._call = None
+
+    # ------------------------------------------------------------------ attaching to a model
+
+    @contextmanager
+    def attached(self, transformer, plan):
+        """The span's blocks run through the cache until the context ends; their forwards are then restored."""
+        blocks = [(name, block) for name in plan.blocks for block in getattr(transformer, name)]
+        if len(blocks) < 2:
+            raise UserError(f"the step cache needs at least 2 blocks in {', '.join(plan.blocks)}; this model has "
+                            f"{len(blocks)}", "run it without a cache")
+        saved = [(block, block.__dict__.get("forward")) for _, block in blocks]
+        head_name, head = blocks[0]
+        head.forward = self._head(head.forward, _Signature(head, plan, plan.returns[head_name]))
+        for index, (name, block) in enumerate(blocks[1:], start=1):
+            block.forward = self._rest(block.forward, _Signature(block, plan, plan.returns[name]),
+                                       tail=index == len(blocks) - 1)
+        try:
+            yield self
+        finally:
+            for block, forward in saved:
+                if forward is None:
+                    del block.forward
+                else:
+                    block.forward = forward
+
+    def _head(self, forward, signature: _Signature):
+        def head(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            call = self._call
+            if call is None:
+                return out
+            image_in, outs = signature.argument(signature.image, args, kwargs), signature.outputs(out)
+            image_out = outs[signature.image]
+            if call.decides:
+                self._reuse = self._decide(call, image_out, image_in, signature.argument(signature.probe, args, kwargs))
+            slot = self._slots.setdefault(call.slot, {})
+            if self._reuse:
+                return signature.returned({**outs, signature.image: image_out + slot["tail"]})
+            slot["head"] = image_out
+            return out
+
+        return head
+
+    def _rest(self, forward, signature: _Signature, tail: bool):
+        def rest(*args, **kwargs):
+            call = self._call
+            if call is not None and self._reuse:  # skipped: the streams go through unchanged
+                return signature.returned({name: signature.argument(name, args, kwargs) for name in signature.names})
+            out = forward(*args, **kwargs)
+            if call is not None and tail:
+                slot = self._slots[call.slot]
+                slot["tail"] = signature.outputs(out)[signature.image] - slot.pop("head")
+            return out
+
+        return rest
+
+    # ------------------------------------------------------------------ the decision
+
+    def _decide(self, call: _Call, image_out, image_in, probe) -> bool:
+        """Reuse at this evaluation? The same answer on every rank of ``group``."""
+        forced = self.step < self.options.start or self.step >= self.steps - self.options.end
+        if self.options.method == "fbcache":
+            residual = image_out - image_in  # [B, S, D] this rank's rows and tokens
+            ratio = None if forced or self._previous is None else self._ratio(residual, self._previous, call.rows)
+            reuse = ratio is not None and ratio < self.options.threshold
+            if not reuse:
+                self._previous = residual
+        else:
+            probe = _flat(probe)  # [B, features]
+            change = None if self._previous is None else self._ratio(probe, self._previous, call.rows, tokens=False)
+            self._previous = probe
+            ratio, reuse = None, False
+            if change is not None and not forced:
+                self._accumulated += float(numpy.polyval(self.coefficients, change))
+                ratio = self._accumulated  # what the threshold is compared with
+                reuse = ratio < self.options.threshold
+            if not reuse:
+                self._accumulated = 0.0
+        self.trace.append(Decision(self.step, ratio, reuse))
+        return reuse
+
+    def _ratio(self, now: torch.Tensor, before: torch.Tensor, rows: slice | None, tokens: bool = True) -> float:
+        """Σ|now − before| / Σ|before| over the cond rows and real tokens of every rank of ``group``."""
+        sums = torch.zeros(2, dtype=torch.float64, device=now.device)
+        if rows is not None:
+            change, reference = (now - before)[rows], before[rows]  # [b, S, D] (tokens) or [b, F]
+            real = self._real_tokens(change.shape[1]) if tokens else None
+            if real is not None:
+                change, reference = change[:, real], reference[:, real]  # [b, real tokens, D]
+            sums = torch.stack([change.abs().sum(dtype=torch.float64), reference.abs().sum(dtype=torch.float64)])
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)  # [Σ|change|, Σ|reference|] of the serial run's cond rows
+        change_sum, reference_sum = sums.tolist()
+        return change_sum / reference_sum if reference_sum > 0 else math.inf
+
+    def _real_tokens(self, local: int) -> torch.Tensor | None:
+        """Which of this rank's ``local`` tokens are real (None: no share is padded)."""
+        shard = self.shard
+        if shard is None or shard.padding is None:
+            return None
+        image, text = shard.lengths.get("image", 0), shard.lengths.get("text", 0)
+
+        def real(length: int) -> torch.Tensor:
+            return torch.arange(shard.share(length)) < shard.counts(length)[shard.index]  # [⌈S/P⌉] bool
+
+        if local == shard.share(image):
+            return real(image)
+        if local == shard.share(text) + shard.share(image):
+            return torch.cat([real(text), real(image)])  # [text share; image share]
+        raise RuntimeError(f"the step cache got {local} tokens, not this rank's image share ({shard.share(image)}) "
+                           f"nor its text and image shares: the family's CachePlan names another stream")
+
+
+class _Signature:
+    """How one block's forward takes and returns the streams a CachePlan names."""
+
+    def __init__(self, block, plan, names: tuple[str, ...]):
+        self.names, self.image, self.probe = names, plan.image, plan.probe
+        self.parameters = list(inspect.signature(type(block).forward).parameters)[1:]  # without self
+
+    def argument(self, name: str, args: tuple, kwargs: dict):
+        return kwargs[name] if name in kwargs else args[self.parameters.index(name)]
+
+    def outputs(self, out) -> dict:
+        return dict(zip(self.names, out if len(self.names) > 1 else (out,)))
+
+    def returned(self, streams: dict):
+        values = tuple(streams[name] for name in self.names)
+        return values if len(values) > 1 else values[0]
+
+
+def _flat(probe) -> torch.Tensor:
+    """A time embedding (a tensor, or a tuple of them) as [B, features]."""
+    parts = probe if isinstance(probe, (tuple, list)) else (probe,)
+    return torch.cat([p.reshape(p.shape[0], -1).float() for p in parts], dim=1)
