@@ -10,6 +10,7 @@ import torch
 from conftest import flux_tiny_conditioning
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
+from xdit_backend.parallel.step_cache import CacheOptions, StepCache
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
@@ -119,3 +120,38 @@ def test_the_cache_under_pipefusion_is_refused_with_the_fix(backend2, conditioni
     with pytest.raises(BackendError) as caught:
         backend2.sample({**FIELDS, **cached("fbcache"), "parallel": {"pipefusion": 2}}, conditioning)
     assert "PipeFusion" in str(caught.value) and "ulysses, ring, cfg or dp" in str(caught.value)
+
+
+FAMILY_SIZES = {"flux-tiny": {"width": 64, "height": 64}, "sd3-tiny": {"width": 128, "height": 64},
+                "pixart-tiny": {"width": 128, "height": 64}, "wan-tiny": {"width": 64, "height": 64, "frames": 5},
+                "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
+                "z-image-tiny": {"width": 128, "height": 64}, "hunyuan-dit-tiny": {"width": 128, "height": 64},
+                "flux2-tiny": {"width": 128, "height": 64}, "qwen-image-tiny": {"width": 128, "height": 64},
+                "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5}}
+
+
+@pytest.mark.parametrize("name", FAMILY_SIZES)
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_every_family_reuses_a_step_as_it_computed_it(name, method):
+    """Each family's CachePlan (its span, the streams its blocks take and return, its probe): two model calls
+    on the same input, the first computed, the second reused (its statistic is 0), give the same output; so a
+    skipped block hands its streams on in the order its successor takes them and the tail residual is right."""
+    request = SampleRequest.parse(Message("sample", {"model": name, **FAMILY_SIZES[name], "steps": 4, "seed": 5,
+                                                     "cfg": 1.0}, {}))
+    spec = registry.spec(name)
+    positive, negative = registry.random_conditioning(name, 1, 5, spec)
+    gen = request.generation(spec, positive, negative)
+    model = registry.build(name, torch.device("cpu"))
+    x = torch.randn(gen.latent.shape, generator=torch.Generator().manual_seed(1))
+    sigma = gen.sigmas[1:2]  # [B]
+    cache = StepCache(CacheOptions(method, threshold=1e9, start=0, end=0), steps=4, coefficients=spec.cache_plan.teacache)
+    outputs = []
+    with torch.no_grad(), cache.attached(model.transformer, spec.cache_plan):
+        for _ in range(2):
+            with cache.call(0, decides=True, rows=slice(None)):
+                outputs.append(model.predict_x0(x, sigma, gen.positive, gen))
+    assert [d.reused for d in cache.trace] == [False, True]
+    computed, reused = outputs
+    assert (reused - computed).abs().max().item() <= 1e-5 * max(1.0, computed.abs().max().item())
+    uncached = model.predict_x0(x, sigma, gen.positive, gen)  # and the forwards are restored after
+    assert torch.equal(uncached, computed)
