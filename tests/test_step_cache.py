@@ -42,6 +42,19 @@ def serial(model, tensors: dict, **fields):
     return latent, denoiser.cache
 
 
+@pytest.fixture(scope="module")
+def cached_serial(model, conditioning):
+    """method → (latent, step cache) of the cached serial run, computed once per module."""
+    runs = {}
+
+    def run(method: str):
+        if method not in runs:
+            runs[method] = serial(model, conditioning, **cached(method))
+        return runs[method]
+
+    return run
+
+
 def cached(method: str) -> dict:
     return {"cache": method, "cache_threshold": THRESHOLDS[method]}
 
@@ -55,10 +68,10 @@ def test_threshold_zero_equals_the_uncached_run_exactly(model, conditioning, met
 
 
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])
-def test_thresholds_are_away_from_every_decision(model, conditioning, method):
+def test_thresholds_are_away_from_every_decision(cached_serial, method):
     """The statistic the threshold is compared with, at every step the serial run decides, is at least
     MARGIN from the threshold: a layout whose sums differ in the last digits takes the same decisions."""
-    _, cache = serial(model, conditioning, **cached(method))
+    _, cache = cached_serial(method)
     ratios = [d.ratio for d in cache.trace if d.ratio is not None]
     margin = min(abs(r - THRESHOLDS[method]) for r in ratios)
     assert margin >= MARGIN, f"{method}: a statistic lies {margin:.3g} from the threshold {THRESHOLDS[method]}"
@@ -66,10 +79,10 @@ def test_thresholds_are_away_from_every_decision(model, conditioning, method):
 
 
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])
-def test_the_cached_latent_stays_near_the_uncached_one(model, conditioning, method):
+def test_the_cached_latent_stays_near_the_uncached_one(model, conditioning, cached_serial, method):
     """Relative to the latent's scale, reusing steps moves the result far less than another seed does."""
     uncached, _ = serial(model, conditioning)
-    latent, cache = serial(model, conditioning, **cached(method))
+    latent, cache = cached_serial(method)
     other_seed, _ = serial(model, conditioning, seed=FIELDS["seed"] + 1)
     assert cache.counts["reused"] > 0
     distance = ((latent - uncached).norm() / uncached.norm()).item()
@@ -89,8 +102,9 @@ def test_sides_that_run_one_call_each_decide_once_per_step(model):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("method", ["fbcache", "teacache"])
-def test_every_layout_takes_the_serial_decisions_and_gives_its_latent(backend2, model, conditioning, method, layout):
-    expected, cache = serial(model, conditioning, **cached(method))
+def test_every_layout_takes_the_serial_decisions_and_gives_its_latent(backend2, cached_serial, conditioning, method,
+                                                                     layout):
+    expected, cache = cached_serial(method)
     result, info = backend2.sample({**FIELDS, **cached(method), "parallel": layout, "profile": True}, conditioning)
     assert info["cache"] == cache.counts
     difference = (result["samples"] - expected).abs().max().item()
