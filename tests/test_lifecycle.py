@@ -133,9 +133,15 @@ def _running(pid: int) -> bool:
 def test_sample_layout_flags(sock, tmp_path):
     """--ulysses 2 with no backend starts one of 2 ranks; a backend of another size is refused by size."""
     common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--socket", sock, "--device", "cpu"]
-    result = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st")
+    missing = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "no" / "i.json")
+    assert missing.returncode == 1 and "the folder" in missing.stderr and "does not exist" in missing.stderr
+    result = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "info.json",
+                 "--cache", "fbcache", "--cache-start", 0, "--cache-end", 0)
     assert result.returncode == 0, result.stderr
     assert "world 2: ulysses=2 (as requested)" in result.stderr
+    info = json.loads((tmp_path / "info.json").read_text())  # --info: the result info, for scripts
+    assert info["layout"] == "ulysses=2 (as requested)" and info["world_size"] == 2 and info["elapsed_s"] > 0
+    assert info["cache"]["computed"] + info["cache"]["reused"] == 2 and info["cache"]["computed"] >= 1
 
     assert cli("start", "--socket", sock, "--nproc", 1, "--device", "cpu").returncode == 0
     refused = cli("sample", *common, "--ring", 2, "--out", tmp_path / "r.st")

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
                              "sides of the guidance get them")
     sample.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
+    sample.add_argument("--info", type=Path, default=None, metavar="FILE.json",
+                        help="write the result info (layout, times, step cache counts, LoRA reports) as JSON, for scripts")
     layout = sample.add_argument_group("parallel layout (default: --parallel auto)")
     layout.add_argument("--ulysses", type=int, default=None, help="Ulysses sequence-parallel degree")
     layout.add_argument("--ring", type=int, default=None, help="Ring sequence-parallel degree")
@@ -222,6 +224,8 @@ def cmd_sample(args) -> int:
     from safetensors.torch import save_file
 
     fields = sample_fields(args)
+    if args.info is not None and not args.info.parent.is_dir():  # before the request, not after its work is done
+        raise SystemExit(f"--info {args.info}: the folder {args.info.parent} does not exist; create it or name another")
     layout = fields["parallel"]
     tensors = sample_tensors(args)
     client = Client(args.socket)
@@ -245,6 +249,10 @@ def cmd_sample(args) -> int:
     save_file({"samples": samples}, str(args.out))
     print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
           f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
+    if "cache" in info:
+        print(f"step cache: {info['cache']['computed']} computed, {info['cache']['reused']} reused", file=sys.stderr)
+    if args.info is not None:
+        args.info.write_text(json.dumps({"elapsed_s": elapsed, **info}, indent=1))
     if "profile" in info:  # --profile: each rank's record, as JSON on stdout
         print(json.dumps(info["profile"], indent=1))
     for report in info.get("loras", []):
