@@ -2,7 +2,7 @@
 max abs diff ≤ 1e-4; measured ≈ 2e-6), and a compiled model is compiled once, not per request:
 not for a new resolution, a new prompt length, new per-request attention processors, nor for a
 profiled request (whose traffic counting would swap the torch.distributed functions a compiled
-block calls).
+block calls), nor for the step cache's decisions (a branch around the compiled blocks).
 
 Inductor builds C++ on the CPU: without a C++ compiler these tests fail (never skip), the first
 one saying why. Compiling is slow on a small machine, so the requests are the smallest there are
@@ -160,3 +160,37 @@ def test_sequence_parallel_processors_compile_once_for_every_prompt_length(compi
     assert graphs() == before, "new processor objects compiled again"
     request(16)
     assert graphs() == before, f"a 16-token prompt compiled {graphs() - before} new graphs"
+
+
+def test_the_step_cache_compiles_nothing_per_decision(compiled):
+    """fbcache on compiled blocks (tests/test_step_cache.py's request, which reuses some steps): the
+    decision is a branch outside the blocks, so neither the cache nor another threshold, deciding
+    other steps, compiles a graph that the same request without the cache did not; and the latent
+    is the uncompiled cached run's."""
+    from conftest import flux_tiny_conditioning
+
+    model = compiled[0]
+    tensors = flux_tiny_conditioning(seed=11, batch=2, text_tokens=7)
+    fields = {**FIELDS, "width": 144, "height": 144, "steps": 12, "cfg": 3.5, "batch": 2}
+
+    def cached_run(target, threshold: float | None, **changes):
+        cache = {} if threshold is None else {"cache": "fbcache", "cache_threshold": threshold}
+        request = SampleRequest.parse(Message("sample", {**fields, **cache, **changes}, tensors))
+        denoiser = Denoiser(target)
+        with torch.no_grad():
+            latent = generate(denoiser, request.generation(target.spec, *request.conditioning(target.spec)))
+        return latent, denoiser.cache
+
+    cached_run(model, None, steps=2)  # this shape's graphs (batch 2, cfg), compiled without the cache
+    before = graphs()
+    latent, cache = cached_run(model, 0.45)
+    assert graphs() == before, f"the step cache compiled {graphs() - before} new graphs"
+    assert 0 < cache.counts["reused"] < fields["steps"], cache.counts
+    eager, eager_cache = cached_run(registry.build("flux-tiny", torch.device("cpu")), 0.45)
+    assert [d.reused for d in cache.trace] == [d.reused for d in eager_cache.trace]
+    difference = (latent - eager).abs().max().item()
+    assert difference <= TOLERANCE, f"fbcache 0.45: max |compiled − eager| = {difference:.3g}"
+
+    _, other = cached_run(model, 0.2)
+    assert [d.reused for d in other.trace] != [d.reused for d in cache.trace], "0.2 decided as 0.45 did"
+    assert graphs() == before, f"other decisions compiled {graphs() - before} new graphs"

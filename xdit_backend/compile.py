@@ -34,8 +34,10 @@ world-2 mix of cfg, ulysses, ring, PipeFusion at batch 1 and 2 reached it, and p
 runs the block eagerly), so the limit is raised to RECOMPILE_LIMIT.
 
 What compiles nothing: a new prompt length (the processors read it from a dynamic size), the
-attention processors sequence parallelism attaches anew for each request, and a profiled
-request (its traffic is not counted for a compiled model: parallel/traffic.py says why).
+attention processors sequence parallelism attaches anew for each request, a profiled
+request (its traffic is not counted for a compiled model: parallel/traffic.py says why), and the
+step cache's decisions (parallel/step_cache.py: a Python branch around the blocks' forwards, so
+another threshold or another reused step runs the same graphs; tests/test_compile.py).
 """
 
 from __future__ import annotations
