@@ -22,7 +22,7 @@ import torch
 
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.parallel.step_cache import _flat, _Signature
+from xdit_backend.parallel.step_cache import BlockStreams, flat_probe
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
@@ -42,10 +42,10 @@ def pairs(model, fields: dict, seed: int) -> list[tuple[float, float]]:
         raise SystemExit("a model file needs its text embeddings: use a built-in, or extend this tool with --embeds")
     plan = spec.cache_plan
     head = getattr(model.transformer, plan.blocks[0])[0]
-    signature = _Signature(head, plan, plan.returns[plan.blocks[0]])
+    signature = BlockStreams(head, plan, plan.returns[plan.blocks[0]])
     probes, outputs = [], []
     hook = head.register_forward_pre_hook(
-        lambda module, args, kwargs: probes.append(_flat(signature.argument(plan.probe, args, kwargs))[:1]),
+        lambda module, args, kwargs: probes.append(flat_probe(signature.argument(plan.probe, args, kwargs))[:1]),
         with_kwargs=True)
     output = model.output
 

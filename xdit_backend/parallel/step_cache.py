@@ -48,16 +48,14 @@ from ..errors import UserError
 METHODS = ("none", "fbcache", "teacache")
 # ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
 DEFAULT_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
-DEFAULT_START = 2  # the first step has nothing to compare with; the second sets the composition
-DEFAULT_END = 1  # the last step sets the finest detail
 
 
 @dataclass(frozen=True)
 class CacheOptions:
     method: str  # METHODS, not "none"
     threshold: float
-    start: int = DEFAULT_START
-    end: int = DEFAULT_END
+    start: int  # steps always computed first (schema's cache_start)
+    end: int  # steps always computed last (schema's cache_end)
 
 
 @dataclass
@@ -119,9 +117,9 @@ class StepCache:
                             f"{len(blocks)}", "run it without a cache")
         saved = [(block, block.__dict__.get("forward")) for _, block in blocks]
         head_name, head = blocks[0]
-        head.forward = self._head(head.forward, _Signature(head, plan, plan.returns[head_name]))
+        head.forward = self._head(head.forward, BlockStreams(head, plan, plan.returns[head_name]))
         for index, (name, block) in enumerate(blocks[1:], start=1):
-            block.forward = self._rest(block.forward, _Signature(block, plan, plan.returns[name]),
+            block.forward = self._rest(block.forward, BlockStreams(block, plan, plan.returns[name]),
                                        tail=index == len(blocks) - 1)
         try:
             yield self
@@ -132,7 +130,7 @@ class StepCache:
                 else:
                     block.forward = forward
 
-    def _head(self, forward, signature: _Signature):
+    def _head(self, forward, signature: BlockStreams):
         def head(*args, **kwargs):
             out = forward(*args, **kwargs)
             call = self._call
@@ -150,7 +148,7 @@ class StepCache:
 
         return head
 
-    def _rest(self, forward, signature: _Signature, tail: bool):
+    def _rest(self, forward, signature: BlockStreams, tail: bool):
         def rest(*args, **kwargs):
             call = self._call
             if call is not None and self._reuse:  # skipped: the streams go through unchanged
@@ -175,7 +173,7 @@ class StepCache:
             if not reuse:
                 self._previous = residual
         else:
-            probe = _flat(probe)  # [B, features]
+            probe = flat_probe(probe)  # [B, features]
             change = None if self._previous is None else self._ratio(probe, self._previous, call.rows, tokens=False)
             self._previous = probe
             ratio, reuse = None, False
@@ -220,7 +218,7 @@ class StepCache:
                            f"nor its text and image shares: the family's CachePlan names another stream")
 
 
-class _Signature:
+class BlockStreams:
     """How one block's forward takes and returns the streams a CachePlan names."""
 
     def __init__(self, block, plan, names: tuple[str, ...]):
@@ -238,7 +236,7 @@ class _Signature:
         return values if len(values) > 1 else values[0]
 
 
-def _flat(probe) -> torch.Tensor:
+def flat_probe(probe) -> torch.Tensor:
     """A time embedding (a tensor, or a tuple of them) as [B, features]."""
     parts = probe if isinstance(probe, (tuple, list)) else (probe,)
     return torch.cat([p.reshape(p.shape[0], -1).float() for p in parts], dim=1)
