@@ -46,8 +46,6 @@ import torch.distributed as dist
 from ..errors import UserError
 
 METHODS = ("none", "fbcache", "teacache")
-# ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
-DEFAULT_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
 DEFAULT_START = 2  # the first step has nothing to compare with; the second sets the composition
 DEFAULT_END = 1  # the last step sets the finest detail
 
