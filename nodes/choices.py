@@ -23,21 +23,31 @@ class ModelChoice:
     shift: float | None = None  # flow shift (ComfyUI's ModelSamplingFlux/SD3 nodes); None: the model's
     compile: bool = False  # torch.compile the transformer's blocks (the backend caches the compiled model)
     weight_dtype: str = "default"  # how Linear weights are stored: default (the file's), fp8_e4m3fn, fp8_e5m2
+    # the step cache (the xDiT Step Cache node): schema.CACHE_METHODS; threshold None: the method's default
+    cache: str = schema.FIELDS["cache"].default
+    cache_threshold: float | None = schema.FIELDS["cache_threshold"].default
+    cache_start: int = schema.FIELDS["cache_start"].default
+    cache_end: int = schema.FIELDS["cache_end"].default
 
     def with_lora(self, path: str, strength: float) -> ModelChoice:
         return replace(self, loras=(*self.loras, (path, strength)))
 
+    def with_cache(self, method: str, threshold: float | None, start: int, end: int) -> ModelChoice:
+        return replace(self, cache=method, cache_threshold=threshold, cache_start=start, cache_end=end)
+
     def request_fields(self) -> dict:
         return schema.fields(model=self.ref, dtype=self.dtype, weight_dtype=self.weight_dtype, compile=self.compile,
                              shift=self.shift,
-                             loras=[{"path": path, "strength": strength} for path, strength in self.loras])
+                             loras=[{"path": path, "strength": strength} for path, strength in self.loras],
+                             cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
+                             cache_end=self.cache_end)
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what
         uses it. A string: ComfyUI stores it in the prompt, which SaveLatent writes out as JSON."""
         files = [self.ref, *(path for path, _ in self.loras)]
-        return repr((self.ref, self.dtype, self.weight_dtype, self.loras, self.shift, self.compile,
-                     [_mtime(path) for path in files]))
+        return repr((self.ref, self.dtype, self.weight_dtype, self.loras, self.shift, self.compile, self.cache,
+                     self.cache_threshold, self.cache_start, self.cache_end, [_mtime(path) for path in files]))
 
 
 def _mtime(path: str) -> int:

@@ -6,8 +6,9 @@ from .backend_node import XDiTBackend
 from .loader import XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTStandInConditioning
 from .parallel_config import XDiTParallelConfig
 from .sampler import XDiTSampler, XDiTSamplerAdvanced
+from .step_cache import XDiTStepCache
 
-NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTParallelConfig, XDiTSampler, XDiTSamplerAdvanced,
+NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTStepCache, XDiTParallelConfig, XDiTSampler, XDiTSamplerAdvanced,
          XDiTBackend, XDiTStandInConditioning]
 
 

@@ -184,7 +184,7 @@ def nodes_of(prompt: dict, class_type: str) -> list[str]:
 
 def test_the_pack_registers_its_nodes_in_comfyui(host):
     info = host.get("/object_info")
-    for node in ("XDiTLoadDiffusionModel", "XDiTLoraLoader", "XDiTParallelConfig", "XDiTSampler",
+    for node in ("XDiTLoadDiffusionModel", "XDiTLoraLoader", "XDiTStepCache", "XDiTParallelConfig", "XDiTSampler",
                  "XDiTSamplerAdvanced", "XDiTBackend", "XDiTStandInConditioning"):
         assert node in info, node
     sampler = info["XDiTSampler"]["input"]
@@ -289,6 +289,42 @@ def test_xdit_sampler_gives_ksamplers_latent_on_the_same_file(host):
           f"{times['ksampler'][0]:.2f} s, {times['ksampler'][1]:.2f} s; xDiT Sampler (ulysses=2) "
           f"{times['xdit'][0]:.2f} s, {times['xdit'][1]:.2f} s; max |KSampler − xDiT| = {difference:.3g}")
     assert difference <= 1e-4
+
+
+def test_the_step_cache_node_offers_the_schemas_methods_and_defaults(host):
+    from xdit_backend import schema
+
+    inputs = host.get("/object_info/XDiTStepCache")["XDiTStepCache"]["input"]["required"]
+    assert list(inputs) == ["model", "cache", "threshold", "start", "end"]
+    assert inputs["cache"][1]["options"] == [m for m in schema.CACHE_METHODS if m != "none"]
+    for name, field in (("start", "cache_start"), ("end", "cache_end")):
+        assert inputs[name][1]["default"] == schema.FIELDS[field].default
+    threshold = schema.FIELDS["cache_threshold"]
+    assert (inputs["threshold"][1]["min"], inputs["threshold"][1]["max"]) == (threshold.low, threshold.high)
+    assert all(str(value) in inputs["threshold"][1]["tooltip"] for value in schema.CACHE_THRESHOLDS.values())
+
+
+def test_the_step_cache_node_reaches_the_backend(host):
+    """Through ComfyUI: a cache that reuses steps changes the latent; the same cache with every step
+    computed (start = steps) gives the uncached latent, so the sampler re-ran for a changed setting."""
+    steps = 6
+
+    def latent(prefix: str, cache: dict | None) -> torch.Tensor:
+        prompt = xdit_on_tiny_sd3(seed=31)
+        prompt["sampler"]["inputs"]["steps"] = steps
+        prompt["save"]["inputs"]["filename_prefix"] = f"latents/{prefix}"
+        if cache is not None:
+            prompt["cache"] = {"class_type": "XDiTStepCache", "inputs": {"model": ["load", 0], **cache}}
+            prompt["sampler"]["inputs"]["model"] = ["cache", 0]
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.latest_latent(prefix)
+
+    uncached = latent("step-cache-none", None)
+    reusing = latent("step-cache-reusing", {"cache": "fbcache", "threshold": 10.0, "start": 1, "end": 1})
+    computing = latent("step-cache-computing", {"cache": "fbcache", "threshold": 10.0, "start": steps, "end": 1})
+    assert (reusing - uncached).abs().max() > 1e-3  # steps 2..5 reused
+    assert torch.allclose(computing, uncached, rtol=0, atol=1e-6)
 
 
 def xdit_on_tiny_sd3(seed: int = 1) -> dict:

@@ -17,7 +17,7 @@ from .config import ConfigError, ParallelConfig
 from .errors import UserError
 from .models import lora
 from .models.base import shape_fits, shape_text
-from .parallel.step_cache import DEFAULT_THRESHOLDS, CacheOptions
+from .parallel.step_cache import CacheOptions
 from .sampling import samplers, schedulers
 from .sampling.generate import Generation, cut
 
@@ -237,7 +237,7 @@ class SampleRequest(_Fields):
     def cache_options(self) -> CacheOptions | None:
         if self.cache == "none":
             return None
-        threshold = DEFAULT_THRESHOLDS[self.cache] if self.cache_threshold is None else self.cache_threshold
+        threshold = schema.CACHE_THRESHOLDS[self.cache] if self.cache_threshold is None else self.cache_threshold
         return CacheOptions(self.cache, threshold, self.cache_start, self.cache_end)
 
 

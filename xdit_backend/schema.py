@@ -26,6 +26,9 @@ MAX_FRAMES = 1025
 # Labs' model card), Qwen-Image-Edit-2509 three; two sides of them fit protocol.Limits.max_tensors.
 MAX_REFERENCES = 10
 CACHE_METHODS = ("none", "fbcache", "teacache")  # parallel/step_cache.py
+# A cache method's threshold when the request gives none (here, not in step_cache.py, for the nodes, which
+# import no torch): ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
+CACHE_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
 WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)
@@ -109,7 +112,8 @@ SAMPLE: tuple[Field, ...] = (
           help="step cache: reuse the blocks after the first on steps where they barely change (fbcache: the "
                "first block's residual decides; teacache: the time embedding's change, rescaled per family)"),
     Field("cache_threshold", NUMBER, "float", "float | None", None, 0.0, 10.0,
-          help="higher reuses more steps, further from the uncached result (default: fbcache 0.08, teacache 0.25)"),
+          help="higher reuses more steps, further from the uncached result (default: "
+               + ", ".join(f"{method} {threshold}" for method, threshold in CACHE_THRESHOLDS.items()) + ")"),
     Field("cache_start", int, "int", "int", 2, 0, MAX_STEPS, help="steps always computed at the start"),
     Field("cache_end", int, "int", "int", 1, 0, MAX_STEPS, help="steps always computed at the end"),
 )

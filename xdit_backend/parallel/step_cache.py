@@ -45,14 +45,10 @@ import torch.distributed as dist
 
 from ..errors import UserError
 
-METHODS = ("none", "fbcache", "teacache")
-# ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
-DEFAULT_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
-
 
 @dataclass(frozen=True)
 class CacheOptions:
-    method: str  # METHODS, not "none"
+    method: str  # schema.CACHE_METHODS, not "none"
     threshold: float
     start: int  # steps always computed first (schema's cache_start)
     end: int  # steps always computed last (schema's cache_end)
