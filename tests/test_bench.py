@@ -113,3 +113,18 @@ def test_the_cache_bench_reports_consistent_counts_and_distances(capsys):
         if row["threshold"] == "0":
             assert reused == 0 and distance == 0, row
         assert (distance > 0) == (reused > 0) and distance < seeds, row
+
+
+def test_the_cli_passes_the_cache_bench_its_request(monkeypatch):
+    import xdit_backend.bench as bench
+    from xdit_backend import cli
+
+    calls = []
+    monkeypatch.setattr(bench, "run_cache_bench", lambda *args: calls.append(args) or 0)
+    assert cli.main(["bench", "cache", "--model", "wan-tiny", "--width", "256", "--height", "128", "--frames", "9",
+                     "--steps", "12", "--methods", "teacache", "--thresholds", "0.1", "0.4",
+                     "--layout", "ulysses=2"]) == 0
+    (fields, methods, thresholds, layout, device), = calls
+    assert fields == {"model": "wan-tiny", "width": 256, "height": 128, "steps": 12, "batch": 1, "cfg": 1.0,
+                      "seed": 1, "dtype": "auto", "frames": 9}
+    assert (methods, thresholds, layout, device) == (["teacache"], [0.1, 0.4], "ulysses=2", "cpu")
