@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from xdit_backend.bench import flux_dims, method_of, run_layout_bench
+from xdit_backend.bench import flux_dims, method_of, run_cache_bench, run_layout_bench
 
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 1, "cfg": 3.5, "seed": 1,
           "dtype": "auto"}
@@ -89,3 +89,42 @@ def test_the_formula_takes_the_text_tokens_of_the_prompt_the_model_gets(model):
 
     positive, _ = registry.random_conditioning(model, 1, 1, registry.spec(model))  # what a bench request gets
     assert flux_dims(model)["text_tokens"] == positive["context"].shape[1]
+
+
+def test_the_cache_bench_reports_consistent_counts_and_distances(capsys):
+    """Every step is computed or reused; threshold 0 reuses nothing and is the uncached latent exactly;
+    a reused step moves the latent, by less than another seed does."""
+    steps, start, end = 6, 2, 1
+    fields = {**FIELDS, "steps": steps, "cfg": 1.0, "cache_start": start, "cache_end": end}
+    assert run_cache_bench(fields, ["fbcache", "teacache"], [0.0, 0.5]) == 0
+    out = capsys.readouterr().out
+    seeds = float(out.split("(a different picture): relative L2 ")[1].split()[0])
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    names = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [dict(zip(names, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[1:]]
+    assert [(row["method"], row["threshold"]) for row in rows] == [
+        ("fbcache", "0"), ("fbcache", "0.5"), ("teacache", "0"), ("teacache", "0.5")]
+    assert seeds > 0.5  # two seeds: a different picture
+    assert any(int(row["reused"]) for row in rows)  # the threshold 0.5 reuses on this model
+    for row in rows:
+        computed, reused, distance = int(row["computed"]), int(row["reused"]), float(row["relative L2 to uncached"])
+        assert computed + reused == steps and reused <= steps - start - end, row
+        assert float(row["denoise s"]) > 0 and row["speed-up"].endswith("×")
+        if row["threshold"] == "0":
+            assert reused == 0 and distance == 0, row
+        assert (distance > 0) == (reused > 0) and distance < seeds, row
+
+
+def test_the_cli_passes_the_cache_bench_its_request(monkeypatch):
+    import xdit_backend.bench as bench
+    from xdit_backend import cli
+
+    calls = []
+    monkeypatch.setattr(bench, "run_cache_bench", lambda *args: calls.append(args) or 0)
+    assert cli.main(["bench", "cache", "--model", "wan-tiny", "--width", "256", "--height", "128", "--frames", "9",
+                     "--steps", "12", "--methods", "teacache", "--thresholds", "0.1", "0.4",
+                     "--layout", "ulysses=2"]) == 0
+    (fields, methods, thresholds, layout, device), = calls
+    assert fields == {"model": "wan-tiny", "width": 256, "height": 128, "steps": 12, "batch": 1, "cfg": 1.0,
+                      "seed": 1, "dtype": "auto", "frames": 9}
+    assert (methods, thresholds, layout, device) == (["teacache"], [0.1, 0.4], "ulysses=2", "cpu")

@@ -340,3 +340,50 @@ def run_pipefusion_error_bench(stages: int, width: int, height: int, models: tup
         finally:
             launcher.stop(options.socket)
     return 0
+
+
+# --------------------------------------------------------------------------- step cache
+
+def relative_distance(latent: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖latent − reference‖ / ‖reference‖, in float64."""
+    reference = reference.double()
+    return ((latent.double() - reference).norm() / reference.norm()).item()
+
+
+def _denoise_s(info: dict) -> float:
+    return max(rank["denoise_s"] for rank in info["profile"])  # end to end on the slowest rank
+
+
+def run_cache_bench(fields: dict, methods: list[str], thresholds: list[float], layout: str = "serial",
+                    device: str = "cpu") -> int:
+    """Each method × threshold against the uncached request, same layout and seed: steps computed and
+    reused, denoising time and speed-up, and the relative L2 distance of the latent to the uncached
+    one, printed beside the distance between two seeds (the scale of a different picture)."""
+    degrees = parse_layout(layout)
+    request = {**fields, "parallel": degrees, "profile": True}
+    with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
+        options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world_of(degrees), device=device)
+        launcher.start(options)
+        try:
+            client = Client(options.socket)
+            client.sample({**request, "steps": 2, "profile": False})  # warm-up: model, mesh, first-touch allocations
+            uncached, uncached_info = client.sample(request)
+            other_seed, _ = client.sample({**request, "seed": request["seed"] + 1})
+            runs = [(method, threshold, *client.sample({**request, "cache": method, "cache_threshold": threshold}))
+                    for method in methods for threshold in thresholds]
+        finally:
+            launcher.stop(options.socket)
+    reference, baseline_s = uncached["samples"], _denoise_s(uncached_info)
+    frames = f" × {fields['frames']} frames" if fields.get("frames", 1) != 1 else ""
+    print(f"{fields['model']}, {fields['width']}×{fields['height']}{frames}, batch {fields['batch']}, "
+          f"cfg {fields['cfg']}, {fields['steps']} steps, layout {layout}, {device}; cache_start "
+          f"{fields.get('cache_start', 2)}, cache_end {fields.get('cache_end', 1)}\n")
+    print(f"uncached: denoise {baseline_s:.2f} s; seed {fields['seed'] + 1} against seed {fields['seed']} "
+          f"(a different picture): relative L2 {relative_distance(other_seed['samples'], reference):.3f}\n")
+    print("| method | threshold | computed | reused | denoise s | speed-up | relative L2 to uncached |\n"
+          "|---|---|---|---|---|---|---|")
+    for method, threshold, result, info in runs:
+        seconds = _denoise_s(info)
+        print(f"| {method} | {threshold:g} | {info['cache']['computed']} | {info['cache']['reused']} | "
+              f"{seconds:.2f} | {baseline_s / seconds:.2f}× | {relative_distance(result['samples'], reference):.2e} |")
+    return 0

@@ -126,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     versus.add_argument("--text-tokens", type=int, default=256)
     versus.add_argument("--repeats", type=int, default=3)
     versus.add_argument("--layouts", nargs="+", default=["ulysses=2", "ring=2"])
+    cache = bench_kinds.add_parser("cache", help="the step cache: steps reused, speed-up and distance to the "
+                                   "uncached latent per method and threshold")
+    cache.add_argument("--model", default="flux-tiny", help="a built-in model (flux-tiny, wan-tiny, flux-dev-two-blocks…)")
+    cache.add_argument("--width", type=int, default=512)
+    cache.add_argument("--height", type=int, default=512)
+    cache.add_argument("--frames", type=int, default=1, help="video frames, for a video model (default 1)")
+    cache.add_argument("--steps", type=int, default=28)
+    cache.add_argument("--batch", type=int, default=1)
+    cache.add_argument("--cfg", type=float, default=1.0)
+    cache.add_argument("--dtype", choices=schema.DTYPE_NAMES, default="auto")
+    cache.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cache.add_argument("--layout", default="serial", help="e.g. serial, ulysses=2, cfg=2,ulysses=2")
+    cache.add_argument("--methods", nargs="+", choices=schema.CACHE_METHODS[1:], default=["fbcache", "teacache"])
+    cache.add_argument("--thresholds", nargs="+", type=float, default=[0.0, 0.08, 0.25],
+                       help="each method runs at each threshold")
     error = bench_kinds.add_parser("pipefusion-error", help="PipeFusion's distance to serial by patches, warm-up, steps")
     error.add_argument("--stages", type=int, default=2)
     error.add_argument("--width", type=int, default=512)
@@ -301,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_pipefusion_error_bench
 
         handler = lambda a: run_pipefusion_error_bench(a.stages, a.width, a.height, tuple(a.model), a.frames)  # noqa: E731
+    elif args.command == "bench" and args.bench == "cache":
+        from .bench import run_cache_bench
+
+        fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
+                  "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype,
+                  **({"frames": args.frames} if args.frames != 1 else {})}
+        handler = lambda a: run_cache_bench(fields, a.methods, a.thresholds, a.layout, a.device)  # noqa: E731
     elif args.command == "bench":
         from .bench import DEFAULT_LAYOUTS, run_layout_bench
 
