@@ -149,6 +149,15 @@ def test_pipefusion_patch_must_split_over_the_sequence_ranks():
     assert "a patch of 3 tokens does not split into ring × ulysses = 2" in error.message
 
 
+def test_the_larger_patch_must_split_over_the_sequence_ranks_too():
+    """9 × 9 tokens in 2 patches: bands of 4 and 5 rows (36 and 45 tokens). The 45 used to pass (only the
+    smaller patch was checked) and hung the ranks, each dropping a token; 3 patches of 27 at ulysses=3 split."""
+    request = RequestFacts(1, 81, 1.0, False, token_rows=9)
+    error = pf_refused(ParallelConfig(pipefusion=2, ulysses=2), world=4, request=request)
+    assert "a patch of 45 tokens does not split into ring × ulysses = 2" in error.message
+    ParallelConfig(pipefusion=2, ulysses=3, num_pipeline_patch=3).validate(6, FLUX_TINY_PF, request)
+
+
 def test_pipefusion_is_refused_by_name_for_a_family_without_it():
     error = refused(ParallelConfig(pipefusion=2), model=FLUX_TINY)
     assert "flux-tiny does not support pipefusion" in error.message

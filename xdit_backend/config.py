@@ -208,12 +208,14 @@ class ParallelConfig:
         if not 1 <= patches <= request.token_rows:
             raise ConfigError(f"num_pipeline_patch={patches}: patches are bands of token rows, and the latent has "
                               f"{request.token_rows} rows (height / 16)", f"use 1..{request.token_rows} patches")
-        row_tokens = request.image_tokens // request.token_rows
-        smallest = request.token_rows // patches * row_tokens
-        if smallest % self.sequence:
-            raise ConfigError(f"a patch of {smallest} tokens does not split into ring × ulysses = {self.sequence} "
-                              "equal parts", f"choose a width whose W/16 is a multiple of {self.sequence}, "
-                              "or fewer patches")
+        # patches are bands of ⌊rows/patches⌋ or ⌈rows/patches⌉ token rows; the sequence ranks each take an
+        # equal slice of a patch's tokens (then of the whole latent in a warm-up step too: the patches' sum)
+        rows, row_tokens = request.token_rows, request.image_tokens // request.token_rows
+        for tokens in sorted({rows // patches * row_tokens, -(-rows // patches) * row_tokens}):
+            if tokens % self.sequence:
+                raise ConfigError(f"a patch of {tokens} tokens does not split into ring × ulysses = {self.sequence} "
+                                  "equal parts", f"choose a width whose W/16 is a multiple of {self.sequence} "
+                                  "(every band of rows then splits), or another number of patches")
 
     def _check_world(self, world_size: int, devices: str) -> None:
         if self.world_size == world_size:
