@@ -128,12 +128,86 @@ def test_negative_of_another_length_under_cfg_2_equals_serial(backend2, model):
     assert (result["samples"] - expected).abs().max().item() <= TOLERANCE
 
 
-def test_the_cache_under_pipefusion_is_refused_with_the_fix(backend2, conditioning):
-    from xdit_backend.client import BackendError
+def test_full_warmup_pipefusion_takes_the_serial_decisions_and_gives_its_latent(backend2, cached_serial,
+                                                                                conditioning):
+    """pipefusion=2 with every step a warm-up step (the whole latent in one chunk): the decider (the stage
+    with the first block) decides from the serial run's statistic; the other stage follows its flag and
+    adds its own residual; the latent is the cached serial one."""
+    expected, cache = cached_serial("fbcache")
+    parallel = {"pipefusion": 2, "warmup_steps": FIELDS["steps"]}
+    result, info = backend2.sample({**FIELDS, **cached("fbcache"), "parallel": parallel, "profile": True},
+                                   conditioning)
+    assert info["cache"] == cache.counts
+    difference = (result["samples"] - expected).abs().max().item()
+    assert difference <= TOLERANCE, f"max |pipefusion − cached serial| = {difference:.3g}"
+    decider, follower = (record["cache_trace"] for record in info["profile"])  # flux: stage 0 holds block 0
+    assert [reused for _, _, reused in follower] == [d.reused for d in cache.trace]
+    assert all(ratio is None for _, ratio, _ in follower)  # it followed the flag
+    for (step, ratio, reused), decision in zip(decider, cache.trace, strict=True):
+        assert (step, reused, ratio is None) == (decision.step, decision.reused, decision.ratio is None)
+        if ratio is not None:
+            assert abs(ratio - decision.ratio) <= 1e-5 * max(1.0, decision.ratio)
 
-    with pytest.raises(BackendError) as caught:
-        backend2.sample({**FIELDS, **cached("fbcache"), "parallel": {"pipefusion": 2}}, conditioning)
-    assert "PipeFusion" in str(caught.value) and "ulysses, ring, cfg or dp" in str(caught.value)
+
+@pytest.mark.parametrize("degrees", [{"cfg": 2}, {"ulysses": 2}], ids=["cfg2", "ulysses2"])
+def test_pipefusion_hybrids_take_the_serial_decisions_and_give_its_latent(backend4, model, conditioning, degrees):
+    """pipefusion=2 with cfg=2 (the uncond pipeline's stage adds zeros to the decision) or ulysses=2 (each
+    stage's ranks hold half of every chunk's tokens), full warm-up, at 128² (64 tokens: every chunk splits)."""
+    fields = {"width": 128, "height": 128, **cached("fbcache")}
+    expected, cache = serial(model, conditioning, **fields)
+    margin = min(abs(d.ratio - THRESHOLDS["fbcache"]) for d in cache.trace if d.ratio is not None)
+    assert margin >= MARGIN and cache.counts["reused"] > 0, (margin, cache.counts)
+    parallel = {"pipefusion": 2, **degrees, "warmup_steps": FIELDS["steps"]}
+    result, info = backend4.sample({**FIELDS, **fields, "parallel": parallel}, conditioning)
+    assert info["cache"] == cache.counts
+    assert (result["samples"] - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["fbcache", "teacache"])
+def test_patched_pipefusion_reuses_the_same_steps_on_every_stage(backend2, conditioning, method):
+    """After warm-up (2 patches): threshold 0 is the uncached pipeline exactly (the flag row changes
+    nothing); at a reusing threshold every stage skips the same steps, the step after warm-up computes,
+    and the latent stays near the uncached pipeline's."""
+    fields = {**FIELDS, "parallel": {"pipefusion": 2, "warmup_steps": 2}, "profile": True}
+    uncached, _ = backend2.sample(fields, conditioning)
+    zero, info = backend2.sample({**fields, "cache": method, "cache_threshold": 0.0}, conditioning)
+    assert info["cache"] == {"computed": FIELDS["steps"], "reused": 0}
+    assert torch.equal(zero["samples"], uncached["samples"])
+    result, info = backend2.sample({**fields, **cached(method)}, conditioning)
+    traces = [[reused for _, _, reused in record["cache_trace"]] for record in info["profile"]]
+    assert traces[0] == traces[1] and len(traces[0]) == FIELDS["steps"], "the stages skipped different steps"
+    assert info["cache"]["reused"] > 0 and not traces[0][2], info["cache"]  # step 2: the first patched one
+    other_seed, _ = backend2.sample({**fields, "seed": FIELDS["seed"] + 1}, conditioning)
+    distance = ((result["samples"] - uncached["samples"]).norm() / uncached["samples"].norm()).item()
+    seeds = ((other_seed["samples"] - uncached["samples"]).norm() / uncached["samples"].norm()).item()
+    assert distance < 0.1 * seeds, f"{method}: cached is {distance:.3g} from uncached, another seed {seeds:.3g}"
+
+
+# (family, method, threshold) whose serial statistics stay ≥ MARGIN from the threshold at 10 steps, seed 7:
+# Flux.2 and Z-Image decide on stage 1 (stage 0 holds the double blocks / the refiners, outside the span);
+# HunyuanDiT's long skips travel between its stages.
+PIPELINED = [("flux2-tiny", "teacache", 0.45), ("z-image-tiny", "teacache", 0.45), ("hunyuan-dit-tiny", "fbcache", 0.3)]
+
+
+@pytest.mark.parametrize("name, method, threshold", PIPELINED, ids=[case[0] for case in PIPELINED])
+def test_full_warmup_pipefusion_of_families_equals_their_cached_serial(backend2, name, method, threshold):
+    fields = {"model": name, "width": 128, "height": 64, "steps": 10, "seed": 7, "cfg": 3.5, "cache": method,
+              "cache_threshold": threshold}
+    request = SampleRequest.parse(Message("sample", fields, {}))
+    spec = registry.spec(name)
+    model = registry.build(name, torch.device("cpu"))
+    denoiser = Denoiser(model)
+    with torch.no_grad():  # the conditioning rank 0 makes up for a request without tensors
+        expected = generate(denoiser, request.generation(spec, *registry.random_conditioning(name, 1, 7, spec)))
+    cache = denoiser.cache
+    margin = min(abs(d.ratio - threshold) for d in cache.trace if d.ratio is not None)
+    assert margin >= MARGIN and cache.counts["reused"] > 0, (margin, cache.counts)
+    result, info = backend2.sample({**fields, "parallel": {"pipefusion": 2, "warmup_steps": 10}, "profile": True})
+    assert info["cache"] == cache.counts
+    for record in info["profile"]:  # the stage before the decider learns the decisions at the end
+        assert [reused for _, _, reused in record["cache_trace"]] == [d.reused for d in cache.trace]
+    bound = TOLERANCE * max(1.0, expected.abs().max().item())
+    assert (result["samples"] - expected).abs().max().item() <= bound
 
 
 FAMILY_SIZES = {"flux-tiny": {"width": 64, "height": 64}, "sd3-tiny": {"width": 128, "height": 64},
@@ -169,3 +243,42 @@ def test_every_family_reuses_a_step_as_it_computed_it(name, method):
     assert (reused - computed).abs().max().item() <= 1e-5 * max(1.0, computed.abs().max().item())
     uncached = model.predict_x0(x, sigma, gen.positive, gen)  # and the forwards are restored after
     assert torch.equal(uncached, computed)
+
+
+def test_a_reused_stage_leaves_with_as_many_carried_tensors_as_it_computed():
+    """A PipeFusion stage whose skipped blocks push long skips (HunyuanDiT's first half, 40 blocks deep:
+    more than the tiny's 4 hold) leaves a reused step with the count the next stage's buffer expects,
+    and its image is the computed step's (same input: the statistic is 0)."""
+    from types import SimpleNamespace
+
+    from xdit_backend.models.base import CachePlan
+    from xdit_backend.parallel.step_cache import StageCache
+
+    class Block(torch.nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, hidden_states, temb):
+            return hidden_states * self.scale + temb
+
+    def run_block(block, image, text, kwargs):  # every block pushes its output, as a first-half block does
+        image = block(image, kwargs["temb"])
+        kwargs["carry"].append(image)
+        return image, text
+
+    blocks = [Block(s) for s in (0.9, 1.1, 0.8, 1.2)]
+    plan = CachePlan(blocks=("blocks",), returns={"blocks": ("hidden_states",)}, probe="temb", teacache=(1.0, 0.0))
+    steps = StepCache(CacheOptions("fbcache", threshold=1.0, start=1, end=0), steps=2)
+    stage = StageCache(steps, SimpleNamespace(blocks=blocks), plan, blocks, decides=True, device=torch.device("cpu"))
+    image, temb = torch.randn(1, 6, 4), torch.randn(1, 1, 4)
+    outputs = []
+    for step in range(2):
+        kwargs = {"temb": temb, "carry": []}
+        out, _ = stage.run(blocks, run_block, image, None, kwargs, (0, 1), step, True, slice(None))
+        outputs.append((out, len(kwargs["carry"])))
+    stage.detach()
+    (computed, pushed), (reused, left_with) = outputs
+    assert [d.reused for d in steps.trace] == [False, True]
+    assert left_with == pushed == 4
+    assert torch.allclose(reused, computed, atol=1e-6)

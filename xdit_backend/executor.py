@@ -208,9 +208,13 @@ class Executor:
                 self.last_cache = denoiser.cache
         _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
         denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
-        pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks)
+        decides = gen.cache is not None and stage[0] <= registry.cache_head(request.model) < stage[1]
+        pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
         self.last_trace = pipeline.trace
-        latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+        try:
+            latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+        finally:
+            self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
         return denoiser.gather_rows(latent).cpu()
 
     def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:

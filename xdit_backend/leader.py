@@ -170,10 +170,6 @@ class Leader:
                                "pass through every stage twice per step with the other patches waiting",
                                f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
                                "pipefusion")
-        if config.pipefusion > 1 and request.cache != "none":
-            raise RequestError(f"cache {request.cache} does not run with PipeFusion yet: a reused step would have to "
-                               "skip the same blocks on every stage for every patch",
-                               "use the cache with ulysses, ring, cfg or dp, or drop it under pipefusion")
         differ = (side_differences(model_positive, model_negative) if negative is not None and request.cfg != 1.0
                   else [])
         if config.pipefusion > 1 and config.cfg == 1 and differ:

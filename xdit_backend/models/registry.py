@@ -216,6 +216,19 @@ def _block_sizes(ref: str, version: int) -> tuple[int, ...]:
     return tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
 
 
+def cache_head(ref: str) -> int:
+    """Where the step cache's span (its CachePlan) begins, as an index in the block order PipeFusion
+    cuts into stages: the stage that holds that block decides for every stage."""
+    return _cache_head(*identity(ref))
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_head(ref: str, version: int) -> int:
+    transformer = _on_meta(ref, version)
+    lists, first = FAMILIES[resolve(ref).family].block_lists, spec(ref).cache_plan.blocks[0]
+    return sum(len(getattr(transformer, name)) for name in lists[:lists.index(first)])
+
+
 def attention_geometry(config) -> tuple[int, int]:
     """(heads, head size) from a diffusers config: most families name them num_attention_heads and
     attention_head_dim; Z-Image names n_heads and its width dim."""

@@ -19,6 +19,8 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
   next model input (or, after the last step, its final latent) back to stage 0. Whole-latent
   noise is drawn once per step and cut to each patch (sampling/noise.py). A sampler with two model
   calls in a step (heun) cannot be pipelined and is refused by the worker.
+- Step cache (step_cache.StageCache): the stage holding the cache span's first block decides at each
+  step's first chunk; the decision rides on every activation as one more token row to the later stages.
 - Guidance and latent format: the normal path's (denoiser.guided, generate.start/finish).
 - Hybrids: sequence-parallel ranks hold a slice of each chunk's tokens and all-gather its fresh
   K/V and its output; CFG halves each run a pipeline and combine x0 at the last stage; dp groups
@@ -58,6 +60,7 @@ from ..sampling.generate import GenerationStopped, finish, start
 from ..sampling.noise import SharedDraws
 from . import schedule, stale_kv
 from .denoiser import guided
+from .step_cache import StageCache, StepCache
 
 
 def stage_bounds(sizes: list[int], stages: int, counts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
@@ -128,7 +131,7 @@ def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[float]:
 class PipeFusion:
     """One rank's stage of a PipeFusion layout, and the loop that drives its chunks."""
 
-    def __init__(self, model, layout, device, blocks: list[nn.Module]):
+    def __init__(self, model, layout, device, blocks: list[nn.Module], holds_cache_head: bool = False):
         config = layout.config
         self.model, self.layout, self.device = model, layout, device
         self.plan = model.spec.stage_plan
@@ -140,6 +143,8 @@ class PipeFusion:
         self.patches = config.num_pipeline_patch or config.pipefusion
         self.warmup = config.warmup_steps
         self.blocks = blocks  # this stage's blocks, in order
+        self.holds_cache_head = holds_cache_head  # the step cache's first block: this stage decides (step_cache.py)
+        self.cache: StageCache | None = None  # a generation's step cache on this stage
         self.chunk = stale_kv.Chunk()
         self.trace: list[tuple[str, int, int]] = []  # ("post" | "wait", step, first patch): receives posted ahead
 
@@ -174,6 +179,7 @@ class PipeFusion:
         saved = transformer.attn_processors
         stale_kv.attach(transformer, self.plan, self.chunk, self.sp_group, attention.local_attention(self.device))
         self.pending, self.returns, self.sends, self.inputs = {}, deque(), [], {}
+        self.cache = self._step_cache(gen, begin)
         try:
             self._post(gates, 0)
             gate = 0
@@ -188,9 +194,28 @@ class PipeFusion:
                     if gate < gen.steps:
                         self._post(gates, gate)
             self._drain()
+            if self.cache is not None:
+                self.cache.share_trace(self.layout.group("pipefusion"), self.stages - 1)
         finally:
             transformer.set_attn_processor(saved)
+            if self.cache is not None:
+                self.cache.detach()
         return finish(gen, self.model.latent_format, self.x, begin.sigmas)
+
+    def _step_cache(self, gen, begin) -> StageCache | None:
+        """The generation's step cache on this stage (None without one). Its cond rows: this pipeline's
+        side under cfg parallel, else the first B of the batched [cond; uncond] rows."""
+        if gen.cache is None:
+            return None
+        patched = 0 < self.warmup < gen.steps and self.patches > 1  # the step where the chunks change computes
+        steps = StepCache(gen.cache, gen.steps, self.model.spec.cache_plan.teacache, self.layout.step_group,
+                          computes=frozenset({self.warmup} if patched else ()))
+        if self.cfg_group is not None:
+            self.cache_rows = slice(None) if self.layout.index("cfg") == 0 else None
+        else:
+            self.cache_rows = slice(0, begin.x.shape[0])
+        return StageCache(steps, self.model.transformer, self.model.spec.cache_plan, self.blocks,
+                          self.holds_cache_head, self.device)
 
     def _sides(self, begin) -> dict:
         """The conditioning this pipeline carries: one side with cfg=2, else both batched (as serial)."""
@@ -248,9 +273,9 @@ class PipeFusion:
         for index in schedule.window(gates[self.stage - 1], gate):
             item = self.work[index]
             local = self._tokens(item)[1].numel()
-            tokens = local * (1 + self.carried) + (self.text if self._with_text(index) else 0)
+            tokens = local * (1 + self.carried) + (self.text if self._with_text(index) else 0) + (self.cache is not None)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
-            # [B, L + n/P + carried·n/P, D] from the previous stage
+            # [B, L + n/P + carried·n/P (+ 1: the step cache's flag), D] from the previous stage
             self.pending[index] = (buffer, _irecv(buffer, self.links.incoming))
             self.trace.append(("post", item.step, item.first))
 
@@ -285,6 +310,9 @@ class PipeFusion:
             received, request = self.pending.pop(index)
             self.trace.append(("wait", item.step, item.first))
             request.wait()
+            if self.cache is not None:
+                self.cache.read_flag(received[:, -1:], item.step, item.first == 0)  # [batch, 1, D]
+                received = received[:, :-1]
             n = local.numel()
             context, image = received[:, :text], received[:, text:text + n]  # [batch, L or 0, D], [batch, n/P, D]
             # carried × [batch, n/P, D]
@@ -294,12 +322,17 @@ class PipeFusion:
         kwargs = model.block_kwargs(inputs, self.positions, local, text)
         if self.plan.carries:
             kwargs["carry"] = carry  # the blocks pop and push the patch's carried tensors here
-        for block in self.blocks:
-            image, context = model.run_block(block, image, context, kwargs)
+        if self.cache is None:
+            for block in self.blocks:
+                image, context = model.run_block(block, image, context, kwargs)
+        else:
+            image, context = self.cache.run(self.blocks, model.run_block, image, context, kwargs,
+                                            (item.first, item.end), item.step, item.first == 0, self.cache_rows)
         if not self.last:
-            parts = [*([context] if self.text else []), image, *carry]
+            parts = [*([context] if self.text else []), image, *carry,
+                     *([self.cache.flag(image)] if self.cache is not None else [])]
             activation = (torch.cat(parts, dim=1) if len(parts) > 1 else image).contiguous()
-            # [batch, L + n/P + carried·n/P, D] to the next stage
+            # [batch, L + n/P + carried·n/P (+ 1), D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
         self._sample(item, model.head(image, inputs), sigma)

@@ -26,6 +26,9 @@ the ranks that run the same blocks (dp × cfg × ring × ulysses; the uncond ran
 rank the serial run's two sums, hence its ratio and its decision. The decision is a Python branch
 around the blocks' forwards, outside the compiled blocks: a decision compiles nothing.
 
+Under PipeFusion a stage runs its blocks through ``StageCache`` (below): the stage holding the span's
+first block decides once per step and the decision travels with the activations.
+
 Unit: a model evaluation of the sampler (one per step for euler and the other one-call samplers;
 heun and the two-call samplers decide at each of theirs). With weight sharding, a skipped block's
 weights are still all-gathered (FSDP's hooks run around the skipped forward): the compute is saved,
@@ -66,7 +69,8 @@ class _Call:
 @dataclass
 class Decision:
     step: int
-    ratio: float | None  # what the threshold was compared with (fbcache: the ratio; teacache: the sum); None: forced
+    ratio: float | None  # what the threshold was compared with (fbcache: the ratio; teacache: the sum); None:
+    # forced, or (PipeFusion) taken on another stage
     reused: bool
 
 
@@ -77,6 +81,7 @@ class StepCache:
     coefficients: tuple[float, ...] = (1.0, 0.0)  # teacache's polynomial: the family's CachePlan.teacache
     group: object = None  # the ranks that run the same blocks (None: this rank alone)
     shard: object = None  # sequence.Shard of a sequence-parallel layout (its padding is left out)
+    computes: frozenset = frozenset()  # more steps that always compute (PipeFusion's first patched step)
     step: int = 0  # the sampler's current step (``step_done``)
     trace: list[Decision] = field(default_factory=list)
     _call: _Call | None = None
@@ -161,7 +166,8 @@ class StepCache:
 
     def _decide(self, call: _Call, image_out, image_in, probe) -> bool:
         """Reuse at this evaluation? The same answer on every rank of ``group``."""
-        forced = self.step < self.options.start or self.step >= self.steps - self.options.end
+        forced = (self.step < self.options.start or self.step >= self.steps - self.options.end
+                  or self.step in self.computes)
         if self.options.method == "fbcache":
             residual = image_out - image_in  # [B, S, D] this rank's rows and tokens
             ratio = None if forced or self._previous is None else self._ratio(residual, self._previous, call.rows)
@@ -213,6 +219,98 @@ class StepCache:
         raise RuntimeError(f"the step cache got {local} tokens, not this rank's image share ({shard.share(image)}) "
                            f"nor its text and image shares: the family's CachePlan names another stream")
 
+
+class StageCache:
+    """The step cache on one PipeFusion stage (parallel/pipefusion.py), run over the stage's blocks
+    through the family's ``run_block`` (the (image, text) interface PipeFusion runs every family by).
+
+    The stage that holds the span's first block (``decides``) decides at the first chunk of each step,
+    as above: over the whole latent during warm-up (the serial run's statistic, exactly), over the
+    first patch afterwards, with the all-reduce over its stage's ranks (dp × cfg × ring × ulysses). The
+    decision travels to the later stages as a flag row on every activation (``flag``/``read_flag``), so
+    every stage skips the same steps for every patch. Each stage keeps, per chunk, the residual its own
+    span blocks add to the image stream and adds it on a reused step: the stages' residuals add up to
+    the serial cache's. The step after warm-up always computes (residuals are kept per chunk, and the
+    chunks change there). The span is the last blocks of the stage order, so the stages before the
+    decider hold none of it; they learn the decisions at the end (``share_trace``), for the counts."""
+
+    def __init__(self, cache: StepCache, transformer, plan, blocks: list, decides: bool, device):
+        span = [block for name in plan.blocks for block in getattr(transformer, name)]  # on this stage
+        in_span = [any(block is b for b in span) for block in blocks]
+        if in_span != sorted(in_span):
+            raise RuntimeError("the step cache's span must be the last blocks of the PipeFusion stage order")
+        self.cache, self.decides, self.follows = cache, decides, bool(span) and not decides
+        self.head = span[0] if decides else None
+        self.rest = [block for block in span if block is not self.head]  # skipped on a reused step
+        self.first_span = len(blocks) - len(span)  # index in ``blocks`` of this stage's first span block
+        self.reuse = False  # the current step's decision, as far as this stage knows it
+        self.residuals: dict = {}  # chunk → [batch, n/P, D]: what this stage's span blocks after the head add
+        self.carried: dict = {}  # chunk → how many carried tensors it leaves with (StagePlan.carries)
+        self._probe, self._device = None, device
+        self._hook = None if self.head is None else self.head.register_forward_pre_hook(
+            self._read_probe(BlockStreams(self.head, plan, plan.returns[plan.blocks[0]])), with_kwargs=True)
+
+    def _read_probe(self, streams: BlockStreams):
+        def hook(_, args, kwargs):  # outside the block's compiled forward (compile.py)
+            self._probe = streams.argument(streams.probe, args, kwargs)
+        return hook
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+
+    def run(self, blocks: list, run_block, image, text, kwargs, chunk: tuple, step: int, first_of_step: bool,
+            rows: slice | None):
+        """This stage's ``blocks`` over one chunk (``rows``: its cond rows, as StepCache.call's)."""
+        entering = None  # the image stream entering the first span block after the head
+        for index, block in enumerate(blocks):
+            if index < self.first_span:
+                image, text = run_block(block, image, text, kwargs)
+            elif block is self.head:
+                before = image
+                image, text = run_block(block, image, text, kwargs)
+                if first_of_step:
+                    self.cache.step = step
+                    self.reuse = self.cache._decide(_Call(0, True, rows), image, before, self._probe)
+            elif self.reuse:  # skipped: this stage's residual at the chunk's last computed step, added once
+                if block is self.rest[0]:
+                    image = image + self.residuals[chunk]  # [batch, n/P, D]
+            else:
+                if block is self.rest[0]:
+                    entering = image
+                image, text = run_block(block, image, text, kwargs)
+                if block is self.rest[-1]:
+                    self.residuals[chunk] = image - entering
+        carry = kwargs.get("carry")
+        if carry is not None and self.rest:  # skipped blocks neither pop nor push: leave with the usual count
+            if not self.reuse:
+                self.carried[chunk] = len(carry)
+            else:
+                count = self.carried[chunk]
+                del carry[count:]
+                carry.extend(torch.zeros_like(image) for _ in range(count - len(carry)))  # read by skipped blocks only
+        return image, text
+
+    def flag(self, like: torch.Tensor) -> torch.Tensor:
+        """The decision as one more token row of an activation: [batch, 1, D]."""
+        return like.new_full((like.shape[0], 1, like.shape[2]), float(self.reuse))
+
+    def read_flag(self, row: torch.Tensor, step: int, first_of_step: bool) -> None:
+        """A stage after the decider: the step's decision from the flag row [batch, 1, D] of its first
+        chunk (one host read per step)."""
+        if self.follows and first_of_step:
+            self.reuse = bool(row[0, 0, 0].item() > 0.5)
+            self.cache.trace.append(Decision(step, None, self.reuse))
+
+    def share_trace(self, group, last_stage: int) -> None:
+        """The last stage, which follows or takes every decision, gives them to the stages before the
+        decider: one broadcast of [steps] (1 reused, 0 computed) over the pipeline."""
+        trace = self.cache.trace
+        decided = torch.tensor([float(d.reused) for d in trace] if trace else [0.0] * self.cache.steps,
+                               device=self._device)
+        dist.broadcast(decided, src=dist.get_global_rank(group, last_stage), group=group)  # [steps]
+        if not trace:
+            self.cache.trace = [Decision(step, None, bool(reused)) for step, reused in enumerate(decided.tolist())]
 
 class BlockStreams:
     """How one block's forward takes and returns the streams a CachePlan names."""
