@@ -32,6 +32,7 @@ SECTIONS = (
     ("fault", "service", "fault"),
     ("compile", "scale", "compiled"),
     ("full-size", "scale", "full_size"),
+    ("step-cache", "service", "step_cache"),
     ("demo", "service", "demo"),
 )
 NAMES = tuple(name for name, _, _ in SECTIONS)

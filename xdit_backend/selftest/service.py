@@ -1,6 +1,7 @@
 """The selftest's backend sections: a world-1 backend on the device (its start on NCCL with the gloo
 control group beside it, a profiled request, memory before and after ``unload``), the same with an
-injected model fault (the request fails, the backend keeps serving), and the demo."""
+injected model fault (the request fails, the backend keeps serving), the step cache's figures, and
+the demo."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import launcher
+from ..bench import relative_distance
 from ..client import BackendError, Client
 from ..demo import run_demo
 from ..executor import FAULT_ENV
@@ -82,6 +84,36 @@ def fault(ctx: Context, checks: Checks) -> None:
             checks.expect(exc.kind == "model_error", f"failed with {exc.kind}, not model_error")
         result, _ = client.sample({**REQUEST, "width": 128, "height": 128})
         checks.expect(bool(torch.isfinite(result["samples"]).all()), "the request after the fault is not finite")
+
+
+# The step cache on the Flux.1-dev architecture (random bf16 weights), 1024², 28 steps, at the thresholds
+# the peers publish for Flux (ParaAttention's FBCache 0.08, TeaCache's 0.25): docs/benchmarks.md's GPU row.
+CACHE_REQUEST = {"model": "flux-dev-random", "width": 1024, "height": 1024, "steps": 28, "seed": 1, "cfg": 1.0,
+                 "dtype": "bfloat16", "profile": True}
+CACHE_QUICK = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 6, "seed": 1, "cfg": 1.0, "profile": True}
+CACHE_RUNS = (("fbcache", 0.08), ("teacache", 0.25))
+
+
+def step_cache(ctx: Context, checks: Checks) -> None:
+    """Uncached, another seed, then each method at its published threshold: steps reused, denoise time
+    and speed-up, and the distance to the uncached latent beside two seeds' (bench.run_cache_bench's figures)."""
+    request = CACHE_QUICK if ctx.quick else CACHE_REQUEST
+    with world_one(ctx) as (client, _):
+        client.sample({**request, "profile": False})  # warm-up: the model, first-touch allocations, kernels
+        uncached, info = client.sample(request)
+        baseline = info["profile"][0]["denoise_s"]
+        other, _ = client.sample({**request, "seed": request["seed"] + 1})
+        checks.record(model=request["model"], uncached_denoise_s=baseline,
+                      seeds_relative_l2=relative_distance(other["samples"], uncached["samples"]))
+        for method, threshold in CACHE_RUNS:
+            result, info = client.sample({**request, "cache": method, "cache_threshold": threshold})
+            counts, seconds = info["cache"], info["profile"][0]["denoise_s"]
+            checks.record(**{f"{method}_{threshold}_reused": counts["reused"], f"{method}_{threshold}_denoise_s": seconds,
+                             f"{method}_{threshold}_speed_up": baseline / seconds,
+                             f"{method}_{threshold}_relative_l2": relative_distance(result["samples"], uncached["samples"])})
+            checks.expect(counts["computed"] + counts["reused"] == request["steps"], f"{method}: counts {counts} "
+                          f"for {request['steps']} steps")
+            checks.expect(bool(torch.isfinite(result["samples"]).all()), f"{method}: the latent is not finite")
 
 
 def demo(ctx: Context, checks: Checks) -> None:
