@@ -274,12 +274,13 @@ def test_a_reused_stage_leaves_with_as_many_carried_tensors_as_it_computed():
     blocks = [Block(s) for s in (0.9, 1.1, 0.8, 1.2)]
     plan = CachePlan(blocks=("blocks",), returns={"blocks": ("hidden_states",)}, probe="temb", teacache=(1.0, 0.0))
     steps = StepCache(CacheOptions("fbcache", threshold=1.0, start=1, end=0), steps=2)
-    stage = StageCache(steps, SimpleNamespace(blocks=blocks), plan, blocks, decides=True, device=torch.device("cpu"))
+    stage = StageCache(steps, SimpleNamespace(blocks=blocks), plan, blocks, decides=True, rows=slice(None),
+                       device=torch.device("cpu"))
     image, temb = torch.randn(1, 6, 4), torch.randn(1, 1, 4)
     outputs = []
     for step in range(2):
         kwargs = {"temb": temb, "carry": []}
-        out, _ = stage.run(blocks, run_block, image, None, kwargs, (0, 1), step, True, slice(None))
+        out, _ = stage.run(blocks, run_block, image, None, kwargs, (0, 1), step)
         outputs.append((out, len(kwargs["carry"])))
     stage.detach()
     (computed, pushed), (reused, left_with) = outputs

@@ -203,19 +203,19 @@ class PipeFusion:
         return finish(gen, self.model.latent_format, self.x, begin.sigmas)
 
     def _step_cache(self, gen, begin) -> StageCache | None:
-        """The generation's step cache on this stage (None without one). Its cond rows: this pipeline's
-        side under cfg parallel, else the first B of the batched [cond; uncond] rows."""
+        """The generation's step cache on this stage (None without one). Its cond rows: all of this
+        pipeline's under cfg parallel (none on the uncond one), else the first B of [cond; uncond]."""
         if gen.cache is None:
             return None
         patched = 0 < self.warmup < gen.steps and self.patches > 1  # the step where the chunks change computes
         steps = StepCache(gen.cache, gen.steps, self.model.spec.cache_plan.teacache, self.layout.step_group,
                           computes=frozenset({self.warmup} if patched else ()))
         if self.cfg_group is not None:
-            self.cache_rows = slice(None) if self.layout.index("cfg") == 0 else None
+            rows = slice(None) if self.layout.index("cfg") == 0 else None
         else:
-            self.cache_rows = slice(0, begin.x.shape[0])
+            rows = slice(0, begin.x.shape[0])
         return StageCache(steps, self.model.transformer, self.model.spec.cache_plan, self.blocks,
-                          self.holds_cache_head, self.device)
+                          self.holds_cache_head, rows, self.device)
 
     def _sides(self, begin) -> dict:
         """The conditioning this pipeline carries: one side with cfg=2, else both batched (as serial)."""
@@ -311,7 +311,7 @@ class PipeFusion:
             self.trace.append(("wait", item.step, item.first))
             request.wait()
             if self.cache is not None:
-                self.cache.read_flag(received[:, -1:], item.step, item.first == 0)  # [batch, 1, D]
+                self.cache.read_flag(received[:, -1:], (item.first, item.end), item.step)  # [batch, 1, D]
                 received = received[:, :-1]
             n = local.numel()
             context, image = received[:, :text], received[:, text:text + n]  # [batch, L or 0, D], [batch, n/P, D]
@@ -327,7 +327,7 @@ class PipeFusion:
                 image, context = model.run_block(block, image, context, kwargs)
         else:
             image, context = self.cache.run(self.blocks, model.run_block, image, context, kwargs,
-                                            (item.first, item.end), item.step, item.first == 0, self.cache_rows)
+                                            (item.first, item.end), item.step)
         if not self.last:
             parts = [*([context] if self.text else []), image, *carry,
                      *([self.cache.flag(image)] if self.cache is not None else [])]

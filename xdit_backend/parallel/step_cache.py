@@ -234,12 +234,13 @@ class StageCache:
     chunks change there). The span is the last blocks of the stage order, so the stages before the
     decider hold none of it; they learn the decisions at the end (``share_trace``), for the counts."""
 
-    def __init__(self, cache: StepCache, transformer, plan, blocks: list, decides: bool, device):
+    def __init__(self, cache: StepCache, transformer, plan, blocks: list, decides: bool, rows: slice | None, device):
         span = [block for name in plan.blocks for block in getattr(transformer, name)]  # on this stage
         in_span = [any(block is b for b in span) for block in blocks]
         if in_span != sorted(in_span):
             raise RuntimeError("the step cache's span must be the last blocks of the PipeFusion stage order")
         self.cache, self.decides, self.follows = cache, decides, bool(span) and not decides
+        self.rows = rows  # the cond rows of this stage's chunks, as StepCache.call's (None: the uncond pipeline)
         self.head = span[0] if decides else None
         self.rest = [block for block in span if block is not self.head]  # skipped on a reused step
         self.first_span = len(blocks) - len(span)  # index in ``blocks`` of this stage's first span block
@@ -259,9 +260,8 @@ class StageCache:
         if self._hook is not None:
             self._hook.remove()
 
-    def run(self, blocks: list, run_block, image, text, kwargs, chunk: tuple, step: int, first_of_step: bool,
-            rows: slice | None):
-        """This stage's ``blocks`` over one chunk (``rows``: its cond rows, as StepCache.call's)."""
+    def run(self, blocks: list, run_block, image, text, kwargs, chunk: tuple[int, int], step: int):
+        """This stage's ``blocks`` over one chunk (its patches [first, end); a step's first chunk starts at 0)."""
         entering = None  # the image stream entering the first span block after the head
         for index, block in enumerate(blocks):
             if index < self.first_span:
@@ -269,9 +269,9 @@ class StageCache:
             elif block is self.head:
                 before = image
                 image, text = run_block(block, image, text, kwargs)
-                if first_of_step:
+                if chunk[0] == 0:
                     self.cache.step = step
-                    self.reuse = self.cache._decide(_Call(0, True, rows), image, before, self._probe)
+                    self.reuse = self.cache._decide(_Call(0, True, self.rows), image, before, self._probe)
             elif self.reuse:  # skipped: this stage's residual at the chunk's last computed step, added once
                 if block is self.rest[0]:
                     image = image + self.residuals[chunk]  # [batch, n/P, D]
@@ -295,10 +295,10 @@ class StageCache:
         """The decision as one more token row of an activation: [batch, 1, D]."""
         return like.new_full((like.shape[0], 1, like.shape[2]), float(self.reuse))
 
-    def read_flag(self, row: torch.Tensor, step: int, first_of_step: bool) -> None:
+    def read_flag(self, row: torch.Tensor, chunk: tuple[int, int], step: int) -> None:
         """A stage after the decider: the step's decision from the flag row [batch, 1, D] of its first
         chunk (one host read per step)."""
-        if self.follows and first_of_step:
+        if self.follows and chunk[0] == 0:
             self.reuse = bool(row[0, 0, 0].item() > 0.5)
             self.cache.trace.append(Decision(step, None, self.reuse))
 
