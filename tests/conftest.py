@@ -1,8 +1,10 @@
 """Fixtures that start real backends (gloo on the CPU) in private temporary directories."""
 
+import importlib.util
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,17 @@ from xdit_backend.client import Client
 
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
+def load_node_module(name: str):
+    """The pack's nodes/<name>.py by its path (`nodes` is ComfyUI's name, never imported as such), as
+    module ``comfyui_xdit_<name>``."""
+    path = Path(__file__).resolve().parent.parent / "nodes" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"comfyui_xdit_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def flux_tiny_conditioning(seed: int = 5, batch: int = 2, text_tokens: int = 8) -> dict:
     """Text embeddings for flux-tiny, positive and negative, from ``seed``."""
     generator = torch.Generator().manual_seed(seed)

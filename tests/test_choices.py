@@ -1,28 +1,14 @@
 """What the pack's nodes pass between them (nodes/choices.py) and the request fields it gives.
 The nodes themselves, in the real ComfyUI: tests/test_comfyui_host.py."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_node_module
 
 from xdit_backend import schema
 from xdit_backend.protocol import Message
 from xdit_backend.request import SampleRequest
 
-
-def load_choices():
-    """The pack's nodes/choices.py by its path: `nodes` is ComfyUI's name, never imported as such."""
-    path = Path(__file__).resolve().parent.parent / "nodes" / "choices.py"
-    spec = importlib.util.spec_from_file_location("comfyui_xdit_choices", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-ModelChoice = load_choices().ModelChoice
+ModelChoice = load_node_module("choices").ModelChoice
 
 
 def backend_request(choice) -> SampleRequest:

@@ -3,29 +3,16 @@ middleware on an aiohttp server answering the way ComfyUI's does, and never star
 The same in the real ComfyUI: tests/test_comfyui_host.py."""
 
 import asyncio
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import pytest
-from conftest import short_socket_dir
+from conftest import load_node_module, short_socket_dir
 
 web = pytest.importorskip("aiohttp.web")
 test_utils = pytest.importorskip("aiohttp.test_utils")
 
 
-def load_free_hook():
-    """The pack's nodes/free_hook.py by its path: `nodes` is ComfyUI's name, never imported as such."""
-    path = Path(__file__).resolve().parent.parent / "nodes" / "free_hook.py"
-    spec = importlib.util.spec_from_file_location("comfyui_xdit_free_hook", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-free_hook = load_free_hook()
+free_hook = load_node_module("free_hook")
 
 
 def test_the_bodies_that_make_comfyui_unload():

@@ -1,29 +1,15 @@
 """The nodes' translation of ComfyUI values (CONDITIONING lists, LATENT dicts) into a request:
 what is honoured, and what is refused by name rather than dropped (no ComfyUI needed)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
+from conftest import load_node_module
 from fake_family import EditSpec
 from xdit_backend.models import registry
 from xdit_backend.schema import MAX_REFERENCES
 
 
-def load_translate():
-    """The pack's nodes/translate.py by its path: `nodes` is ComfyUI's name, never imported as such."""
-    path = Path(__file__).resolve().parent.parent / "nodes" / "translate.py"
-    spec = importlib.util.spec_from_file_location("comfyui_xdit_translate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-translate = load_translate()
+translate = load_node_module("translate")
 
 FLUX, SD3, PIXART, WAN = (registry.spec(name) for name in ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny"))
 EDIT = EditSpec()  # declares an mT5-like second context, masks, an optional glyph text and references
