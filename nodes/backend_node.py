@@ -33,8 +33,8 @@ class XDiTBackend(io.ComfyNode):
     @classmethod
     def execute(cls, action) -> io.NodeOutput:
         from xdit_backend.client import Client
-        from xdit_backend.paths import default_socket
-        from xdit_backend.status_text import describe
+        from xdit_backend.launch.status_text import describe
+        from xdit_backend.wire.paths import default_socket
 
         client = Client(default_socket())
         if client.hello_or_none() is None:

@@ -79,7 +79,7 @@ def asks_unload(body) -> bool:
 def unload_backend(socket_path=None) -> list[str] | None:
     """Unload every model of the backend at the nodes' socket; None when no backend answers there."""
     from xdit_backend.client import BackendError, Client
-    from xdit_backend.paths import default_socket
+    from xdit_backend.wire.paths import default_socket
 
     client = Client(socket_path or default_socket())
     if client.hello_or_none() is None:

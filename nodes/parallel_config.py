@@ -48,7 +48,7 @@ class XDiTParallelConfig(io.ComfyNode):
     @classmethod
     def execute(cls, gpus, auto, ulysses, ring, pipefusion, num_pipeline_patch, warmup_steps, cfg_parallel,
                 dp, shard_weights=False) -> io.NodeOutput:
-        from xdit_backend.config import ParallelConfig
+        from xdit_backend.distributed.config import ParallelConfig
 
         degrees = None
         if auto and shard_weights:

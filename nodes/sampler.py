@@ -11,6 +11,7 @@ from pathlib import Path
 from socket import gethostname
 
 from comfy_api.latest import io
+
 from xdit_backend import schema
 from xdit_backend.schema import FIELDS, MAX_STEPS, SEED_RANGE
 
@@ -174,14 +175,14 @@ def backend_client(parallel: ParallelChoice | None):
     """The client of the backend at the default socket, and the running backend's status (None when
     none runs: the first request starts one on the chosen GPUs). A running backend on other GPUs is
     an error that says how to restart it."""
+    import folder_paths
+
     from xdit_backend.client import Client
     from xdit_backend.errors import UserError
-    from xdit_backend.gpus import running_elsewhere
-    from xdit_backend.idle import nodes_idle_times
-    from xdit_backend.launch_options import LaunchError, LaunchOptions, cuda_device_count
-    from xdit_backend.paths import default_socket
-
-    import folder_paths
+    from xdit_backend.launch.gpus import running_elsewhere
+    from xdit_backend.launch.idle import nodes_idle_times
+    from xdit_backend.launch.options import LaunchError, LaunchOptions, cuda_device_count
+    from xdit_backend.wire.paths import default_socket
 
     gpus = parallel.gpus if parallel else None
     socket = default_socket()
@@ -212,7 +213,7 @@ def backend_client(parallel: ParallelChoice | None):
 def _shares_comfyui_gpu(comfyui_device, running: dict | None) -> bool:
     """Whether the backend may run on ComfyUI's GPU: ComfyUI's text encoders and VAE would then take
     memory its ranks need. Unknown before a backend runs (its first start frees ComfyUI's GPU)."""
-    from xdit_backend.gpus import device_uuid, uses_gpu
+    from xdit_backend.launch.gpus import device_uuid, uses_gpu
 
     if comfyui_device.type != "cuda":
         return False

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from xdit_backend import launcher
 from xdit_backend.client import Client
+from xdit_backend.launch import launcher
 
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
@@ -40,9 +40,9 @@ def serial_of(fields: dict, tensors: dict) -> torch.Tensor:
     """The serial latent of a request, computed in this process by the world-1 code path."""
     from xdit_backend.models import registry
     from xdit_backend.parallel.denoiser import Denoiser
-    from xdit_backend.protocol import Message
-    from xdit_backend.request import SampleRequest
     from xdit_backend.sampling.generate import generate
+    from xdit_backend.service.request import SampleRequest
+    from xdit_backend.wire.protocol import Message
 
     request = SampleRequest.parse(Message("sample", fields, tensors))
     model = registry.build(request.model, torch.device("cpu"))

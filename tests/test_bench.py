@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from xdit_backend.bench import flux_dims, method_of, run_cache_bench, run_layout_bench
+from xdit_backend.bench.layouts import flux_dims, method_of, run_cache_bench, run_layout_bench
 
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 1, "cfg": 3.5, "seed": 1,
           "dtype": "auto"}
@@ -44,7 +44,7 @@ def test_methods_are_named_without_their_degrees():
 
 
 def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
-    from xdit_backend.scaling import NVLINK, PCIE, predict, run_scaling_model
+    from xdit_backend.distributed.scaling import NVLINK, PCIE, predict, run_scaling_model
 
     t1 = 0.24
     assert predict(t1, {}, NVLINK) == t1
@@ -116,7 +116,7 @@ def test_the_cache_bench_reports_consistent_counts_and_distances(capsys):
 
 
 def test_the_cli_passes_the_cache_bench_its_request(monkeypatch):
-    import xdit_backend.bench as bench
+    import xdit_backend.bench.layouts as bench
     from xdit_backend import cli
 
     calls = []

@@ -5,8 +5,8 @@ import pytest
 from conftest import load_node_module
 
 from xdit_backend import schema
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 ModelChoice = load_node_module("choices").ModelChoice
 

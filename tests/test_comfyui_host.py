@@ -168,7 +168,7 @@ def host(tmp_path_factory):
     yield host
     process.terminate()
     process.wait(timeout=30)
-    from xdit_backend import launcher
+    from xdit_backend.launch import launcher
 
     launcher.stop(sock_dir / "backend.sock", timeout=15)
     log.close()

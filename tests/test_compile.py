@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from xdit_backend import attention, protocol
-from xdit_backend.compile import compile_blocks
 from xdit_backend.models import registry
-from xdit_backend.parallel import sequence, traffic
+from xdit_backend.parallel import attention, sequence, traffic
+from xdit_backend.parallel.compile import compile_blocks
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import Message
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 3}

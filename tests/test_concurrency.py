@@ -6,12 +6,12 @@ import threading
 
 import torch
 
-from xdit_backend import protocol
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import Message
 
 CLIENTS, REQUESTS = 8, 5
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "cfg": 1.0}

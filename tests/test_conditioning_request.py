@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from fake_family import EditSpec
-from xdit_backend import protocol, schema
-from xdit_backend.models import registry
-from xdit_backend.protocol import Message
-from xdit_backend.request import RequestError, SampleRequest
 
+from xdit_backend import schema
+from xdit_backend.models import registry
+from xdit_backend.service.request import RequestError, SampleRequest
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import Message
 
 SPEC = EditSpec()
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 2}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from xdit_backend.config import DEGREES, ConfigError, ModelFacts, ParallelConfig, RequestFacts
+from xdit_backend.distributed.config import DEGREES, ConfigError, ModelFacts, ParallelConfig, RequestFacts
 
 FLUX_TINY = ModelFacts("flux-tiny", heads=4, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
 FLUX_DEV = ModelFacts("flux-dev", heads=24, supports=frozenset({"dp", "cfg", "ring", "ulysses"}))
@@ -181,7 +181,7 @@ def flux_1024(batch=1, cfg=1.0, negative=False):
 
 def links(world, gbps, p2p, tflops):
     """Every pair of ``world`` GPUs on the same kind of link, and the ranks' matmul rate."""
-    from xdit_backend.topology import Pair, Topology
+    from xdit_backend.distributed.topology import Pair, Topology
 
     pairs = tuple(Pair((i, j), p2p, gbps) for i in range(world) for j in range(i + 1, world))
     return Topology("cuda", pairs, compute_tflops=tflops)
@@ -240,7 +240,7 @@ def test_what_auto_picks_over_measured_links_always_validates(link, world, reque
 
 def test_without_figures_auto_keeps_its_fixed_order():
     """No topology, links not probed (--topology-probe off), or a model whose width is unknown."""
-    from xdit_backend.topology import Pair, Topology
+    from xdit_backend.distributed.topology import Pair, Topology
 
     fixed = ParallelConfig.auto(2, FLUX_DEV_FACTS, flux_1024())
     unprobed = Topology("cuda", (Pair((0, 1), False, None),))

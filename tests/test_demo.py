@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from xdit_backend import demo
+from xdit_backend.bench import demo
 from xdit_backend.models import registry
 
 FIELDS = {"model": demo.MODEL, "width": 128, "height": 128, "steps": 3, "seed": demo.SEED, "cfg": 3.5}

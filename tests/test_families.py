@@ -13,9 +13,9 @@ import torch
 
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import RequestError, SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import RequestError, SampleRequest
+from xdit_backend.wire.protocol import Message
 
 TOLERANCE = 1e-4
 

@@ -8,7 +8,7 @@ import torch
 from xdit_backend.models import registry
 from xdit_backend.models.base import CachePlan, Cut, FamilySpec, SequencePlan, StagePlan
 from xdit_backend.parallel import sequence
-from xdit_backend.request import CONDITIONING_NAME, REFERENCE
+from xdit_backend.service.request import CONDITIONING_NAME, REFERENCE
 
 TINY = {family: name for name, builtin in registry.BUILTINS.items()
         for family in [builtin.family] if name.endswith("-tiny")}

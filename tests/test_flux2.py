@@ -7,14 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from spawned import on_ranks
-from xdit_backend import attention
+
 from xdit_backend.errors import UserError
 from xdit_backend.models import registry
-from xdit_backend.parallel import sequence
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
+from xdit_backend.parallel import attention, sequence
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 SIGMA = torch.tensor([0.7])
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from test_protocol import frame, st_payload
 
-from xdit_backend import protocol
+from xdit_backend.wire import protocol
 
 CASES = 10_000
 SEED = 20261121

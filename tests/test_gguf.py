@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from test_model_files import bfl_state_dict, forward
 
-from xdit_backend import memory_fit
+from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear

@@ -9,15 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from xdit_backend.bench.sync_audit import count_syncs
 from xdit_backend.models import registry
 from xdit_backend.models.pixart import PixArtModel, PixArtSpec
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling import noise as noise_module
 from xdit_backend.sampling.generate import generate
 from xdit_backend.sampling.samplers import SAMPLERS, StepNoise
-from xdit_backend.sync_audit import count_syncs
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 SIZES = {"flux-tiny": {"width": 64, "height": 64}, "sd3-tiny": {"width": 64, "height": 64},
          "pixart-tiny": {"width": 64, "height": 32}, "wan-tiny": {"width": 32, "height": 32, "frames": 5}}

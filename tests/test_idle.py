@@ -6,11 +6,11 @@ import time
 import pytest
 from conftest import SMALL
 
-from xdit_backend import launcher
 from xdit_backend.client import NoBackend
 from xdit_backend.errors import UserError
-from xdit_backend.idle import STOP, UNLOAD, IdleClock, nodes_idle_times
-from xdit_backend.launch_options import LaunchError, LaunchOptions
+from xdit_backend.launch import launcher
+from xdit_backend.launch.idle import STOP, UNLOAD, IdleClock, nodes_idle_times
+from xdit_backend.launch.options import LaunchError, LaunchOptions
 
 
 class FakeTime:

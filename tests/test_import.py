@@ -22,7 +22,7 @@ print(json.dumps({
     "entrypoint": callable(pack.comfy_entrypoint) and not hasattr(pack, "NODE_CLASS_MAPPINGS"),
     "env_changed": dict(os.environ) != before_env,
     "threads": threading.active_count() - before_threads,
-    "heavy": sorted(m for m in ("torch", "diffusers", "yunchang", "xdit_backend.worker") if m in sys.modules),
+    "heavy": sorted(m for m in ("torch", "diffusers", "yunchang", "xdit_backend.service.worker") if m in sys.modules),
     "sockets": [os.readlink(f"/proc/self/fd/{fd}") for fd in fds
                 if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")],
 }))
@@ -44,7 +44,7 @@ def test_nodes_is_not_installed_as_a_top_level_package(tmp_path):
 
 
 def test_backend_modules_import_without_starting_anything():
-    code = ("import threading, xdit_backend.cli, xdit_backend.client, xdit_backend.launcher; "
+    code = ("import threading, xdit_backend.cli, xdit_backend.client, xdit_backend.launch.launcher; "
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"

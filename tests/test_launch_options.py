@@ -5,8 +5,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from xdit_backend import cli, worker
-from xdit_backend.launch_options import LaunchOptions
+from xdit_backend import cli
+from xdit_backend.launch.options import LaunchOptions
+from xdit_backend.service import worker
 
 # every option away from its default (paths absolute, as from_args makes them)
 EVERY = LaunchOptions(socket=Path("/tmp/xdit-opts/b.sock"), nproc=3, device="cpu", gpus=(0, 2, 5),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from xdit_backend.errors import EXIT_PEER_LOST
-from xdit_backend.launcher import _root_cause
+from xdit_backend.launch.launcher import _root_cause
 
 
 def failure(rank, exitcode, timestamp=100):
@@ -31,7 +31,7 @@ def test_root_cause_prefers_causes_over_effects(failures, cause):
 
 def test_a_collective_that_lost_its_peer_is_told_from_a_model_error():
     """gloo's transport errors (as yunchang's all-to-all raises them) mean a peer is gone; others do not."""
-    from xdit_backend.control import PeerLost, is_peer_failure
+    from xdit_backend.distributed.control import PeerLost, is_peer_failure
 
     gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                         "[127.0.0.1]:34182: Connection reset by peer.")
@@ -46,7 +46,7 @@ def test_an_nccl_failure_is_a_peers_only_when_nccl_says_so():
     import torch
     import torch.distributed as dist
 
-    from xdit_backend.control import is_peer_failure
+    from xdit_backend.distributed.control import is_peer_failure
 
     own_oom = dist.DistBackendError(
         "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda error (run with "
@@ -68,7 +68,7 @@ def test_an_nccl_failure_is_a_peers_only_when_nccl_says_so():
 def test_the_ranks_run_in_the_environment_the_launcher_built(backends, monkeypatch):
     """ComfyUI's cudaMallocAsync setting reaches the ranks replaced, with the NCCL and thread settings
     (read from each rank's /proc/PID/environ: what the process really started with)."""
-    from xdit_backend.worker_env import usable_cpus
+    from xdit_backend.launch.worker_env import usable_cpus
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,backend:cudaMallocAsync")
     for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):

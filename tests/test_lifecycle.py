@@ -12,8 +12,8 @@ import torch
 from conftest import short_socket_dir
 from safetensors.torch import load_file
 
-from xdit_backend import launcher
 from xdit_backend.client import Client
+from xdit_backend.launch import launcher
 
 
 def cli(*args, timeout=240) -> subprocess.CompletedProcess:

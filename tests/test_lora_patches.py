@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import save_file
 from torch._dynamo.utils import counters
 
-from xdit_backend.executor import Executor
+from xdit_backend.distributed.runtime import Runtime
 from xdit_backend.models import registry
 from xdit_backend.models.lora import LoraFiles, LoraSpec
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.runtime import Runtime
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.executor import Executor
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 WIDTH, RANK, ALPHA = 64, 4, 2.0  # flux-tiny's width; the LoRA's rank and alpha
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 5}

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
-from xdit_backend import memory_model
+from xdit_backend.memory import model as memory_model
 
 # Odd widths (C = 3 heads × 6 = 18 rows, 72 MLP rows): dim 0 is not a multiple of 4, so FSDP2 pads.
 ODD = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=6,
@@ -150,7 +150,7 @@ def test_nonsense_arguments_are_refused():
 def test_the_tables_architectures_have_their_published_sizes():
     """bench memory's premise: each full-size architecture, built on the meta device from the config the
     table cites, has the parameter count its makers publish (12, 32, 20, 14 and 8.3 billion)."""
-    from xdit_backend.memory_table import ARCHITECTURES
+    from xdit_backend.bench.memory_table import ARCHITECTURES
 
     published = {"Flux.1-dev": 12e9, "Flux.2-dev": 32e9, "Qwen-Image": 20e9, "Wan 2.2 A14B (one expert)": 14e9,
                  "HunyuanVideo 1.5": 8.3e9}

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from spawned import on_ranks
 
-from xdit_backend import mesh
-from xdit_backend.config import ParallelConfig
-from xdit_backend.mesh import AXES, MeshCache, link_ranks
+from xdit_backend.distributed import mesh
+from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.distributed.mesh import AXES, MeshCache, link_ranks
 
 TIMEOUT = timedelta(seconds=7)
 SHAPES = [(1, 1, 2, 1, 1), (1, 1, 4, 1, 1), (2, 1, 2, 1, 1), (1, 2, 2, 1, 2), (2, 2, 2, 1, 1), (1, 1, 3, 2, 1)]

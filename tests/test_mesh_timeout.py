@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xdit_backend.config import ParallelConfig
-from xdit_backend.mesh import MeshCache
+from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.distributed.mesh import MeshCache
 
 TIMEOUT_S = 3
 

@@ -7,16 +7,15 @@ from datetime import timedelta
 
 import pytest
 import torch
+from conftest import SMALL
 
 from xdit_backend.client import BackendError
-from xdit_backend.executor import Executor
-from xdit_backend.memory_fit import TEST_BUDGET_ENV, NotEnoughMemory
+from xdit_backend.distributed.runtime import Runtime
+from xdit_backend.memory.fit import TEST_BUDGET_ENV, NotEnoughMemory
 from xdit_backend.models import registry
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.runtime import Runtime
-
-from conftest import SMALL
+from xdit_backend.service.executor import Executor
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 
 def model_bytes(dtype: torch.dtype) -> int:
@@ -79,7 +78,7 @@ def test_on_a_gpu_free_memory_counts_the_allocators_unused_cache_and_an_oom_name
     """CUDA's queries monkeypatched (no GPU here): what can be had is the driver's free memory plus what
     this process's caching allocator reserved but does not use; an out-of-memory names this rank's
     allocated bytes and the device's free and total, then the fixes."""
-    from xdit_backend import memory_fit
+    from xdit_backend.memory import fit as memory_fit
 
     gib = 2**30
     monkeypatch.delenv(TEST_BUDGET_ENV, raising=False)
@@ -100,8 +99,8 @@ def test_on_a_gpu_free_memory_counts_the_allocators_unused_cache_and_an_oom_name
 def test_auto_shards_the_weights_when_only_a_share_fits(backends, monkeypatch):
     """With a budget between the memory model's sharded and unsharded needs of auto's layout, auto turns
     shard_weights on and says so, and the sharded run equals the serial one."""
-    from xdit_backend.config import ParallelConfig
-    from xdit_backend.memory_fit import needed, request_shape
+    from xdit_backend.distributed.config import ParallelConfig
+    from xdit_backend.memory.fit import needed, request_shape
     from xdit_backend.parallel.denoiser import Denoiser
     from xdit_backend.sampling.generate import generate
 

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import save_file
 from test_model_files import bfl_state_dict
 
-from xdit_backend import paths
 from xdit_backend.client import BackendError
 from xdit_backend.models import registry
+from xdit_backend.wire import paths
 
 FIELDS = {"width": 64, "height": 64, "steps": 1, "seed": 1}
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import short_socket_dir
 from test_concurrency import FIELDS, serial
 
-from xdit_backend import launcher
 from xdit_backend.client import Client
+from xdit_backend.launch import launcher
 
 
 def free_port() -> int:

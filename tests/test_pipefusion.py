@@ -4,17 +4,17 @@ hybrid, with every sampler that makes one model call per step."""
 
 import pytest
 import torch
-
+from conftest import flux_tiny_conditioning
 from test_families import FAMILIES, bound, serial_latent
 from test_families import fields as family_fields
+
 from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
 from xdit_backend.sampling.samplers import ONE_CALL_PER_STEP
-from conftest import flux_tiny_conditioning
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 21, "cfg": 3.5, "batch": 2}
 

@@ -10,8 +10,8 @@ import torch
 from xdit_backend.models import registry
 from xdit_backend.parallel.pipefusion import PipeFusion, call_sigmas
 from xdit_backend.parallel.stale_kv import Chunk, StaleKV
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 B, L, H, D = 2, 3, 2, 4
 FRAMES, ROWS, COLUMNS = 2, 4, 3

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from spawned import on_ranks
 
-from xdit_backend.executor import Executor
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.runtime import Runtime
+from xdit_backend.distributed.runtime import Runtime
+from xdit_backend.service.executor import Executor
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 3, "seed": 3, "cfg": 1.0, "batch": 1}
 

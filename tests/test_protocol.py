@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as safetensors_load
 
-from xdit_backend import protocol
-from xdit_backend.protocol import FrameError, Message
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import FrameError, Message
 
 REQUESTS = [
     Message("hello", {"id": "h", "client": "test"}),

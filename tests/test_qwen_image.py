@@ -10,13 +10,12 @@ import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 from safetensors.torch import save_file
-
 from spawned import on_ranks
-from xdit_backend import attention
+
 from xdit_backend.models import qwen_image_checkpoint, registry
 from xdit_backend.models.flux import pack
 from xdit_backend.models.storage import StoredLinear
-from xdit_backend.parallel import sequence
+from xdit_backend.parallel import attention, sequence
 
 TINY = registry.BUILTINS["qwen-image-tiny"].config
 needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),

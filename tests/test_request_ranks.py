@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import save_file
 
 from xdit_backend import schema
-from xdit_backend.config import ParallelConfig
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
+from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 
 def common(lora: str) -> dict:

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from xdit_backend import cli, protocol, schema
-from xdit_backend.config import ParallelConfig
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
+from xdit_backend import cli, schema
+from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import Message
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from xdit_backend import attention
+from xdit_backend.parallel import attention
 from xdit_backend.selftest import runner
 
 

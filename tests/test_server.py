@@ -12,9 +12,9 @@ import torch
 from conftest import LONG, SMALL
 from test_protocol import MALFORMED, frame
 
-from xdit_backend import protocol
 from xdit_backend.client import BackendError, Cancelled
-from xdit_backend.protocol import Message
+from xdit_backend.wire import protocol
+from xdit_backend.wire.protocol import Message
 
 
 def raw_connection(client) -> socket.socket:
@@ -169,7 +169,7 @@ def test_another_uid_is_refused_even_past_the_directory():
 
     from conftest import short_socket_dir
 
-    from xdit_backend.server import SocketServer
+    from xdit_backend.service.server import SocketServer
 
     path = short_socket_dir() / "s.sock"
     server = SocketServer(path, lambda: {"world_size": 1, "pid": os.getpid()})
@@ -197,7 +197,7 @@ def test_an_idle_connection_is_closed_but_one_waiting_for_its_request_is_not():
     while one whose request is still queued keeps waiting for its replies."""
     from conftest import short_socket_dir
 
-    from xdit_backend.server import SocketServer
+    from xdit_backend.service.server import SocketServer
 
     path = short_socket_dir() / "idle.sock"
     server = SocketServer(path, lambda: {"world_size": 1, "pid": os.getpid()}, protocol.Limits(idle_timeout_s=1.0))

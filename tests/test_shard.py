@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-
-from xdit_backend.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
-from xdit_backend.models import registry
 from conftest import flux_tiny_conditioning, serial_of
+
+from xdit_backend.distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
+from xdit_backend.models import registry
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 3, "seed": 21, "cfg": 3.5, "batch": 2}

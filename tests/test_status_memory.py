@@ -5,12 +5,12 @@ a model built in the test."""
 from datetime import timedelta
 
 import torch
+from conftest import SMALL
 from safetensors.torch import save_file
 
-from conftest import SMALL
-from xdit_backend.executor import Executor
+from xdit_backend.distributed.runtime import Runtime
 from xdit_backend.models import registry
-from xdit_backend.runtime import Runtime
+from xdit_backend.service.executor import Executor
 
 MEMORY_KEYS = {"total", "free", "allocated", "peak", "parameters"}
 

@@ -1,7 +1,7 @@
 """The backend's status as people read it (the xDiT Backend node, `xdit-backend status`): both shapes
 of the record, before and after per-rank memory and per-model dicts."""
 
-from xdit_backend.status_text import describe, human_bytes
+from xdit_backend.launch.status_text import describe, human_bytes
 
 GiB = 1 << 30
 

@@ -6,14 +6,14 @@ rank holds a padded share, so the decision's sums must leave the padding out to 
 
 import pytest
 import torch
-
 from conftest import flux_tiny_conditioning
+
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.parallel.step_cache import CacheOptions, StepCache
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 144, "height": 144, "steps": 12, "seed": 3, "cfg": 3.5, "batch": 2}

@@ -12,14 +12,14 @@ from test_model_files import bfl_state_dict, forward
 
 from xdit_backend.client import BackendError
 from xdit_backend.errors import UserError
+from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.protocol import Message
-from xdit_backend import memory_fit
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 CPU = torch.device("cpu")
 

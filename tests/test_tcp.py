@@ -6,9 +6,10 @@ import pytest
 from conftest import SMALL
 from test_protocol import frame
 
-from xdit_backend import launcher, paths, protocol
 from xdit_backend.client import BackendError, Client
-from xdit_backend.launch_options import tcp_address
+from xdit_backend.launch import launcher
+from xdit_backend.launch.options import tcp_address
+from xdit_backend.wire import paths, protocol
 
 
 def free_port() -> int:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import SMALL
-from xdit_backend import runtime
-from xdit_backend.launch_options import LaunchOptions
-from xdit_backend.topology import P2P_ENV, nccl_p2p_setting, peer_access
+
+from xdit_backend.distributed import runtime
+from xdit_backend.distributed.topology import P2P_ENV, nccl_p2p_setting, peer_access
+from xdit_backend.launch.options import LaunchOptions
 
 
 def test_a_world_2_gloo_backend_reports_its_one_pair_in_status(backends):

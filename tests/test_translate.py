@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import load_node_module
 from fake_family import EditSpec
+
 from xdit_backend.models import registry
 from xdit_backend.schema import MAX_REFERENCES
-
 
 translate = load_node_module("translate")
 
@@ -183,8 +183,8 @@ def test_reference_latents_for_a_family_without_references_are_refused_by_name()
 
 def test_what_the_nodes_send_the_request_takes():
     """The sampler node's path: both sides translated, prefixed, and checked by the backend's request."""
-    from xdit_backend.protocol import Message
-    from xdit_backend.request import SampleRequest
+    from xdit_backend.service.request import SampleRequest
+    from xdit_backend.wire.protocol import Message
 
     reference = torch.randn(1, 16, 1, 5, 8)
     tensors = {}
@@ -213,8 +213,8 @@ def test_a_hunyuan_dit_prompt_as_comfyui_encodes_it_reaches_the_model():
     """CLIPTextEncode with HunyuanDiT's CLIP: BERT tokens as the tensor, mT5 tokens and both integer
     masks as options (comfy/text_encoders/hydit.py) → request tensors the model's checks accept → a
     forward (hunyuan-dit-tiny's widths: BERT 32, mT5 16; prompts longer than its 8 + 8 padded tokens)."""
-    from xdit_backend.protocol import Message
-    from xdit_backend.request import SampleRequest
+    from xdit_backend.service.request import SampleRequest
+    from xdit_backend.wire.protocol import Message
 
     spec = registry.spec("hunyuan-dit-tiny")
     options = {"pooled_output": None, "conditioning_mt5xl": torch.randn(1, 11, 16),

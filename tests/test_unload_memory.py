@@ -7,11 +7,11 @@ from datetime import timedelta
 
 import torch
 
-from xdit_backend.executor import Executor
+from xdit_backend.distributed.runtime import Runtime
 from xdit_backend.models import registry
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
-from xdit_backend.runtime import Runtime
+from xdit_backend.service.executor import Executor
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 
 def test_unload_drops_every_reference_to_the_model():

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xdit_backend import gpus, runtime
+from xdit_backend.distributed import runtime
 from xdit_backend.errors import LaunchError
-from xdit_backend.launch_options import LaunchOptions
-from xdit_backend.worker_env import worker_environment
+from xdit_backend.launch import gpus
+from xdit_backend.launch.options import LaunchOptions
+from xdit_backend.launch.worker_env import worker_environment
 
 SOCKET = Path("/tmp/xdit-env/b.sock")
 
@@ -41,7 +42,7 @@ def test_only_the_gpus_cuda_can_use_count():
 
 def test_resolved_counts_the_gpus_the_parent_may_use_and_says_so(monkeypatch, caplog):
     """ComfyUI's CUDA_VISIBLE_DEVICES=3 on an 8-GPU machine: one GPU, and a warning saying why."""
-    monkeypatch.setattr("xdit_backend.launch_options.cuda_device_count", lambda: 1)  # torch applies the list
+    monkeypatch.setattr("xdit_backend.launch.options.cuda_device_count", lambda: 1)  # torch applies the list
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with caplog.at_level("WARNING", logger="xdit_backend.launch"):
         resolved = LaunchOptions(socket=SOCKET).resolved()
@@ -52,7 +53,7 @@ def test_resolved_counts_the_gpus_the_parent_may_use_and_says_so(monkeypatch, ca
 
 
 def test_resolved_takes_gpus_within_the_parents_list(monkeypatch):
-    monkeypatch.setattr("xdit_backend.launch_options.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("xdit_backend.launch.options.cuda_device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert LaunchOptions(socket=SOCKET, gpus=(1,)).resolved().nproc == 1
     assert LaunchOptions(socket=SOCKET).resolved().nproc == 2

@@ -23,9 +23,9 @@ import torch
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.parallel.step_cache import BlockStreams, flat_probe
-from xdit_backend.protocol import Message
-from xdit_backend.request import SampleRequest
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
 
 
 def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:

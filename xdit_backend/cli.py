@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import launcher, paths, schema, status_text
+from . import schema
 from .client import BackendError, Client, NoBackend
-from .launch_options import LaunchError, LaunchOptions, int_list
+from .launch import launcher, status_text
+from .launch.options import LaunchError, LaunchOptions, int_list
+from .wire import paths
 
 
 def _add_socket(parser: argparse.ArgumentParser) -> None:
@@ -281,7 +283,7 @@ def cmd_sample(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from .bench.demo import run_demo
 
         handler = lambda a: run_demo(steps=a.steps, size=a.size, nproc=a.nproc)  # noqa: E731
     elif args.command == "selftest":
@@ -289,42 +291,42 @@ def main(argv: list[str] | None = None) -> int:
 
         handler = lambda a: run_selftest(a.out, tuple(a.only), a.cpu)  # noqa: E731
     elif args.command == "bench" and args.bench == "transport":
-        from .bench import run_transport_bench
+        from .bench.layouts import run_transport_bench
 
         handler = lambda a: run_transport_bench(nproc=a.nproc, repeats=a.repeats)  # noqa: E731
     elif args.command == "bench" and args.bench == "overhead":
-        from .overhead import run_overhead_bench
+        from .bench.overhead import run_overhead_bench
 
         handler = lambda a: run_overhead_bench(a.model, a.device, a.dtype, a.width, a.height, a.steps,  # noqa: E731
                                                  a.repeats)
     elif args.command == "bench" and args.bench == "scaling":
-        from .scaling import run_scaling_model
+        from .distributed.scaling import run_scaling_model
 
         handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
     elif args.command == "bench" and args.bench == "memory":
-        from .memory_measure import run_memory_check
-        from .memory_table import run_memory_table
+        from .bench.memory_check import run_memory_check
+        from .bench.memory_table import run_memory_table
 
         handler = lambda a: (run_memory_check(a.width, a.height, a.text_tokens) if a.measure  # noqa: E731
                              else run_memory_table())
     elif args.command == "bench" and args.bench == "versus-diffusers":
-        from .versus import run_versus_diffusers_bench
+        from .bench.versus import run_versus_diffusers_bench
 
         handler = lambda a: run_versus_diffusers_bench(a.width, a.height, a.text_tokens, a.repeats,  # noqa: E731
                                                        tuple(a.layouts))
     elif args.command == "bench" and args.bench == "pipefusion-error":
-        from .bench import run_pipefusion_error_bench
+        from .bench.layouts import run_pipefusion_error_bench
 
         handler = lambda a: run_pipefusion_error_bench(a.stages, a.width, a.height, tuple(a.model), a.frames)  # noqa: E731
     elif args.command == "bench" and args.bench == "cache":
-        from .bench import run_cache_bench
+        from .bench.layouts import run_cache_bench
 
         fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
                   "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype,
                   **({"frames": args.frames} if args.frames != 1 else {})}
         handler = lambda a: run_cache_bench(fields, a.methods, a.thresholds, a.layout, a.device)  # noqa: E731
     elif args.command == "bench":
-        from .bench import DEFAULT_LAYOUTS, run_layout_bench
+        from .bench.layouts import DEFAULT_LAYOUTS, run_layout_bench
 
         fields = {"model": args.model, "width": args.width, "height": args.height, "steps": args.steps,
                   "batch": args.batch, "cfg": args.cfg, "seed": 1, "dtype": args.dtype,

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from . import endpoint, launcher, paths, protocol
-from .endpoint import BackendDied, BackendError, Cancelled, NoBackend  # noqa: F401  (the client's errors)
-from .launch_options import LaunchOptions, tcp_address
-from .protocol import Connection, Message
+from .launch import launcher
+from .launch.options import LaunchOptions, tcp_address
+from .wire import endpoint, paths, protocol
+from .wire.endpoint import BackendDied, BackendError, Cancelled, NoBackend  # noqa: F401  (the client's errors)
+from .wire.protocol import Connection, Message
 
 POLL_S = 0.1  # how often a waiting client checks its cancel callback
 DEATH_REPORT_WAIT_S = 15.0  # how long to wait for the launcher to record which rank failed

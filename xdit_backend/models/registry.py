@@ -15,9 +15,24 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
-from . import (cogvideox_checkpoint, flux2_checkpoint, flux_checkpoint, folder, gguf_file, hunyuan_dit_checkpoint,
-               hunyuan_video15_checkpoint, lora, pixart_checkpoint, qwen_image_checkpoint, scaled_fp8, sd3_checkpoint,
-               storage, wan_checkpoint, weights, z_image_checkpoint)
+from . import (
+    cogvideox_checkpoint,
+    flux2_checkpoint,
+    flux_checkpoint,
+    folder,
+    gguf_file,
+    hunyuan_dit_checkpoint,
+    hunyuan_video15_checkpoint,
+    lora,
+    pixart_checkpoint,
+    qwen_image_checkpoint,
+    scaled_fp8,
+    sd3_checkpoint,
+    storage,
+    wan_checkpoint,
+    weights,
+    z_image_checkpoint,
+)
 from .builtins import BUILTINS, BuiltinModel
 from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec

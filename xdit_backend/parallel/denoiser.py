@@ -14,9 +14,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from .. import attention
 from ..sampling.generate import side_differences
-from . import sequence
+from . import attention, sequence
 from .step_cache import StepCache
 
 

@@ -53,12 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import attention
-from ..mesh import Link
+from ..distributed.mesh import Link
 from ..sampling import samplers
 from ..sampling.generate import GenerationStopped, finish, start
 from ..sampling.noise import SharedDraws
-from . import schedule, stale_kv
+from . import attention, schedule, stale_kv
 from .denoiser import guided
 from .step_cache import StageCache, StepCache
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import attention
 from ..models import flux
 from ..models.base import Cut, SequencePlan
+from . import attention
 
 
 class USPAttention:

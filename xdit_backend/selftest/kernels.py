@@ -15,7 +15,7 @@ import subprocess
 
 import torch
 
-from .. import attention
+from ..parallel import attention
 from .runner import Checks, Context
 
 # tolerances against float64: relative L2 of the output, max |Δ lse|

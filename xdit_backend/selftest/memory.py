@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import memory_fit
+from ..memory import fit as memory_fit
 from ..models import registry
 from ..models.lora import LoraFiles, LoraSpec
-from ..protocol import Message
-from ..request import SampleRequest
+from ..service.request import SampleRequest
+from ..wire.protocol import Message
 from .models import distance, generation
 from .runner import Checks, Context
 

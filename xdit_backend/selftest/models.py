@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..bench.sync_audit import count_syncs
 from ..models import registry
 from ..models.lora import LoraSpec
 from ..parallel.denoiser import Denoiser
-from ..protocol import Message
-from ..request import SampleRequest
 from ..sampling.generate import generate
 from ..sampling.samplers import SAMPLERS
-from ..sync_audit import count_syncs
+from ..service.request import SampleRequest
+from ..wire.protocol import Message
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",

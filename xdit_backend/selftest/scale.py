@@ -10,15 +10,15 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from .. import attention
-from ..compile import compile_blocks
+from ..bench.overhead import measure_overhead
 from ..models import flux, registry
-from ..overhead import measure_overhead
-from ..step_clock import StepClock
+from ..parallel import attention
+from ..parallel.compile import compile_blocks
 from ..parallel.denoiser import Denoiser
-from ..protocol import Message
-from ..request import SampleRequest
 from ..sampling.generate import generate
+from ..service.request import SampleRequest
+from ..service.step_clock import StepClock
+from ..wire.protocol import Message
 from .models import distance
 from .runner import Checks, Context, Skip
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from .. import launcher
-from ..bench import relative_distance
+from ..bench.demo import run_demo
+from ..bench.layouts import relative_distance
 from ..client import BackendError, Client
-from ..demo import run_demo
-from ..executor import FAULT_ENV
-from ..launch_options import LaunchOptions
+from ..launch import launcher
+from ..launch.options import LaunchOptions
+from ..service.executor import FAULT_ENV
 from .runner import Checks, Context
 
 REQUEST = {"model": "flux-tiny", "steps": 4, "seed": 2, "cfg": 3.5}

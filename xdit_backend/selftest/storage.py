@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import memory_fit
-from ..model_cache import resident_bytes
+from ..memory import fit as memory_fit
 from ..models import registry
-from ..step_clock import StepClock
+from ..service.model_cache import resident_bytes
+from ..service.step_clock import StepClock
 from .memory import allocated
 from .models import distance, generation
 from .runner import Checks, Context

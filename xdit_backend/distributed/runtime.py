@@ -1,0 +1,97 @@
+"""Every rank's start and end: join the process group, measure the links, describe this rank, leave together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..launch import gpus
+from ..launch.options import LaunchOptions
+from .control import barrier
+from .topology import Topology, prepare_nccl, probe
+
+
+class StartupError(Exception):
+    """A rank cannot start; the launcher shows this message with the rank's number."""
+
+
+@dataclass
+class Runtime:
+    """This rank's place in the backend. The process groups live here, never in module globals."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    control: object  # a gloo group for commands and the step gate (the default group on CPU)
+    started: float
+    timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
+    topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
+    mixed_gpus: bool = False  # the ranks hold different GPU models: ancestral noise from the CPU (noise.StepNoise)
+
+
+def start_runtime(options: LaunchOptions) -> Runtime:
+    """Join the process group (gloo on CPU, NCCL on CUDA), pin this rank to its device, and measure
+    the links (NCCL_P2P_DISABLE is decided before the group exists: topology.py)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    peer, nccl_note = None, None
+    if options.device == "cuda":
+        if not torch.cuda.is_available():
+            raise StartupError(
+                f"--device cuda, but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}; "
+                "start the backend with --device cpu, or install a CUDA build of torch"
+            )
+        if local_rank >= torch.cuda.device_count():
+            raise StartupError(
+                f"local rank {local_rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible; "
+                "start the backend with --nproc equal to the number of GPUs (or list them with --gpus)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+        peer, nccl_note = prepare_nccl(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(seconds=options.collective_timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
+    return replace(rt, topology=probe(rt, peer, nccl_note, timed=options.topology_probe == "on"))
+
+
+def describe_rank(rt: Runtime) -> dict:
+    """Who this rank is: its local device, and on a GPU the physical id (the CUDA_VISIBLE_DEVICES
+    entry it runs on, or nvidia-smi's index) and its UUID, which names the card in every process.
+    ``threads``: its CPU threads, the node's cores shared between its ranks (worker_env.py)."""
+    cuda = rt.device.type == "cuda"
+    return {"rank": rt.rank, "pid": os.getpid(), "host": socket.gethostname(), "device": str(rt.device),
+            "device_name": torch.cuda.get_device_name(rt.device) if cuda else "cpu",
+            "gpu": gpus.physical_id(os.environ, rt.device.index) if cuda else None,
+            "uuid": gpus.device_uuid(rt.device) if cuda else None,
+            "threads": torch.get_num_threads()}
+
+
+def leave_together(rt: Runtime) -> None:
+    """End a clean shutdown: no rank exits before every rank has finished, then exit at once.
+
+    No destroy_process_group, and no interpreter teardown: measured here, a gloo rank that
+    destroys its group while a peer is still connected aborts at exit ("terminate called without
+    an active exception"), and so, under load, did a rank whose interpreter teardown ran while a
+    peer was closing its connections (a SIGABRT, seen in a full test run on a loaded machine). Both turned clean shutdowns
+    into failures. ``os._exit`` after the barrier skips the C++ destructors; the OS releases the
+    connections.
+    """
+    barrier(rt.control)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

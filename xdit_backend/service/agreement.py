@@ -1,0 +1,89 @@
+"""How every rank ends a request the same way: finished, stopped, or failed.
+
+Rank 0 (leader.py) and the other ranks (follower.py) both run a request through ``run_request``,
+so they issue the same collectives in the same order, whatever happens:
+
+- finished: rank 0 closes the step gate with a STOP, the others pass the gate until they see it;
+  then, with ``profile``, every rank's record is gathered;
+- stopped: rank 0 stopped the gate (a cancel, a client that went away); every rank stopped at the
+  same gate, and nothing more is exchanged;
+- failed: a rank raised (or timed out waiting for one that did); it says so at the gate, every
+  rank sees ``failed`` there, and all of them agree on what each saw (``agree_on_failure``).
+
+A lost peer (PeerLost) is not an outcome: it ends the backend (worker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed.control import PeerLost, StepGate, gather_json, is_peer_failure
+from ..distributed.runtime import Runtime
+from ..sampling.stop import GenerationStopped
+from .executor import Executor
+from .request import SampleRequest
+
+log = logging.getLogger("xdit_backend.service.agreement")
+
+
+@dataclass
+class Outcome:
+    """How a request ended on this rank (the same end on every rank)."""
+
+    latent: torch.Tensor | None = None  # finished: the whole batch's latent (rank 0's is the reply)
+    profile: list[dict] | None = None  # finished with ``profile``: every rank's record, by rank
+    stopped: bool = False  # rank 0 stopped it at the gate (a cancel)
+    failures: list | None = None  # failed: what each rank saw (None for a rank that only stopped), by rank
+
+
+def run_request(rt: Runtime, gate: StepGate, executor: Executor, request: SampleRequest,
+                after_step: Callable[[int, int], bool]) -> Outcome:
+    """Run ``request`` on this rank; ``after_step(done, total)`` meets the gate after each step
+    (rank 0 says there whether to stop). Every rank returns the same kind of Outcome."""
+    gate.begin()
+    try:
+        latent, record = executor.profiled(request, after_step)
+    except GenerationStopped:
+        if gate.failed:  # another rank raised: agree on what happened, keep serving
+            return Outcome(failures=agree_on_failure(rt, gate, executor, None))
+        return Outcome(stopped=True)  # every rank stopped at the same gate
+    except PeerLost:
+        raise
+    except Exception as exc:  # this rank raised (or timed out waiting for one that did)
+        log.exception("rank %d failed during the request", rt.rank)
+        return Outcome(failures=agree_on_failure(rt, gate, executor, exc))
+    if rt.rank == 0:
+        gate.close()
+    else:
+        while gate.open and gate.passes():  # rank 0's closing STOP
+            pass
+    if not request.profile:
+        return Outcome(latent)
+    record = {**record, "request": request.to_fields()}  # what this rank ran, as it parsed it
+    return Outcome(latent, gather_json(record, rt.control))
+
+
+def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseException | None) -> list:
+    """Every rank, after a failed step: meet at the gate (a rank that raised says so), gather what
+    each rank saw, and destroy the layouts' process groups (mesh.MeshCache.clear: a group with a
+    collective that never completed is not reused; on CUDA its NCCL kernels still waiting for the
+    rank that raised are aborted). The next request builds them again.
+
+    A rank stuck in a data collective with the rank that raised waits out ``--collective-timeout``
+    (the mesh's groups carry it), then arrives here too. If a rank is gone, the gate's collective
+    fails and PeerLost ends the backend as before.
+    """
+    mine = None
+    if exc is not None:
+        mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {exc}"[:2000], "waiting": is_peer_failure(exc),
+                "traceback": traceback.format_exc()[-4000:]}
+    gate.fail()
+    failures = gather_json(mine, rt.control)
+    executor.meshes.clear()
+    executor.release_memory()  # an out-of-memory's half-built tensors, before the next request
+    return failures

@@ -1,0 +1,294 @@
+"""What every rank holds and does for a request: loaded models, meshes per layout, one generation."""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import device as device_memory
+from ..distributed.control import gather_json
+from ..distributed.mesh import MeshCache
+from ..distributed.runtime import Runtime
+from ..memory import fit as memory_fit
+from ..models import lora, registry
+from ..parallel import attention, shard, traffic
+from ..parallel.compile import use_compiled
+from ..parallel.denoiser import Denoiser
+from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
+from ..sampling.generate import generate
+from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
+from .request import SampleRequest, compute_dtype
+from .step_clock import StepClock
+
+FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
+
+
+class Executor:
+    """What every rank holds and does: loaded models, meshes per layout, and one generation."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.cache = ModelCache()  # one resident base per file version, precision, sharding and stage
+        self.lora_files = lora.LoraFiles(rt.device)  # the LoRA tensors the loaded models carry
+        # The layouts' data collectives wait half as long as the control group: after a rank raises,
+        # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
+        self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
+        self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
+        self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
+
+        self.computing = None  # the model (or stage) the last request ran on
+
+    @property
+    def cache_counts(self) -> dict | None:
+        """Model evaluations computed and reused by the last generation's step cache."""
+        return None if self.last_cache is None else self.last_cache.counts
+
+    def key(self, name: str, dtype: str = "auto", weight_dtype: str = "default", shard_mesh=None,
+            stage: tuple[int, int] | None = None) -> ModelKey:
+        path, version = registry.identity(name)
+        torch_dtype = compute_dtype(dtype, self.rt.device)
+        shard_ranks = () if shard_mesh is None else tuple(shard_mesh.mesh.tolist())
+        return ModelKey(path, version, str(torch_dtype).removeprefix("torch."), weight_dtype, shard_ranks, stage)
+
+    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
+              weight_dtype: str = "default", shard_mesh=None, stage: tuple[int, int] | None = None) -> Entry:
+        """The resident base for ``name`` (loaded once per file version, precision, shard ranks and
+        PipeFusion stage), made to carry exactly ``loras`` and to run compiled or not: neither makes
+        another copy of its weights. A changed file (new mtime) replaces the old version; a sharded
+        model is loaded again when its mesh was rebuilt (after a failed request: agreement.py)."""
+        key = self.key(name, dtype, weight_dtype, shard_mesh, stage)
+        entry = self.cache.get(key)
+        if entry is not None and shard_mesh is not None and shard.mesh_of(entry.model) is not shard_mesh:
+            self.cache.drop([key])
+            entry = None
+        if entry is None:
+            self.cache.drop(k for k in self.cache.least_recent_first() if k.name == key.name and k.version != key.version)
+            entry = self.load(name, key, shard_mesh)
+            self.cache.put(key, entry)
+        entry.model.lora_reports = entry.model.patches.carry(list(loras), self.lora_files)
+        self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
+        use_compiled(entry.model, compiled)
+        return entry
+
+    def load(self, name: str, key: ModelKey, shard_mesh) -> Entry:
+        """Build the model of ``key`` on this rank's device: the whole of it, or only a PipeFusion
+        stage's tensors (the other stages' blocks stay on meta and are dropped); with ``shard_mesh``,
+        built on the CPU and each block sharded onto the device (it never holds a whole copy: shard.py)."""
+        device = torch.device("cpu") if shard_mesh is not None else self.rt.device
+        model = registry.build(name, device, getattr(torch, key.compute_dtype), blocks=key.stage,
+                               weight_dtype=key.weight_dtype)
+        blocks = None if key.stage is None else keep_stage(model.transformer, model.spec.stage_plan, *key.stage)
+        if shard_mesh is not None:
+            shard.shard_blocks(model, shard_mesh, self.rt.device)
+        return Entry(model, blocks)
+
+    def loaded(self) -> list[str]:
+        """One line per loaded model, least recently used first, with the LoRAs it carries and whether
+        its last request ran compiled."""
+        return [key.describe(*([f"{len(entry.model.lora_reports)} LoRA"] if entry.model.lora_reports else []),
+                             *(["compiled"] if _compiled(entry.model) else []))
+                for key, entry in self.cache.entries.items()]
+
+    def describe_models(self) -> list[dict]:
+        """Per loaded model: what it is, what it carries, and the bytes it holds on this rank."""
+        return [{"name": key.name, "storage_dtype": entry.model.storage_dtype, "compute_dtype": key.compute_dtype,
+                 "weight_dtype": key.weight_dtype, "sharded": bool(key.shard_ranks),
+                 "blocks": list(key.stage) if key.stage else None,
+                 "loras": [{"path": report["file"], "strength": report["strength"]}
+                           for report in entry.model.lora_reports],
+                 "compiled": _compiled(entry.model),
+                 "bytes": resident_bytes(entry.model)}
+                for key, entry in self.cache.entries.items()]
+
+    def held_bytes(self) -> int:
+        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry."""
+        return sum(resident_bytes(entry.model) for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+
+    def memory_record(self) -> dict:
+        """What ``status`` shows of this rank: its device's memory and its loaded models."""
+        return {"rank": self.rt.rank, "memory": device_memory.snapshot(self.rt.device, self.held_bytes()),
+                "models": self.describe_models()}
+
+    def unload(self, model: str | None) -> list[str]:
+        """Drop a model (every version, dtype and stage of it), or all of them; returns what was loaded."""
+        names = self.cache.names()
+        if model:
+            names &= {model, str(Path(model).expanduser().resolve())}
+        self.cache.drop(k for k in self.cache.least_recent_first() if k.name in names)
+        self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
+        if self.computing is not None and self.computing.name in names:
+            self.computing = None  # the last request's model, held for its profile: not past an unload
+        self.release_memory()
+        return sorted(names)
+
+    def release_memory(self) -> None:
+        """Give what dropped models and a failed request's tensors held back to the device: without
+        ``empty_cache`` PyTorch's caching allocator keeps it, and nothing else on the GPU (ComfyUI's
+        VAE Decode on GPU 0) can use it."""
+        gc.collect()
+        if self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def spare_shared_gpu(self) -> None:
+        """After a request, on the GPU a backend's local rank 0 shares with ComfyUI (its text encoders
+        and VAE live on GPU 0): hand the allocator's cached blocks back, so that VAE Decode has them."""
+        if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
+            torch.cuda.empty_cache()
+
+    def make_room(self, name: str, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
+        """Before loading: every rank checks that the model and the request's activations fit its
+        device, counting what evicting least-recently-used models would free; the ranks agree (one
+        small gather on the control group, every request), then evict, or all raise the refusal of
+        the first rank that cannot fit (nothing loaded, nothing evicted)."""
+        verdict, plan = None, []
+        if key not in self.cache.entries:
+            config = request.parallel
+            shard_ranks = len(key.shard_ranks) or 1
+            tokens, rows = memory_fit.request_shape(request, registry.spec(name), text_tokens)
+            estimate = memory_fit.needed(name, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
+                                         config, tokens, rows)
+            free = memory_fit.available(self.rt.device, self.held_bytes())
+            loaded = [(k, resident_bytes(e.model)) for k, e in self.cache.entries.items()]
+            plan = memory_fit.eviction_plan(estimate.total, free, loaded)
+            if plan is None:
+                verdict = {"rank": self.rt.rank, "model": name, "device": str(self.rt.device), "needed": estimate.total,
+                           "weights": estimate.weights, "activations": estimate.activations,
+                           "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in loaded)}
+        verdicts = gather_json(verdict, self.rt.control) if self.rt.world_size > 1 else [verdict]
+        refused = next((v for v in verdicts if v), None)
+        if refused:
+            raise memory_fit.refusal(refused)
+        if plan:
+            self.cache.drop(plan)
+            if all(e.model is not self.computing for e in self.cache.entries.values()):
+                self.computing = None  # evicted: the last request's model must not keep its memory
+            self.release_memory()
+
+    def generate(self, request: SampleRequest, after_step) -> torch.Tensor:
+        """Run a validated request (its layout and conditioning resolved by rank 0) on this rank. An
+        out-of-memory is reported with this rank's bytes and the fixes (the failed request's memory is
+        released by agreement.agree_on_failure)."""
+        try:
+            return self._generate(request, after_step)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            traceback.clear_frames(exc.__traceback__)  # its frames hold the request's tensors: release_memory frees them
+            raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
+        finally:
+            self.spare_shared_gpu()
+
+    def _generate(self, request: SampleRequest, after_step) -> torch.Tensor:
+        layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
+        spec = registry.spec(request.model)
+        gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
+        shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
+        stage = None
+        if layout is not None and layout.config.pipefusion > 1:
+            config = layout.config
+            bounds = stage_bounds(registry.block_sizes(request.model), config.pipefusion, config.pipefusion_blocks)
+            stage = bounds[layout.index("pipefusion")]
+        key = self.key(request.model, request.dtype, request.weight_dtype, shard_mesh, stage)
+        text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
+        self.make_room(request.model, key, request, text_tokens)
+        entry = self.model(request.model, request.dtype, request.loras, request.compile, request.weight_dtype,
+                           shard_mesh, stage)
+        self.computing = entry.model
+        if stage is None:
+            _inject_fault(self.computing, self.rt.rank)
+            denoiser = Denoiser(self.computing, layout)
+            try:
+                return generate(denoiser, gen, after_step)
+            finally:
+                self.last_cache = denoiser.cache
+        _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
+        denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
+        decides = gen.cache is not None and stage[0] <= registry.cache_head(request.model) < stage[1]
+        pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
+        self.last_trace = pipeline.trace
+        try:
+            latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+        finally:
+            self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
+        return denoiser.gather_rows(latent).cpu()
+
+    def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
+        """``generate`` plus this rank's record: seconds per step, bytes sent (None for a compiled model),
+        peak memory, the compute dtype and the attention that ran."""
+        if not request.profile:
+            return self.generate(request, after_step), {}
+        cuda = self.rt.device.type == "cuda"
+        clock = StepClock(self.rt.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
+        clock.mark()
+
+        def timed(done: int, total: int) -> bool:
+            clock.mark()
+            return after_step(done, total)
+
+        groups_before = _process_groups()
+        started = time.perf_counter()
+        with traffic.counting(request.compile, self.rt.control) as sent:  # None when compiled (traffic.py says why)
+            latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
+        denoise_s = time.perf_counter() - started
+        steps = clock.steps()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.rt.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        dtype = compute_dtype(request.dtype, self.rt.device)
+        head_dim = registry.attention_geometry(self.computing.transformer.config)[1]
+        ours = request.parallel.sequence > 1 or request.parallel.pipefusion > 1  # our kernel, else diffusers' SDPA
+        return latent, {"rank": self.rt.rank, "step_s": steps, "denoise_s": denoise_s,
+                        "sent_bytes": None if sent is None else dict(sent),
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "attention": attention.in_use(self.rt.device, dtype, head_dim, ours),
+                        "peak_memory_bytes": peak,
+                        "memory_kind": "cuda allocated" if cuda else "process peak RSS",
+                        "process_groups_created": _process_groups() - groups_before,
+                        "parameters": sum(p.numel() for p in self.computing.transformer.parameters()),
+                        "resident_parameter_bytes": shard.resident_bytes(self.computing.transformer),
+                        # bytes a rank sends (= receives) to gather its blocks once each: the count's formula
+                        "shard_bytes_per_pass": (shard.gathered_bytes(shard.blocks_of(self.computing),
+                                                                      request.parallel.shard_size)
+                                                 if request.parallel.shard_weights else None),
+                        "pipeline_trace": self.last_trace,
+                        # the step cache's decisions on this rank: (step, statistic, reused) per evaluation
+                        "cache_trace": (None if self.last_cache is None else
+                                        [[d.step, d.ratio, d.reused] for d in self.last_cache.trace])}
+
+
+def _compiled(model) -> bool:
+    return model.compiled_blocks is not None and model.compiled_blocks["on"]
+
+
+def _inject_fault(model, rank: int, first_block=None) -> None:
+    """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
+    as an out-of-memory inside the model would. A model call is a pass through the first block this
+    rank holds: once per forward on the normal path, once per patch and step in a PipeFusion stage."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
+        return
+    calls, target = [0], int(spec.split(":")[1])
+    if first_block is None:  # the whole model: its first block
+        first_block = getattr(model.transformer, model.spec.stage_plan.block_lists[0])[0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == target:
+            raise MemoryError(f"CUDA out of memory (simulated by {FAULT_ENV} on rank {rank})")
+
+    first_block.register_forward_pre_hook(hook)
+    model.fault_injected = True
+
+
+def _process_groups() -> int:
+    """Process groups this rank has created so far (a warm layout must create none per request)."""
+    return len(dist.distributed_c10d._world.pg_map)

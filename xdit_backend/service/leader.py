@@ -1,0 +1,270 @@
+"""Rank 0's loop: take jobs from the socket server, resolve and broadcast them, run them, reply.
+
+A ``sample`` is resolved here (its layout fixed, its conditioning checked) so that every rank runs
+exactly the same request: rank 0 broadcasts ``SampleRequest.to_fields()``, which the other ranks
+parse (follower.py), and every rank runs it through agreement.run_request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+from .. import __version__
+from ..distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
+from ..distributed.control import StepGate, broadcast_message, gather_json
+from ..distributed.runtime import Runtime
+from ..errors import UserError
+from ..launch.idle import STOP, UNLOAD, IdleClock
+from ..memory import fit as memory_fit
+from ..models import registry
+from ..parallel import attention
+from ..sampling.generate import side_differences
+from ..sampling.samplers import ONE_CALL_PER_STEP
+from ..wire import paths, protocol
+from ..wire.protocol import Message
+from .agreement import run_request
+from .executor import Executor
+from .request import RequestError, SampleRequest, compute_dtype
+from .server import Job, SocketServer
+
+log = logging.getLogger("xdit_backend.service.leader")
+
+
+class Leader:
+    """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
+
+    def __init__(self, rt: Runtime, ranks: list[dict], socket_path: Path, limits: protocol.Limits, heartbeat: float,
+                 model_roots: tuple[str, ...] = (), tcp: tuple[str, int] | None = None, token: str | None = None,
+                 idle: IdleClock | None = None):
+        self.rt = rt
+        # Asked here, on the rank's own thread and device, not on the server's thread at each status
+        self.attention_kernel = attention.status_line(rt.device, compute_dtype("auto", rt.device))
+        self.model_roots = model_roots  # where model and LoRA files may come from (empty: anywhere)
+        self.server = SocketServer(socket_path, self.status, limits, tcp, token)
+        self.ranks = ranks
+        self.heartbeat = heartbeat
+        self.gate = StepGate(rt.control)
+        self.executor = Executor(rt)
+        self.idle = idle or IdleClock(0.0, 0.0)  # never, unless the launch options say when
+        self.memory: list[dict] = []  # every rank's last memory record, by rank (refresh_memory)
+        self.memory_at = 0.0
+
+    def status(self) -> dict:
+        return {
+            "pid": int(os.environ.get(paths.LAUNCHER_PID_ENV, os.getppid())),
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": __version__,
+            "world_size": self.rt.world_size,
+            "ranks": [{**rank, "memory": record["memory"]} for rank, record in zip(self.ranks, self.memory)]
+            if self.memory else self.ranks,
+            "memory_age_s": round(time.time() - self.memory_at, 3),  # gathered after each request and heartbeat
+            "attention_kernel": self.attention_kernel,
+            "topology": self.rt.topology.to_json(),
+            "models": loaded_models(self.memory),
+            "uptime_s": round(time.time() - self.rt.started, 3),
+            "idle": self.idle.to_json(),
+            "socket": str(self.server.path),
+        }
+
+    def refresh_memory(self) -> None:
+        """Every rank's memory and loaded models, gathered on this thread (the socket server's thread
+        only reads the result): the others answer a ``status`` command with their record."""
+        broadcast_message(Message("status", {}), self.rt.control)  # follower.py
+        records = gather_json(self.executor.memory_record(), self.rt.control)
+        self.memory, self.memory_at = records, time.time()
+
+    def serve(self) -> None:
+        self.refresh_memory()
+        while True:
+            job = self.server.next_job(timeout=self.idle.wait(self.heartbeat))
+            if job is None:
+                if not self.on_idle():
+                    return
+                continue
+            self.idle.request_started()
+            try:
+                if job.type == "shutdown":
+                    self.shut_down(job.message, "the backend is shutting down", spare=job)
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"stopped": True}}))
+                    return
+                if job.type == "unload":
+                    unloaded = self.unload(job.message)
+                    job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
+                elif job.type == "sample":
+                    self.sample(job)
+            finally:
+                self.server.finish(job)
+                self.idle.request_ended()
+
+    def on_idle(self) -> bool:
+        """No job came: unload or stop if the idle clock says so (through the same broadcasts as a
+        requested unload or shutdown), else send the heartbeat. Returns False when the backend stops."""
+        due = self.idle.due(models_loaded=bool(self.executor.loaded()))
+        if due == STOP:
+            log.info("idle for %.0f s (--idle-stop %g): stopping", self.idle.idle_s(), self.idle.stop_after)
+            self.shut_down(Message("shutdown", {"id": "idle-stop"}),
+                           f"the backend stopped after {self.idle.stop_after:g} s without a request (--idle-stop)")
+            return False
+        if due == UNLOAD:
+            unloaded = self.unload(Message("unload", {"id": "idle-unload"}))
+            log.info("idle for %.0f s (--idle-unload %g): unloaded %s", self.idle.idle_s(), self.idle.unload_after,
+                     ", ".join(unloaded))
+            return True
+        self.refresh_memory()  # also the heartbeat: the others' wait stays bounded
+        return True
+
+    def unload(self, message: Message) -> list[str]:
+        """Every rank drops the model ``message`` names, or all of them (follower.py does the same)."""
+        broadcast_message(message, self.rt.control)
+        unloaded = self.executor.unload(message.fields.get("model"))
+        self.refresh_memory()  # before the reply: a status asked next sees it
+        return unloaded
+
+    def shut_down(self, message: Message, why: str, spare: Job | None = None) -> None:
+        """Every rank leaves its loop; queued and running jobs but ``spare`` are answered with ``why``."""
+        self.server.refuse_new(why)
+        broadcast_message(message, self.rt.control)
+        self.server.fail_all("shutdown", why, "the next request from the nodes (or `xdit-backend start`) starts it "
+                             "again", spare=spare)
+
+    def resolve(self, job: Job) -> tuple[SampleRequest, str]:
+        """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
+        request = SampleRequest.parse(job.message)
+        self.check_roots(request)
+        spec = registry.spec(request.model)  # validation needs no weights
+        request.check_model(spec)
+        positive, negative = request.conditioning(spec)
+        if positive is None and request.model not in registry.BUILTINS:
+            keys = ", ".join(spec.conditioning_shapes(1, 1))
+            raise RequestError(f"model {request.model} needs text conditioning: send {keys} "
+                               "(and the same with a negative_ prefix for cfg > 1)",
+                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
+        if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
+            positive, negative = request.with_references(
+                spec, *registry.random_conditioning(request.model, request.batch, request.seed, spec))
+        # the layout is chosen on the sides as the model takes them (Flux.2: text padded to 512); the ranks
+        # get the sides as sent and prepare them once each (SampleRequest.generation)
+        model_positive = spec.prepare_conditioning(positive)
+        model_negative = None if negative is None else spec.prepare_conditioning(negative)
+        tokens, rows = spec.token_grid(request.width, request.height, request.frames)
+        text = model_positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
+        facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
+                             request.steps)
+        source = registry.resolve(request.model).config  # the width C = heads × head size, for auto's traffic model
+        width = math.prod(registry.attention_geometry(source))
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, width)
+        if request.parallel is None:
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology,
+                                              lambda layout: self.memory_fit(request, spec, layout, text))
+            why = f"auto: {why}"
+        else:
+            config, why = request.parallel, "as requested"
+            config.validate(self.rt.world_size, model_facts, facts, self.devices())
+        if config.pipefusion > 1 and request.sampler not in ONE_CALL_PER_STEP:
+            raise RequestError(f"sampler {request.sampler!r} cannot run with PipeFusion: it calls the model twice in "
+                               "a step, the second time at a point the first call produces, so a patch would have to "
+                               "pass through every stage twice per step with the other patches waiting",
+                               f"use one of {', '.join(ONE_CALL_PER_STEP)} with PipeFusion, or a layout without "
+                               "pipefusion")
+        differ = (side_differences(model_positive, model_negative) if negative is not None and request.cfg != 1.0
+                  else [])
+        if config.pipefusion > 1 and config.cfg == 1 and differ:
+            raise RequestError(f"PipeFusion runs the two sides of the guidance as one batch, and they differ: "
+                               f"{', '.join(differ)}", "add cfg parallel (each side on its own ranks), give both "
+                               "prompts the same length, or use a layout without pipefusion")
+        tensors = {**request.tensors, **positive, **{f"negative_{k}": v for k, v in (negative or {}).items()}}
+        fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
+        return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
+
+    def memory_fit(self, request: SampleRequest, spec, config: ParallelConfig, text_tokens: int) -> MemoryFit | None:
+        """What auto weighs to shard the weights: one rank's unsharded weights under ``config`` (the memory
+        model's estimate) against the tightest rank's room less the request's activations (memory_fit.py)."""
+        if not self.memory or config.shard_size == 1:
+            return None
+        tokens, rows = memory_fit.request_shape(replace(request, parallel=config), spec, text_tokens)
+        estimate = memory_fit.needed(request.model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
+                                     1, config, tokens, rows)
+        room = memory_fit.tightest_room(self.memory) - estimate.activations - estimate.workspace
+        return MemoryFit(estimate.weights, room)
+
+    def check_roots(self, request: SampleRequest) -> None:
+        """Model and LoRA files only from the configured roots, symlinks and '..' resolved first."""
+        files = ([("model", request.model)] if request.model not in registry.BUILTINS else []) + \
+            [("LoRA", spec.path) for spec in request.loras]
+        for what, path in files:
+            if not paths.inside_roots(path, self.model_roots):
+                raise RequestError(f"{what} {path} is outside the model roots this backend serves "
+                                   f"({', '.join(map(str, self.model_roots))})",
+                                   "put the file under one of them, or start the backend with another --model-root")
+
+    def devices(self) -> str:
+        kinds = sorted({r["device_name"] for r in self.ranks})
+        return f"{self.rt.world_size} ranks on {', '.join(kinds)}"
+
+    def sample(self, job: Job) -> None:
+        try:
+            request, layout = self.resolve(job)
+        except UserError as exc:
+            kind = "config" if isinstance(exc, ConfigError) else "bad_request"
+            job.fail(kind, exc.message, exc.hint)
+            return
+        except Exception as exc:  # e.g. out of memory while building the model
+            log.exception("request %s could not be prepared", job.id)
+            job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
+                     rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
+            return
+        broadcast_message(Message("sample", request.to_fields(), request.tensors), self.rt.control)  # follower.py
+
+        def after_step(done: int, total: int) -> bool:
+            job.progress(done, total)
+            return self.gate.passes(stop=job.cancelled)
+
+        outcome = run_request(self.rt, self.gate, self.executor, request, after_step)
+        self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
+        if outcome.failures is not None:
+            self.report_failure(job, outcome.failures)
+            return
+        if outcome.stopped:
+            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
+            return
+        info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
+                "order": {"arrival": job.arrival, "execution": job.execution}}
+        if request.cache != "none":
+            info["cache"] = self.executor.cache_counts  # the same on every rank: they decide together
+        if outcome.profile is not None:
+            info["profile"] = outcome.profile
+        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
+                          {"samples": outcome.latent}))
+
+    def report_failure(self, job: Job, failures: list) -> None:
+        """Name the rank whose own work failed (not one that only timed out waiting for it)."""
+        raised = [f for f in failures if f]
+        cause = next((f for f in raised if not f["waiting"]), raised[0] if raised else None)
+        if cause is None:
+            job.fail("model_error", "the request failed on a rank that reported no error", "see the backend log")
+            return
+        job.fail("model_error", f"rank {cause['rank']}: {cause['error']}",
+                 "the other ranks left their collectives and the backend keeps serving; see the backend log "
+                 "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])
+
+
+def loaded_models(records: list[dict]) -> list[dict]:
+    """The models every rank holds, as ``status`` lists them: one dict per model (a PipeFusion
+    layout's stages are one model), with the bytes it holds on each rank (0 where a rank holds none)."""
+    merged: dict[tuple, dict] = {}
+    for record in records:
+        for model in record["models"]:
+            stages = model["blocks"] is not None
+            identity = (model["name"], model["storage_dtype"], model["compute_dtype"], model["weight_dtype"],
+                        model["sharded"], stages)
+            entry = merged.setdefault(identity, {**{k: v for k, v in model.items() if k not in ("bytes", "blocks")},
+                                                 "pipefusion_stages": stages, "bytes_per_rank": [0] * len(records)})
+            entry["bytes_per_rank"][record["rank"]] += model["bytes"]
+    return list(merged.values())

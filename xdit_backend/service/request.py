@@ -1,0 +1,309 @@
+"""A ``sample`` request, checked field by field before any work is scheduled for it.
+
+Its fields are schema.SAMPLE's: the attributes below are made from that declaration, ``parse``
+reads them from a message and ``to_fields`` writes them back, which is what rank 0 broadcasts
+and every other rank parses (so a field cannot reach rank 0 alone).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import make_dataclass
+
+import torch
+
+from .. import schema
+from ..distributed.config import ConfigError, ParallelConfig
+from ..errors import UserError
+from ..models import lora
+from ..models.base import shape_fits, shape_text
+from ..parallel.step_cache import CacheOptions
+from ..sampling import samplers, schedulers
+from ..sampling.generate import Generation, cut
+from ..wire import protocol
+
+GENERATION_TENSORS = ("latent", "sigmas")
+# Every other tensor is one side's conditioning, [negative_]<key>: which keys a model takes is its
+# spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
+CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
+REFERENCE = re.compile(r"reference_(\d+)")
+CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
+
+
+class RequestError(UserError):
+    """A request the backend will not run; the message names the field, the value and the rule."""
+
+
+# The attributes, in schema order: each field under its attribute name (return_with_leftover_noise
+# is ``leftover_noise``), then the message's tensors by name.
+_Fields = make_dataclass("_Fields", [*((f.attribute, f.type) for f in schema.SAMPLE),
+                                     ("tensors", "dict[str, torch.Tensor]")], frozen=True)
+
+
+class SampleRequest(_Fields):
+    """A checked ``sample`` request. ``parallel`` None: pick a layout for the backend's world size
+    (auto); ``loras``: lora.LoraSpec, in order; ``end_step`` None: to the end of the schedule."""
+
+    def latent_shape(self, spec) -> tuple[int, ...]:
+        return spec.latent_shape(self.batch, self.width, self.height, self.frames)
+
+    @classmethod
+    def parse(cls, message: protocol.Message) -> SampleRequest:
+        values = {field.attribute: _read(field, message.fields) for field in schema.SAMPLE}
+        request = cls(**values, tensors=dict(message.tensors))
+        request._check_ranges()
+        request._check_tensors()
+        return request
+
+    def to_fields(self) -> dict:
+        """The wire fields that ``parse`` reads back into this request: what rank 0 broadcasts."""
+        fields = {field.name: _write(field, getattr(self, field.attribute)) for field in schema.SAMPLE}
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def _check_ranges(self) -> None:
+        if self.end_step is not None and self.end_step <= self.start_step:
+            raise RequestError(f"end_step {self.end_step} must be after start_step {self.start_step}",
+                               "leave end_step out to run to the end of the schedule")
+        for field in schema.SAMPLE:
+            value = getattr(self, field.attribute)
+            if field.kind == "float" and value is not None and not field.low <= value <= field.high:
+                raise RequestError(f"{field.name} {value} is out of range: "
+                                   f"it must lie in {field.low:g}..{field.high:g}")
+
+    def _check_tensors(self) -> None:
+        unknown = sorted(name for name in self.tensors
+                         if name not in GENERATION_TENSORS and not CONDITIONING_NAME.fullmatch(name))
+        if unknown:
+            raise RequestError(f"unknown tensors {unknown}",
+                               "a sample request carries latent, sigmas and the model's conditioning tensors "
+                               "(context, pooled, …; negative_context, … for the negative side)")
+        for name, tensor in self.tensors.items():
+            if not tensor.is_floating_point():
+                raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
+            if not torch.isfinite(tensor).all():
+                raise RequestError(f"tensor {name!r} holds NaN or infinite values")
+        given = {name for name in self.tensors
+                 if name not in GENERATION_TENSORS and not REFERENCE.fullmatch(name.removeprefix("negative_"))}
+        if given and "context" not in given:
+            raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
+
+    def check_model(self, spec) -> None:
+        """The checks that depend on the model: its sizes, its latent's shape, its step range."""
+        try:
+            spec.check_size(self.width, self.height, self.frames)
+        except UserError as exc:
+            raise RequestError(exc.message, exc.hint) from None
+        custom = self.tensors.get("sigmas")
+        if custom is not None and (custom.dim() != 1 or len(custom) < 2 or bool((custom[1:] > custom[:-1]).any())
+                                   or float(custom.min()) < 0):
+            raise RequestError(f"sigmas {custom.tolist()[:8]}… must be a non-increasing 1-D list of at least two "
+                               "noise levels ≥ 0", "connect a scheduler node's SIGMAS output")
+        if custom is not None and len(custom) - 1 != self.steps:
+            raise RequestError(f"steps {self.steps} does not match the {len(custom)} sigmas given "
+                               f"({len(custom) - 1} steps)", f"send steps {len(custom) - 1} with them")
+        latent = self.tensors.get("latent")
+        if latent is not None and tuple(latent.shape) != self.latent_shape(spec):
+            frames = f" × {self.frames} frames" if spec.video else ""
+            raise RequestError(
+                f"latent has shape {list(latent.shape)}, but a {spec.family} latent for batch {self.batch} at "
+                f"{self.width}×{self.height}{frames} has shape {list(self.latent_shape(spec))}")
+        if self.guidance is not None and spec.default_guidance is None:
+            raise RequestError(f"guidance {self.guidance}: model {self.model} has no guidance embedding "
+                               "(only Flux.1-dev-style models take one)", "leave guidance out; use cfg")
+        if self.shift is not None and not spec.takes_shift:
+            raise RequestError(f"shift {self.shift}: model {self.model} samples with discrete noise levels, "
+                               "which have no flow shift", "leave shift out")
+        if self.end_step is not None and self.end_step > self.steps:
+            raise RequestError(f"end_step {self.end_step} is past the last of {self.steps} steps",
+                               f"use end_step ≤ {self.steps}, or leave it out")
+
+    def conditioning(self, spec) -> tuple[dict, dict | None]:
+        """Positive and (optional) negative conditioning, checked against the model's spec.
+
+        An optional mask (PixArt's context_mask) given on one side only is all ones on the other,
+        so both sides can still batch. Sides may differ in text lengths, optional tensors and
+        reference latents: those run one model call each (generate.side_differences)."""
+        sides = [self._side(spec, prefix) if prefix + "context" in self.tensors else None
+                 for prefix in ("", "negative_")]
+        positive, negative = sides
+        if positive is not None and negative is not None:
+            for key in (k for k in spec.optional_conditioning if k.endswith("_mask")):
+                masked = key.removesuffix("_mask")
+                for side, other in ((positive, negative), (negative, positive)):
+                    if key in side and key not in other and masked in other:
+                        other[key] = torch.ones(other[masked].shape[:2])
+        return positive, negative
+
+    def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
+        """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
+        request sent: ``reference_<i>`` for both sides, ``negative_reference_<i>`` for the negative
+        one where given (xdit-backend sample --reference-latent without --embeds)."""
+        sent = {name: t for name, t in self.tensors.items() if REFERENCE.fullmatch(name)}
+        positive = {**positive, **self._references(spec, "", sent)}
+        if negative is None:
+            return positive, None
+        sent_negative = {name.removeprefix("negative_"): t for name, t in self.tensors.items()
+                         if REFERENCE.fullmatch(name.removeprefix("negative_")) and name.startswith("negative_")}
+        negative = {**negative, **self._references(spec, "negative_", sent_negative or sent)}
+        return positive, negative
+
+    def _side(self, spec, prefix: str) -> dict[str, torch.Tensor]:
+        """One side's tensors by key (without the prefix): the spec's shapes (None: any length), its
+        optional keys and masks, and its reference latents; any other key is refused by name."""
+        given = {name.removeprefix(prefix): tensor for name, tensor in self.tensors.items()
+                 if name not in GENERATION_TENSORS and name.startswith("negative_") == bool(prefix)}
+        context = given["context"]
+        text_tokens = context.shape[1] if context.dim() == 3 else -1
+        shapes = spec.conditioning_shapes(self.batch, text_tokens)
+        side = {}
+        for key, shape in shapes.items():
+            tensor = given.get(key)
+            if tensor is None and key in spec.optional_conditioning:
+                continue
+            if tensor is None or not shape_fits(tuple(tensor.shape), shape):
+                got = "nothing" if tensor is None else f"shape {list(tensor.shape)}"
+                raise RequestError(f"{prefix}{key}: model {self.model} needs shape {shape_text(shape)}, got {got}",
+                                   "encode the prompt with the text encoders that belong to this model")
+            side[key] = tensor
+        for key in spec.optional_conditioning:  # a mask: one value per token of the tensor it masks
+            if key in shapes or key not in given:
+                continue
+            of = key.removesuffix("_mask")
+            if of not in side:
+                raise RequestError(f"{prefix}{key} was sent without {prefix}{of}, the tensor it masks",
+                                   f"send {prefix}{of} with it, or leave both out")
+            want = (self.batch, side[of].shape[1])
+            if tuple(given[key].shape) != want:
+                raise RequestError(f"{prefix}{key} has shape {list(given[key].shape)}; it needs {list(want)}, "
+                                   f"one value per token of {prefix}{of}")
+            side[key] = given[key]
+        side.update(self._references(spec, prefix, given))
+        unknown = sorted(set(given) - set(side))
+        if unknown:
+            takes = [*shapes, *(k for k in spec.optional_conditioning if k not in shapes)]
+            if spec.takes_references:
+                takes.append("reference_0…")
+            raise RequestError(f"{prefix}{unknown[0]}: a {spec.family} model takes no {unknown[0]!r}",
+                               f"send {', '.join(takes)}")
+        return side
+
+    def _references(self, spec, prefix: str, given: dict) -> dict[str, torch.Tensor]:
+        """reference_0 … reference_{n-1} [B, C, h, w]: the latent channels, h and w multiples of the patch."""
+        names = sorted((int(m.group(1)), key) for key in given if (m := REFERENCE.fullmatch(key)))
+        if not names:
+            return {}
+        if not spec.takes_references:
+            raise RequestError(f"{prefix}{names[0][1]}: model {self.model} ({spec.family}) takes no reference latents",
+                               "leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's image, "
+                               "--reference-latent), or use an edit model")
+        if len(names) > schema.MAX_REFERENCES:
+            which = "negative" if prefix else "positive"
+            raise RequestError(f"{len(names)} reference latents on the {which} side; at most "
+                               f"{schema.MAX_REFERENCES} are taken", f"send at most {schema.MAX_REFERENCES}")
+        if [i for i, _ in names] != list(range(len(names))):
+            missing = min(set(range(len(names))) - {i for i, _ in names})
+            raise RequestError(f"{prefix}reference_{missing} is missing: references are numbered from 0 without gaps "
+                               f"(got {', '.join(key for _, key in names)})",
+                               "send reference_0, reference_1, … in order")
+        channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+        for _, key in names:
+            shape = tuple(given[key].shape)
+            if (len(shape) != 4 or shape[:2] != (self.batch, channels) or not shape[2] or not shape[3]
+                    or shape[2] % rows or shape[3] % columns):
+                raise RequestError(f"{prefix}{key} has shape {list(shape)}; a {spec.family} reference latent is "
+                                   f"[{self.batch}, {channels}, h, w] with h a multiple of {rows} and w of {columns}",
+                                   "encode the reference image with this model's VAE (a latent of the batch's size), "
+                                   f"padded to a multiple of {max(rows, columns)} as ComfyUI's model pads it")
+        return {key: given[key] for _, key in names}
+
+    def generation(self, spec, positive: dict, negative: dict | None) -> Generation:
+        sampling = spec.model_sampling(self.shift)
+        sigmas = self.tensors.get("sigmas")
+        if sigmas is None:
+            sigmas = schedulers.sigmas(self.scheduler, sampling, self.steps, self.denoise, sampler=self.sampler)
+        return Generation(
+            latent=self.tensors.get("latent", torch.zeros(self.latent_shape(spec))),
+            seed=self.seed,
+            sigmas=cut(sigmas.float(), self.start_step, self.end_step, self.leftover_noise),
+            sampling=sampling,
+            sampler=self.sampler,
+            cfg=self.cfg,
+            guidance=self.guidance if self.guidance is not None else spec.default_guidance,
+            positive=spec.prepare_conditioning(positive),  # once, before any layout sizes a buffer from it
+            negative=None if negative is None else spec.prepare_conditioning(negative),
+            add_noise=self.add_noise,
+            cache=self.cache_options(),
+        )
+
+    def cache_options(self) -> CacheOptions | None:
+        if self.cache == "none":
+            return None
+        threshold = schema.CACHE_THRESHOLDS[self.cache] if self.cache_threshold is None else self.cache_threshold
+        return CacheOptions(self.cache, threshold, self.cache_start, self.cache_end)
+
+
+DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype weights are held and computed in. "auto": float32 on the CPU; on CUDA bfloat16 where
+    the GPU computes in it natively (sm 8.0 and newer), else float16 (a V100 or T4 only emulates
+    bfloat16, and its fused attention kernels have none)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
+def _read(field: schema.Field, fields: dict):
+    """One field's value in the request, from the message's fields (its default when absent)."""
+    if field.name not in fields:
+        if field.required:
+            raise RequestError(field.required)
+        if field.default is None:
+            return None
+    value = fields.get(field.name, field.default)
+    if field.kind == "int" and not field.low <= value <= field.high:
+        raise RequestError(f"{field.name} {value} is out of range: it must lie in {field.low}..{field.high}")
+    if field.kind == "float":
+        return float(value)  # its range: _check_ranges
+    names = field.choices if isinstance(field.choices, tuple) else CHOICES.get(field.choices, ())
+    if field.kind == "choice" and value not in names:
+        raise RequestError(f"{field.name} {value!r} is not supported", f"use one of: {', '.join(names)}")
+    if field.kind == "dtype" and value not in field.choices:
+        raise RequestError(f"{field.name} {value!r} is not supported", f"use {', '.join(field.choices)}")
+    if field.kind == "layout":
+        return _parallel(value)
+    if field.kind == "loras":
+        return _loras(value)
+    return value
+
+
+def _write(field: schema.Field, value):
+    """One attribute as its wire value (None: left out)."""
+    if field.kind == "layout":
+        return "auto" if value is None else value.to_json()
+    if field.kind == "loras":
+        return [{"path": spec.path, "strength": spec.strength} for spec in value]
+    return value
+
+
+def _loras(entries) -> tuple:
+    try:
+        return tuple(lora.parse(entries))
+    except UserError as exc:
+        raise RequestError(exc.message, exc.hint) from None
+
+
+def _parallel(value) -> ParallelConfig | None:
+    if value == "auto":
+        return None
+    if isinstance(value, str):
+        raise RequestError(f"parallel {value!r} is not a layout", 'send "auto" or degrees such as {"ulysses": 2}')
+    try:
+        return ParallelConfig.from_json(value)
+    except ConfigError as exc:
+        raise RequestError(exc.message, exc.hint) from None
+    except TypeError as exc:
+        raise RequestError(f"parallel: {exc}") from None

@@ -1,0 +1,435 @@
+"""Wire protocol: framing, message schemas and tensor (de)serialisation.
+
+One frame on the socket::
+
+    b"XDIT" | u16 version | u32 header length | JSON header | u64 payload length | payload
+
+all integers big-endian. The JSON header is an object with a ``type`` (the message type) and an
+``id``; the payload is empty or a safetensors blob holding the message's tensors by name.
+Nothing here unpickles anything, and nothing here knows about torch.distributed.
+
+Every size, dtype and shape is checked before a tensor is built. A frame that breaks the
+framing (wrong magic or version, a length over the limit, a truncated frame) raises
+``FrameError(fatal=True)``: the peer should get an error frame and the connection be closed.
+A frame that was read whole but says something wrong raises ``FrameError(fatal=False)``: the
+connection can go on.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import schema
+
+MAGIC = b"XDIT"
+PROTOCOL_VERSION = 1
+
+_PRELUDE = struct.Struct(">4sHI")  # magic, protocol version, header length
+_PAYLOAD_LENGTH = struct.Struct(">Q")
+_ST_HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian header length
+
+# safetensors dtype names accepted on the wire (float8 is for model files, not messages).
+WIRE_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied to every frame before anything is allocated for it."""
+
+    max_header_bytes: int = 1 << 20
+    max_payload_bytes: int = 1 << 30
+    max_json_depth: int = 8
+    max_tensors: int = 64  # latent, sigmas, and per side the text tensors and up to schema.MAX_REFERENCES references
+    max_tensor_dims: int = 6
+    max_string_chars: int = 4096
+    frame_timeout_s: float = 30.0  # once a frame has started, the rest must arrive in this time
+    idle_timeout_s: float = 300.0  # a connection with nothing queued or running closes after this long idle
+
+
+DEFAULT_LIMITS = Limits()
+
+# Field types per message type: what a request may carry, and what a reply may carry.
+# Unknown types and unknown fields are errors; semantic checks live in request.py.
+_NUM = schema.NUMBER
+REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
+    "hello": {"client": str, "token": str},  # the token: required as the first frame over TCP
+    "status": {},
+    "sample": schema.wire_types(),  # the request's fields, declared in schema.py
+    "cancel": {"target": str},
+    "unload": {"model": str},
+    "shutdown": {},
+    "echo": {},
+}
+REPLY_FIELDS: dict[str, dict[str, type | tuple]] = {
+    "hello": {"protocol": int, "world_size": int, "pid": int},
+    "status": {"status": dict},
+    "progress": {"step": int, "total": int, "elapsed_s": _NUM},
+    "result": {"elapsed_s": _NUM, "info": dict},
+    "error": {"kind": str, "message": str, "hint": str, "rank": int, "traceback": str},
+}
+
+
+class FrameError(Exception):
+    """A frame that cannot be accepted; ``fatal`` when the stream cannot be read further."""
+
+    def __init__(self, message: str, hint: str = "", *, fatal: bool, kind: str = "bad_frame"):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.fatal = fatal
+        self.kind = kind
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection cleanly between two frames."""
+
+
+@dataclass
+class Message:
+    """A decoded frame: its type, its JSON fields (without ``type``) and its tensors."""
+
+    type: str
+    fields: dict = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.fields.get("id", "")
+
+
+def error_message(kind: str, message: str, hint: str = "", *, id: str = "", **extra) -> Message:
+    """Build an ``error`` reply; ``extra`` may carry ``rank`` and ``traceback``."""
+    return Message("error", {"id": id, "kind": kind, "message": message, "hint": hint, **extra})
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    """Serialise a message into the parts of one frame (send them in order)."""
+    header = json.dumps({"type": message.type, **message.fields}, separators=(",", ":")).encode()
+    payload = _encode_tensors(message.tensors)
+    prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, len(header))
+    return [prelude, header, _PAYLOAD_LENGTH.pack(sum(len(p) for p in payload)), *payload]
+
+
+def encode_bytes(message: Message) -> bytes:
+    """The whole frame as one bytes object (for in-process use and tests)."""
+    return b"".join(bytes(p) for p in encode(message))
+
+
+def _encode_tensors(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """A safetensors blob as a list of parts, without copying tensor data into one buffer."""
+    if not tensors:
+        return []
+    entries, parts, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, not one the protocol carries")
+        data = tensor.detach().to("cpu").contiguous()
+        raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b""
+        entries[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        parts.append(raw)
+        offset += len(raw)
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # tensor data starts 8-byte aligned, as safetensors does
+    return [_ST_HEADER_LENGTH.pack(len(header)), header, *parts]
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def decode_bytes(frame: bytes, limits: Limits = DEFAULT_LIMITS, *, direction: str = "request") -> Message:
+    """Decode one whole frame held in memory."""
+    view = memoryview(frame)
+    if len(view) < _PRELUDE.size:
+        raise FrameError("truncated frame: shorter than its prelude", fatal=True)
+    header_len = _check_prelude(bytes(view[: _PRELUDE.size]), limits)
+    start = _PRELUDE.size
+    end = start + header_len + _PAYLOAD_LENGTH.size
+    if len(view) < end:
+        raise FrameError("truncated frame: header cut short", fatal=True)
+    header = bytes(view[start : start + header_len])
+    (payload_len,) = _PAYLOAD_LENGTH.unpack(view[end - _PAYLOAD_LENGTH.size : end])
+    _check_payload_length(payload_len, limits)
+    if len(view) != end + payload_len:
+        raise FrameError(f"frame length {len(view)} does not match its declared lengths", fatal=True)
+    return _decode_message(header, bytearray(view[end:]), limits, direction)
+
+
+def _check_prelude(prelude: bytes, limits: Limits) -> int:
+    magic, version, header_len = _PRELUDE.unpack(prelude)
+    if magic != MAGIC:
+        raise FrameError(
+            f"not an xDiT frame (magic {magic!r}, expected {MAGIC!r})",
+            "only xdit_backend.client (or a peer speaking its protocol) can talk to this socket",
+            fatal=True,
+        )
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            f"protocol version {version} is not supported; this backend speaks version {PROTOCOL_VERSION}",
+            "restart the backend after upgrading (xdit-backend stop), so client and backend match",
+            fatal=True,
+            kind="version",
+        )
+    if header_len > limits.max_header_bytes:
+        raise FrameError(
+            f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}",
+            fatal=True,
+        )
+    return header_len
+
+
+def _check_payload_length(payload_len: int, limits: Limits) -> None:
+    if payload_len > limits.max_payload_bytes:
+        raise FrameError(
+            f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}",
+            "send smaller tensors, or start the backend with a larger --max-payload-mb",
+            fatal=True,
+        )
+
+
+def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction: str) -> Message:
+    try:
+        fields = json.loads(header, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise FrameError(f"header is not valid JSON: {str(exc)[:200]}", fatal=False) from None
+    if not isinstance(fields, dict):
+        raise FrameError("header must be a JSON object", fatal=False)
+    _check_json_depth(fields, limits.max_json_depth)
+    msg_type = fields.pop("type", None)
+    schemas = REQUEST_FIELDS if direction == "request" else REPLY_FIELDS
+    if msg_type not in schemas:
+        raise FrameError(
+            f"unknown message type {msg_type!r}",
+            f"known {direction} types: {', '.join(sorted(schemas))}",
+            fatal=False,
+            kind="bad_request",
+        )
+    _check_fields(msg_type, fields, schemas[msg_type], limits)
+    return Message(msg_type, fields, _decode_tensors(payload, limits))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _check_json_depth(value, max_depth: int) -> None:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise FrameError(f"header nests deeper than {max_depth} levels", fatal=False)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _check_fields(msg_type: str, fields: dict, schema: dict, limits: Limits) -> None:
+    msg_id = fields.get("id", "")
+    if not isinstance(msg_id, str) or len(msg_id) > 128:
+        raise FrameError("field 'id' must be a string of at most 128 characters", fatal=False)
+    for name, value in fields.items():
+        if name == "id":
+            continue
+        if name not in schema:
+            allowed = ", ".join(["id", *schema]) or "id"
+            raise FrameError(
+                f"unknown field {name!r} in a {msg_type!r} message",
+                f"fields a {msg_type!r} message may carry: {allowed}",
+                fatal=False,
+                kind="bad_request",
+            )
+        expected = schema[name]
+        if isinstance(value, bool) and expected is not bool:  # JSON true is not a number here
+            ok = False
+        else:
+            ok = isinstance(value, expected)
+        if not ok:
+            raise FrameError(
+                f"field {name!r} of a {msg_type!r} message has type {type(value).__name__}, "
+                f"expected {_type_name(expected)}",
+                fatal=False,
+                kind="bad_request",
+            )
+        if isinstance(value, str) and len(value) > limits.max_string_chars:
+            raise FrameError(f"field {name!r} is longer than {limits.max_string_chars} characters", fatal=False)
+
+
+def _type_name(expected) -> str:
+    if isinstance(expected, tuple):
+        return "number"
+    return {str: "string", int: "integer", bool: "boolean", dict: "object"}.get(expected, expected.__name__)
+
+
+def _decode_tensors(payload: bytearray, limits: Limits) -> dict[str, torch.Tensor]:
+    """Validate a safetensors blob completely, then build zero-copy views over it."""
+    if not payload:
+        return {}
+    if len(payload) < _ST_HEADER_LENGTH.size:
+        raise FrameError("payload is shorter than a safetensors header", fatal=False)
+    (st_len,) = _ST_HEADER_LENGTH.unpack_from(payload)
+    data_start = _ST_HEADER_LENGTH.size + st_len
+    if st_len > limits.max_header_bytes or data_start > len(payload):
+        raise FrameError(f"safetensors header length {st_len} does not fit the payload", fatal=False)
+    try:
+        entries = json.loads(bytes(payload[_ST_HEADER_LENGTH.size : data_start]))
+    except (ValueError, RecursionError):
+        raise FrameError("safetensors header is not valid JSON", fatal=False) from None
+    if not isinstance(entries, dict):
+        raise FrameError("safetensors header must be a JSON object", fatal=False)
+    entries.pop("__metadata__", None)
+    if len(entries) > limits.max_tensors:
+        raise FrameError(f"{len(entries)} tensors exceed the limit of {limits.max_tensors}", fatal=False)
+
+    data_len = len(payload) - data_start
+    specs, spans = [], []
+    for name, entry in entries.items():
+        dtype, shape, (begin, end) = _check_tensor_entry(name, entry, limits)
+        if not 0 <= begin <= end <= data_len:
+            raise FrameError(f"tensor {name!r} lies outside the payload", fatal=False)
+        if _numel(shape) * dtype.itemsize != end - begin:
+            raise FrameError(
+                f"tensor {name!r}: shape {shape} of {dtype} needs {_numel(shape) * dtype.itemsize} bytes, "
+                f"the payload gives {end - begin}",
+                fatal=False,
+            )
+        specs.append((name, dtype, shape, begin, end))
+        spans.append((begin, end))
+    spans.sort()
+    if any(prev_end > begin for (_, prev_end), (begin, _) in zip(spans, spans[1:])):
+        raise FrameError("tensors overlap in the payload", fatal=False)
+
+    tensors = {}
+    for name, dtype, shape, begin, end in specs:
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        offset = data_start + begin
+        tensor = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+        tensors[name] = tensor if offset % dtype.itemsize == 0 else tensor.clone()
+    return tensors
+
+
+def _check_tensor_entry(name, entry, limits: Limits):
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise FrameError("tensor names must be strings of 1 to 64 characters", fatal=False)
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise FrameError(f"tensor {name!r}: entry must hold exactly dtype, shape, data_offsets", fatal=False)
+    dtype = WIRE_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise FrameError(
+            f"tensor {name!r}: dtype {entry['dtype']!r} is not carried by the protocol",
+            f"use one of {', '.join(WIRE_DTYPES)}",
+            fatal=False,
+        )
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_tensor_dims
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
+    ):
+        raise FrameError(
+            f"tensor {name!r}: shape must be a list of at most {limits.max_tensor_dims} non-negative integers",
+            fatal=False,
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise FrameError(f"tensor {name!r}: data_offsets must be two integers", fatal=False)
+    return dtype, shape, offsets
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+class Connection:
+    """A framed, thread-safe-for-sending connection over a stream socket."""
+
+    def __init__(self, sock: socket.socket, limits: Limits = DEFAULT_LIMITS, *, direction: str):
+        self.sock = sock
+        self.limits = limits
+        self.direction = direction  # the kind of message this side receives: "request" or "reply"
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Message) -> None:
+        parts = encode(message)
+        with self._send_lock:
+            for part in parts:
+                self.sock.sendall(part)
+
+    def receive(self, idle_timeout: float | None = None) -> Message:
+        """Read one frame; waits up to ``idle_timeout`` for it to begin (None: forever)."""
+        self.sock.settimeout(idle_timeout)
+        first = self.sock.recv(_PRELUDE.size)
+        if not first:
+            raise ConnectionClosed()
+        deadline = time.monotonic() + self.limits.frame_timeout_s
+        prelude = first + self._read_exactly(_PRELUDE.size - len(first), deadline)
+        header_len = _check_prelude(prelude, self.limits)
+        header = self._read_exactly(header_len, deadline)
+        (payload_len,) = _PAYLOAD_LENGTH.unpack(self._read_exactly(_PAYLOAD_LENGTH.size, deadline))
+        _check_payload_length(payload_len, self.limits)
+        payload = bytearray(payload_len)
+        self._read_into(memoryview(payload), deadline)
+        return _decode_message(header, payload, self.limits, self.direction)
+
+    def _read_exactly(self, size: int, deadline: float) -> bytes:
+        buffer = bytearray(size)
+        self._read_into(memoryview(buffer), deadline)
+        return bytes(buffer)
+
+    def _read_into(self, view: memoryview, deadline: float) -> None:
+        got = 0
+        while got < len(view):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FrameError(
+                    f"frame not completed within {self.limits.frame_timeout_s:.0f} s", fatal=True
+                )
+            self.sock.settimeout(remaining)
+            try:
+                n = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                continue
+            if n == 0:
+                raise FrameError(f"truncated frame: connection closed after {got} of {len(view)} bytes", fatal=True)
+            got += n
+
+    def close(self) -> None:
+        """Close, but never in the middle of a frame another thread is sending (a queued job's
+        reply may be on its way when the client's side ends): the peer gets whole frames or none."""
+        with self._send_lock:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
