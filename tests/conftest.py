@@ -38,16 +38,9 @@ def flux_tiny_conditioning(seed: int = 5, batch: int = 2, text_tokens: int = 8) 
 
 def serial_of(fields: dict, tensors: dict) -> torch.Tensor:
     """The serial latent of a request, computed in this process by the world-1 code path."""
-    from xdit_backend.models import registry
-    from xdit_backend.parallel.denoiser import Denoiser
-    from xdit_backend.sampling.generate import generate
-    from xdit_backend.service.request import SampleRequest
-    from xdit_backend.wire.protocol import Message
+    from xdit_backend.service.reference import serial_latent
 
-    request = SampleRequest.parse(Message("sample", fields, tensors))
-    model = registry.build(request.model, torch.device("cpu"))
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
+    return serial_latent(fields, tensors)
 
 
 LONG = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 2000, "seed": 1}

@@ -16,8 +16,7 @@ import torch
 from ..client import Client
 from ..launch import launcher
 from ..models import registry
-from ..parallel.denoiser import Denoiser
-from ..sampling.generate import generate
+from ..service.reference import serial_latent
 from ..service.request import SampleRequest, compute_dtype
 from ..wire.protocol import Message
 
@@ -40,10 +39,8 @@ def run_serial(fields: dict, device: torch.device) -> tuple[torch.Tensor, float,
     request = SampleRequest.parse(Message("sample", fields))
     dtype = compute_dtype(request.dtype, device)
     model = registry.build(MODEL, device, dtype)
-    positive, negative = registry.random_conditioning(MODEL, request.batch, request.seed, model.spec)
     show, started = _progress("serial "), time.perf_counter()
-    latent = generate(Denoiser(model), request.generation(model.spec, positive, negative),
-                      lambda i, n: show(i, n, time.perf_counter() - started) or True)
+    latent = serial_latent(fields, model=model, after_step=lambda i, n: show(i, n, time.perf_counter() - started) or True)
     return latent, time.perf_counter() - started, dtype
 
 

@@ -303,10 +303,7 @@ def run_pipefusion_error_bench(stages: int, width: int, height: int, models: tup
     import torch
 
     from ..models import registry
-    from ..parallel.denoiser import Denoiser
-    from ..sampling.generate import generate
-    from ..service.request import SampleRequest
-    from ..wire.protocol import Message
+    from ..service.reference import serial_latent
 
     with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
         options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=stages, device="cpu")
@@ -322,9 +319,7 @@ def run_pipefusion_error_bench(stages: int, width: int, height: int, models: tup
                 weights = registry.build(model, torch.device("cpu"))
                 rows = []
                 for steps in (4, 8, 20):
-                    request = SampleRequest.parse(Message("sample", {**fields, "steps": steps}, tensors))
-                    with torch.no_grad():
-                        serial = generate(Denoiser(weights), request.generation(spec, *request.conditioning(spec)))
+                    serial = serial_latent({**fields, "steps": steps}, tensors, model=weights)
                     cells = []
                     for patches in (stages, 2 * stages):
                         for warmup in (0, 1, 2):

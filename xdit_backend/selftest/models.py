@@ -18,11 +18,8 @@ from safetensors.torch import save_file
 from ..bench.sync_audit import count_syncs
 from ..models import registry
 from ..models.lora import LoraSpec
-from ..parallel.denoiser import Denoiser
-from ..sampling.generate import generate
 from ..sampling.samplers import SAMPLERS
-from ..service.request import SampleRequest
-from ..wire.protocol import Message
+from ..service.reference import serial_latent
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",
@@ -46,10 +43,7 @@ def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dic
 def generation(model, builtin: str, request_fields: dict, after_step=lambda done, steps: True) -> torch.Tensor:
     """One generation with a built ``model`` (a built-in, or a file written from the built-in ``builtin``,
     whose random conditioning it takes): the latent, float32, on the CPU."""
-    request = SampleRequest.parse(Message("sample", {**request_fields, "model": builtin}))
-    positive, negative = registry.random_conditioning(builtin, request.batch, request.seed, model.spec)
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, positive, negative), after_step)
+    return serial_latent({**request_fields, "model": builtin}, model=model, after_step=after_step)
 
 
 @contextmanager

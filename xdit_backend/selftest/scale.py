@@ -14,11 +14,8 @@ from ..bench.overhead import measure_overhead
 from ..models import flux, registry
 from ..parallel import attention
 from ..parallel.compile import compile_blocks
-from ..parallel.denoiser import Denoiser
-from ..sampling.generate import generate
-from ..service.request import SampleRequest
+from ..service.reference import serial_latent
 from ..service.step_clock import StepClock
-from ..wire.protocol import Message
 from .models import distance
 from .runner import Checks, Context, Skip
 
@@ -27,11 +24,8 @@ SHARDS = (1, 2, 4, 8)  # sequence-parallel degrees whose per-rank compute is mea
 
 
 def _timed_generation(model, request_fields: dict) -> tuple[torch.Tensor, float]:
-    request = SampleRequest.parse(Message("sample", request_fields))
-    positive, negative = registry.random_conditioning(model.name, request.batch, request.seed, model.spec)
     started = time.perf_counter()
-    with torch.no_grad():
-        latent = generate(Denoiser(model), request.generation(model.spec, positive, negative))  # ends on the CPU
+    latent = serial_latent({**request_fields, "model": model.name}, model=model)  # ends on the CPU
     return latent, time.perf_counter() - started
 
 

@@ -139,15 +139,7 @@ class Leader:
         self.check_roots(request)
         spec = registry.spec(request.model)  # validation needs no weights
         request.check_model(spec)
-        positive, negative = request.conditioning(spec)
-        if positive is None and request.model not in registry.BUILTINS:
-            keys = ", ".join(spec.conditioning_shapes(1, 1))
-            raise RequestError(f"model {request.model} needs text conditioning: send {keys} "
-                               "(and the same with a negative_ prefix for cfg > 1)",
-                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
-        if positive is None:  # a built-in test model without embeddings: stand-ins from the seed
-            positive, negative = request.with_references(
-                spec, *registry.random_conditioning(request.model, request.batch, request.seed, spec))
+        positive, negative = request.sides(spec)
         # the layout is chosen on the sides as the model takes them (Flux.2: text padded to 512); the ranks
         # get the sides as sent and prepare them once each (SampleRequest.generation)
         model_positive = spec.prepare_conditioning(positive)

@@ -15,7 +15,7 @@ import torch
 from .. import schema
 from ..distributed.config import ConfigError, ParallelConfig
 from ..errors import UserError
-from ..models import lora
+from ..models import lora, registry
 from ..models.base import shape_fits, shape_text
 from ..parallel.step_cache import CacheOptions
 from ..sampling import samplers, schedulers
@@ -133,6 +133,19 @@ class SampleRequest(_Fields):
                     if key in side and key not in other and masked in other:
                         other[key] = torch.ones(other[masked].shape[:2])
         return positive, negative
+
+    def sides(self, spec) -> tuple[dict, dict | None]:
+        """The positive and (optional) negative conditioning every rank runs: as sent, or for a built-in
+        test model sent none, its stand-in text from the seed with any reference latents sent."""
+        positive, negative = self.conditioning(spec)
+        if positive is not None:
+            return positive, negative
+        if self.model not in registry.BUILTINS:
+            keys = ", ".join(spec.conditioning_shapes(1, 1))
+            raise RequestError(f"model {self.model} needs text conditioning: send {keys} "
+                               "(and the same with a negative_ prefix for cfg > 1)",
+                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
+        return self.with_references(spec, *registry.random_conditioning(self.model, self.batch, self.seed, spec))
 
     def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
         """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
