@@ -1,4 +1,5 @@
-"""How much memory this rank's device has, and what this rank holds of it, in bytes.
+"""The device a rank computes on: the dtype it computes in, how much memory it has and what this rank
+holds of it, in bytes.
 
 GPU: ``torch.cuda.mem_get_info`` (the driver's free and total: other processes, ComfyUI's included,
 count) and the caching allocator's allocated and peak bytes. CPU: the machine's MemTotal and
@@ -12,6 +13,22 @@ import os
 import resource
 
 import torch
+
+from . import schema
+
+DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype weights are held and computed in. "auto": float32 on the CPU; on CUDA bfloat16 where
+    the GPU computes in it natively (sm 8.0 and newer), else float16 (a V100 or T4 only emulates
+    bfloat16, and its fused attention kernels have none)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
 
 MEMINFO = "/proc/meminfo"
 

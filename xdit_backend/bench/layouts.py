@@ -91,52 +91,6 @@ def world_of(degrees: dict) -> int:
     return math.prod(degrees.get(name, 1) for name in DEGREE_NAMES)
 
 
-SAMPLER_BYTES = 4  # the samplers work in float32: x0, latents
-
-
-def traffic_formula(degrees: dict, dims: dict, fields: dict, element_bytes: int = 4) -> tuple[int, str]:
-    """Bytes one rank sends per step by the methods' algebra, and the formula as text.
-
-    A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
-    U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels. Bytes per element: e, the
-    compute dtype's (4 for float32, 2 for bfloat16 and float16), for what the model computes
-    (activations, attention inputs, its velocity); 4 for what the sampler holds in float32 whatever
-    the compute dtype (x0 exchanged by CFG, latents gathered by dp and returned by PipeFusion).
-    Sequence parallelism cuts the joint sequence, text included: a rank holds (N+L)/P tokens.
-    """
-    u, r, cfg, dp, pf = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp", "pipefusion"))
-    p = u * r
-    a, c, e, f = dims["attention_layers"], dims["hidden"], element_bytes, SAMPLER_BYTES
-    n = (fields["width"] // 16) * (fields["height"] // 16)
-    text = dims["text_tokens"]
-    two_passes = fields["cfg"] != 1.0
-    b = fields["batch"] // dp * (2 if two_passes and cfg == 1 else 1)
-    total, terms = 0, []
-    if pf > 1:
-        if p > 1 or cfg > 1:
-            return 0, "not modelled for PipeFusion hybrids"
-        images = fields["batch"] // dp
-        activations, returned = b * (n + text) * c * e, images * n * 64 * f
-        return max(activations, returned), ("PipeFusion max(B·(N+L)·C·e activations to the next stage, "
-                                            "(B/dp)·N·64·4 patches back to stage 0); no factor of A")
-    if u > 1:  # q, k, v in and the output back: four all-to-alls of a rank's (N+L)/P tokens
-        total += 4 * a * b * ((n + text) // p) * c * e * (u - 1) // u
-        terms.append("Ulysses 4·A·B·((N+L)/P)·C·e·(U−1)/U")
-    if r > 1:  # K and V, R−1 times; after Ulysses a ring rank holds (N+L)/R tokens of C/U channels
-        total += 2 * a * b * ((n + text) // r) * (c // u) * e * (r - 1)
-        terms.append("Ring 2·A·B·((N+L)/R)·(C/U)·e·(R−1)")
-    if p > 1:
-        total += b * (n // p) * 64 * e * (p - 1)
-        terms.append("velocity B·(N/P)·64·e·(P−1)")
-    if cfg > 1:
-        total += b * n * 64 * f
-        terms.append("CFG B·N·64·4")
-    if dp > 1:
-        total += fields["batch"] // dp * n * 64 * f * (dp - 1) // fields["steps"]
-        terms.append("dp (B/dp)·N·64·4·(dp−1)/steps")
-    return total, " + ".join(terms) or "0"
-
-
 def flux_dims(model: str) -> dict | None:
     """What traffic_formula needs of a built-in Flux model (None for another model: no formula). Its
     text tokens: the length of the stand-in prompt a request without embeddings gets (the bench

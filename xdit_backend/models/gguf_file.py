@@ -18,47 +18,14 @@ import torch
 
 from ..errors import UserError
 from .checkpoint import Source
+from .gguf_blocks import PLAIN, dequantizers, gguf_package
 from .storage import Quantized
-
-MAGIC = b"GGUF"
-PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # GGML type name → torch
-
-
-def is_gguf(path: str) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(4) == MAGIC
-
-
-def _gguf():
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("reading a GGUF model file needs the gguf package, which is not installed",
-                        "pip install 'comfyui-xdit[gguf]' (or pip install gguf) in the backend's environment") from None
-    return gguf
-
-
-def open_reader(path: str):
-    """``gguf.GGUFReader`` on ``path`` (memory-mapped); a damaged file is named."""
-    try:
-        return _gguf().GGUFReader(path)
-    except UserError:
-        raise
-    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors on damaged files
-        raise UserError(f"{path} is not a readable GGUF file ({exc})", "the file may be truncated (an "
-                        "interrupted download?): check its size, or re-download it") from None
-
-
-def _dequantizers() -> dict:
-    from diffusers.quantizers.gguf.utils import dequantize_functions
-
-    return dequantize_functions
 
 
 def shapes(reader, path: str) -> dict[str, list[int]]:
     """Each tensor's shape in torch's order (GGUF stores the dims reversed); every type must be one
     the backend can dequantize on the device, else the file is refused here, before loading."""
-    supported = {_gguf().GGMLQuantizationType(t).name for t in _dequantizers()} | set(PLAIN)
+    supported = {gguf_package().GGMLQuantizationType(t).name for t in dequantizers()} | set(PLAIN)
     unknown = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors
                if tensor.tensor_type.name not in supported}
     if unknown:
@@ -99,15 +66,3 @@ def file_reader(reader) -> Callable[[Source], object]:
         return Quantized(source.convert(rows.view(torch.uint8)), gguf_type=int(tensor.tensor_type))
 
     return read
-
-
-def dequantize(data: torch.Tensor, gguf_type: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Raw GGML blocks (uint8 [rows, bytes per row], on any device) → the tensor ``shape`` in ``dtype``."""
-    block_size, type_size = _gguf().GGML_QUANT_SIZES[gguf_type]
-    blocks = data.reshape(-1, type_size)  # [blocks, bytes per block]
-    values = _dequantizers()[gguf_type](blocks, block_size, type_size, torch.float32)  # [blocks, values per block]
-    return values.reshape(shape).to(dtype)
-
-
-def type_name(gguf_type: int) -> str:
-    return _gguf().GGMLQuantizationType(gguf_type).name

@@ -20,6 +20,7 @@ from . import (
     flux2_checkpoint,
     flux_checkpoint,
     folder,
+    gguf_blocks,
     gguf_file,
     hunyuan_dit_checkpoint,
     hunyuan_video15_checkpoint,
@@ -129,9 +130,9 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     """Read a file's header (or a folder's config) once per version of the file."""
     if Path(path).is_dir():
         return _resolve_folder(path)
-    if gguf_file.is_gguf(path):
+    if gguf_blocks.is_gguf(path):
         try:
-            return _resolve_shapes(path, gguf_file.shapes(gguf_file.open_reader(path), path), gguf=True)
+            return _resolve_shapes(path, gguf_file.shapes(gguf_blocks.open_reader(path), path), gguf=True)
         except UserError as exc:
             raise ModelError(exc.message, exc.hint) from None
     try:
@@ -357,7 +358,7 @@ def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
     if source.gguf:
-        read = gguf_file.file_reader(gguf_file.open_reader(source.ref))
+        read = gguf_file.file_reader(gguf_blocks.open_reader(source.ref))
         return lambda key: read(table[key])
     handle = stack.enter_context(safe_open(source.ref, "pt"))
     reader = scaled_fp8.ScaledReader(handle, source.ref)  # a weight with a scale: storage.Quantized

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import UserError
+from . import gguf_blocks
 
 FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # weight_dtype → storage
 FLOAT8 = frozenset(FP8.values())
@@ -49,9 +50,7 @@ class Quantized:
     def dequantized(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype``, shaped ``shape`` (on ``data``'s device)."""
         if self.gguf_type is not None:
-            from .gguf_file import dequantize
-
-            return dequantize(self.data, self.gguf_type, shape, dtype)
+            return gguf_blocks.dequantize(self.data, self.gguf_type, shape, dtype)
         weight = self.data.to(dtype)
         return weight if self.scale is None else weight * _row_scale(self.scale, weight.dim()).to(dtype)
 
@@ -74,9 +73,7 @@ class StoredLinear(torch.nn.Linear):
         """The stored form's name: float8_e4m3fn, "float8_e4m3fn scaled", "gguf Q4_K"."""
         gguf_type = getattr(self, "gguf_type", None)
         if gguf_type is not None:
-            from .gguf_file import type_name
-
-            return f"gguf {type_name(gguf_type)}"
+            return f"gguf {gguf_blocks.type_name(gguf_type)}"
         name = str(self.weight.dtype).removeprefix("torch.")
         return f"{name} scaled" if "weight_scale" in self._buffers else name
 
@@ -163,14 +160,12 @@ def file_matrix_bytes(path: str, mtime_ns: int) -> tuple[int, int, int]:
     """How a model file's matrices (tensors of 2 or more dims) will be held once loaded, read from its
     header (the model cache's fit check, before loading): (bytes and values of those kept in their
     stored form — float8, GGUF blocks —, values of those cast to the compute dtype)."""
-    from . import gguf_file  # it builds on this module's Quantized
-
     kept_bytes = kept_values = cast_values = 0
-    if gguf_file.is_gguf(path):
-        for tensor in gguf_file.open_reader(path).tensors:
+    if gguf_blocks.is_gguf(path):
+        for tensor in gguf_blocks.open_reader(path).tensors:
             if len(tensor.shape) < 2:
                 continue
-            if tensor.tensor_type.name in gguf_file.PLAIN:
+            if tensor.tensor_type.name in gguf_blocks.PLAIN:
                 cast_values += int(tensor.n_elements)
             else:  # quantized blocks, as stored
                 kept_bytes, kept_values = kept_bytes + int(tensor.n_bytes), kept_values + int(tensor.n_elements)

@@ -255,20 +255,6 @@ class SampleRequest(_Fields):
         return CacheOptions(self.cache, threshold, self.cache_start, self.cache_end)
 
 
-DTYPES = {name: getattr(torch, name) for name in schema.DTYPE_NAMES if name != "auto"}  # float32 → torch.float32, …
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype weights are held and computed in. "auto": float32 on the CPU; on CUDA bfloat16 where
-    the GPU computes in it natively (sm 8.0 and newer), else float16 (a V100 or T4 only emulates
-    bfloat16, and its fused attention kernels have none)."""
-    if name != "auto":
-        return DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-
-
 def _read(field: schema.Field, fields: dict):
     """One field's value in the request, from the message's fields (its default when absent)."""
     if field.name not in fields:

@@ -1,9 +1,9 @@
-"""A scaling model: predicted step time on 2, 4 and 8 GPUs, per method and interconnect.
+"""The cost model: the bytes a layout sends per step (its traffic formula) and its modeled step time.
 
 Every number this module prints is MODELED, not measured. Inputs:
 - ``t1``: one GPU's step time for the model and size (measured where a GPU was lent; else a
   published figure, labelled as such);
-- the bytes each rank sends per step, from the method's algebra (bench.traffic_formula, the same
+- the bytes each rank sends per step, from the method's algebra (traffic_formula below, the same
   formulas the CPU bench checks against counted traffic, in bf16);
 - a link: bandwidth per GPU and latency per collective (datasheet-class values, below).
 
@@ -26,7 +26,52 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bench.layouts import traffic_formula
+
+
+SAMPLER_BYTES = 4  # the samplers work in float32: x0, latents
+
+
+def traffic_formula(degrees: dict, dims: dict, fields: dict, element_bytes: int = 4) -> tuple[int, str]:
+    """Bytes one rank sends per step by the methods' algebra, and the formula as text.
+
+    A attention layers, B batch per forward, N image tokens, L text tokens, C hidden width,
+    U ulysses, R ring, P = U·R; the velocity tokens carry 64 channels. Bytes per element: e, the
+    compute dtype's (4 for float32, 2 for bfloat16 and float16), for what the model computes
+    (activations, attention inputs, its velocity); 4 for what the sampler holds in float32 whatever
+    the compute dtype (x0 exchanged by CFG, latents gathered by dp and returned by PipeFusion).
+    Sequence parallelism cuts the joint sequence, text included: a rank holds (N+L)/P tokens.
+    """
+    u, r, cfg, dp, pf = (degrees.get(k, 1) for k in ("ulysses", "ring", "cfg", "dp", "pipefusion"))
+    p = u * r
+    a, c, e, f = dims["attention_layers"], dims["hidden"], element_bytes, SAMPLER_BYTES
+    n = (fields["width"] // 16) * (fields["height"] // 16)
+    text = dims["text_tokens"]
+    two_passes = fields["cfg"] != 1.0
+    b = fields["batch"] // dp * (2 if two_passes and cfg == 1 else 1)
+    total, terms = 0, []
+    if pf > 1:
+        if p > 1 or cfg > 1:
+            return 0, "not modelled for PipeFusion hybrids"
+        images = fields["batch"] // dp
+        activations, returned = b * (n + text) * c * e, images * n * 64 * f
+        return max(activations, returned), ("PipeFusion max(B·(N+L)·C·e activations to the next stage, "
+                                            "(B/dp)·N·64·4 patches back to stage 0); no factor of A")
+    if u > 1:  # q, k, v in and the output back: four all-to-alls of a rank's (N+L)/P tokens
+        total += 4 * a * b * ((n + text) // p) * c * e * (u - 1) // u
+        terms.append("Ulysses 4·A·B·((N+L)/P)·C·e·(U−1)/U")
+    if r > 1:  # K and V, R−1 times; after Ulysses a ring rank holds (N+L)/R tokens of C/U channels
+        total += 2 * a * b * ((n + text) // r) * (c // u) * e * (r - 1)
+        terms.append("Ring 2·A·B·((N+L)/R)·(C/U)·e·(R−1)")
+    if p > 1:
+        total += b * (n // p) * 64 * e * (p - 1)
+        terms.append("velocity B·(N/P)·64·e·(P−1)")
+    if cfg > 1:
+        total += b * n * 64 * f
+        terms.append("CFG B·N·64·4")
+    if dp > 1:
+        total += fields["batch"] // dp * n * 64 * f * (dp - 1) // fields["steps"]
+        terms.append("dp (B/dp)·N·64·4·(dp−1)/steps")
+    return total, " + ".join(terms) or "0"
 
 
 @dataclass(frozen=True)
@@ -114,36 +159,3 @@ def predict(t1: float, degrees: dict, link: Link, dims: dict = FLUX_DEV, fields:
         hidden = attention_share(image + text, dims["hidden"]) * share  # K/V passes overlap the attention
         return share + max(0.0, sent / link.bandwidth - hidden) + lag
     return share + sent / link.bandwidth + lag
-
-
-LAYOUTS = [("ulysses=2", {"ulysses": 2}), ("ulysses=4", {"ulysses": 4}), ("ulysses=8", {"ulysses": 8}),
-           ("ring=2", {"ring": 2}), ("ring=4", {"ring": 4}), ("ulysses=2,ring=2", {"ulysses": 2, "ring": 2}),
-           ("ulysses=4,ring=2", {"ulysses": 4, "ring": 2}), ("pipefusion=4,patches=8", {"pipefusion": 4}),
-           ("cfg=2 (true CFG, two passes)", {"cfg": 2})]
-PUBLISHED = {"t1": 6.71 / 28, "ulysses=2": 4.38 / 28, "ulysses=4": 4.24 / 28}  # xDiT, Flux.1-dev 1024², 28 steps, H100
-
-
-def run_scaling_model(t1: float | None = None) -> int:
-    """The modeled table, next to xDiT's published 4×H100 figures."""
-    source = "given" if t1 else "xDiT's published 1-GPU figure (6.71 s / 28 steps, H100), not measured here"
-    t1 = t1 or PUBLISHED["t1"]
-    print(f"MODELED step times, Flux.1-dev 1024², bf16, t1 = {t1 * 1e3:.0f} ms ({source}). "
-          "Formulas: xdit_backend/distributed/scaling.py, docs/benchmarks.md.\n")
-    print(f"| layout | GPUs | {NVLINK.name}: ms (speed-up) | {PCIE.name}: ms (speed-up) | xDiT published, 28 steps |")
-    print("|---|---|---|---|---|")
-    for name, degrees in LAYOUTS:
-        world = 1
-        for k in ("ulysses", "ring", "cfg", "pipefusion"):
-            world *= degrees.get(k, 1)
-        base = t1 * (2 if "cfg" in degrees else 1)  # true CFG: the single GPU runs both passes
-        cells = []
-        for link in (NVLINK, PCIE):
-            step = predict(base, degrees, link)
-            cells.append(f"{step * 1e3:.0f} ({base / step:.2f}×)")
-        published = PUBLISHED.get(name)
-        note = f"{published * 28:.2f} s ({PUBLISHED['t1'] / published:.2f}×)" if published else ""
-        print(f"| {name} | {world} | {cells[0]} | {cells[1]} | {note} |")
-    print("\nxDiT also publishes Ulysses-4 with torch.compile: 4.30 s → 1.63 s (28 steps), 4.1× its eager 1-GPU "
-          "6.71 s. Its eager multi-GPU figures sit far below the model (per-step CPU launch overhead, which "
-          "compile removes); the compiled one lies near the modeled NVLink speed-up.")
-    return 0
