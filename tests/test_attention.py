@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from xdit_backend.device import compute_dtype
 from xdit_backend.parallel import attention
 from xdit_backend.parallel.attention import DeviceFacts, choose_kernel
-from xdit_backend.service.request import compute_dtype
 
 CPU = DeviceFacts("cpu")
 GPU = torch.device("cuda", 0)

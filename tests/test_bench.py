@@ -44,7 +44,8 @@ def test_methods_are_named_without_their_degrees():
 
 
 def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
-    from xdit_backend.distributed.scaling import NVLINK, PCIE, predict, run_scaling_model
+    from xdit_backend.bench.scaling import run_scaling_model
+    from xdit_backend.distributed.cost import NVLINK, PCIE, predict
 
     t1 = 0.24
     assert predict(t1, {}, NVLINK) == t1

@@ -71,7 +71,7 @@ def test_auto_layout_equals_serial(backend4, serial, conditioning):
 @pytest.mark.parametrize("degrees", [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}, {"dp": 2}], ids=str)
 def test_counted_traffic_equals_the_formula(backend2, conditioning, degrees):
     """Bytes each rank sends, counted from the collectives, equal the method's algebra in bench.py."""
-    from xdit_backend.bench.layouts import traffic_formula
+    from xdit_backend.distributed.cost import traffic_formula
     from xdit_backend.models.registry import BUILTINS
 
     config = BUILTINS["flux-tiny"].config

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = lambda a: run_overhead_bench(a.model, a.device, a.dtype, a.width, a.height, a.steps,  # noqa: E731
                                                  a.repeats)
     elif args.command == "bench" and args.bench == "scaling":
-        from .distributed.scaling import run_scaling_model
+        from .bench.scaling import run_scaling_model
 
         handler = lambda a: run_scaling_model(a.t1)  # noqa: E731
     elif args.command == "bench" and args.bench == "memory":

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from ..client import Client
+from ..device import compute_dtype
 from ..launch import launcher
 from ..models import registry
 from ..service.reference import serial_latent
-from ..service.request import SampleRequest, compute_dtype
+from ..service.request import SampleRequest
 from ..wire.protocol import Message
 
 MODEL = "flux-tiny"

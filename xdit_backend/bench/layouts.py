@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from ..client import Client
+from ..distributed.config import DEGREES
+from ..distributed.cost import traffic_formula
 from ..launch import launcher
 from ..wire import protocol
 
@@ -70,7 +72,6 @@ DEFAULT_LAYOUTS = ["serial", "ulysses=2", "ring=2", "cfg=2", "dp=2", "pipefusion
                    "ulysses=2,ring=2", "ulysses=4", "ring=4", "cfg=2,ulysses=2", "cfg=2,ring=2", "dp=2,ulysses=2",
                    "pipefusion=4", "pipefusion=2,ulysses=2"]
 _LAYOUT_KEYS = {"patches": "num_pipeline_patch", "warmup": "warmup_steps"}
-DEGREE_NAMES = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 
 
 def parse_layout(text: str) -> dict:
@@ -88,7 +89,7 @@ def parse_layout(text: str) -> dict:
 
 
 def world_of(degrees: dict) -> int:
-    return math.prod(degrees.get(name, 1) for name in DEGREE_NAMES)
+    return math.prod(degrees.get(name, 1) for name in DEGREES)
 
 
 def flux_dims(model: str) -> dict | None:
@@ -108,7 +109,7 @@ def flux_dims(model: str) -> dict | None:
 def method_of(layout: str) -> str:
     """The method a layout uses, without its degrees: "cfg=2,ulysses=2" → "cfg×ulysses"."""
     degrees = parse_layout(layout)
-    method = "×".join(name for name in DEGREE_NAMES if degrees.get(name, 1) > 1) or "serial"
+    method = "×".join(name for name in DEGREES if degrees.get(name, 1) > 1) or "serial"
     return f"{method}+shard" if degrees.get("shard_weights") else method
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ..client import Client
+from ..device import compute_dtype
 from ..launch import launcher
 from ..launch.options import LaunchOptions
-from ..service.request import compute_dtype
 from ..service.step_clock import StepClock
 
 

@@ -12,6 +12,7 @@ from math import prod
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import UserError
+from .cost import Link, predict, serial_step, traffic_formula
 
 if TYPE_CHECKING:
     from .topology import Pair, Topology
@@ -247,7 +248,7 @@ class ParallelConfig:
         """The degrees auto picks.
 
         The fixed order first (``fixed_order``). With a measured topology (topology.py), every valid
-        layout's step is modeled (scaling.predict: compute at the measured rate, the method's traffic
+        layout's step is modeled (cost.predict: compute at the measured rate, the method's traffic
         over the slowest link its groups span), and a layout modeled at least SWITCH_GAIN faster than
         the fixed order's pick replaces it: on links without peer access, CFG, data parallel or Ring
         (whose K/V passes overlap the attention) over Ulysses' blocking all-to-alls."""
@@ -372,17 +373,14 @@ class ModeledStep(NamedTuple):
     """One candidate layout as auto weighs it."""
 
     config: ParallelConfig
-    seconds: float  # modeled per step (scaling.predict)
-    sent: float  # bytes a rank sends per step (bench.traffic_formula, in the request's dtype)
+    seconds: float  # modeled per step (cost.predict)
+    sent: float  # bytes a rank sends per step (cost.traffic_formula, in the request's dtype)
     link: Pair  # the slowest link the layout's groups span
 
 
 def _modeled_step(config: ParallelConfig, model: ModelFacts, request: RequestFacts,
                   topology: Topology) -> ModeledStep | None:
     """One layout's modeled step over the measured links, or None when a link it uses was not probed."""
-    from ..bench.layouts import traffic_formula  # the model and its traffic formula load only here
-    from .scaling import Link, predict, serial_step
-
     link = topology.slowest(config.linked_pairs())
     if link is None:
         return None

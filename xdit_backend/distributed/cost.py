@@ -1,6 +1,6 @@
 """The cost model: the bytes a layout sends per step (its traffic formula) and its modeled step time.
 
-Every number this module prints is MODELED, not measured. Inputs:
+Every number it gives is MODELED, not measured. Inputs:
 - ``t1``: one GPU's step time for the model and size (measured where a GPU was lent; else a
   published figure, labelled as such);
 - the bytes each rank sends per step, from the method's algebra (traffic_formula below, the same
@@ -25,8 +25,6 @@ FLOPs and the ranks' matmul rate (serial_step), W the slowest link a layout's gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
 
 SAMPLER_BYTES = 4  # the samplers work in float32: x0, latents
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..device import compute_dtype
 from .control import gather_json
 
 P2P_ENV = "NCCL_P2P_DISABLE"
@@ -170,8 +171,6 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, partner: int) -> None:
 
 def _compute_rate(device: torch.device) -> float:
     """This rank's matmul rate (TFLOP/s) in the dtype requests default to on this device."""
-    from ..service.request import compute_dtype
-
     n = MATMUL_SIZE[device.type]
     a = torch.full((n, n), 1.0 / n, dtype=compute_dtype("auto", device), device=device)  # [n, n]
     torch.mm(a, a)  # warm-up (kernel selection, first-touch allocation)

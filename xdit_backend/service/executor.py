@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as device_memory
+from ..device import compute_dtype
 from ..distributed.control import gather_json
 from ..distributed.mesh import MeshCache
 from ..distributed.runtime import Runtime
@@ -25,7 +26,7 @@ from ..parallel.denoiser import Denoiser
 from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from ..sampling.generate import generate
 from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
-from .request import SampleRequest, compute_dtype
+from .request import SampleRequest
 from .step_clock import StepClock
 
 FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__
+from ..device import compute_dtype
 from ..distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
 from ..distributed.control import StepGate, broadcast_message, gather_json
 from ..distributed.runtime import Runtime
@@ -30,7 +31,7 @@ from ..wire import paths, protocol
 from ..wire.protocol import Message
 from .agreement import run_request
 from .executor import Executor
-from .request import RequestError, SampleRequest, compute_dtype
+from .request import RequestError, SampleRequest
 from .server import Job, SocketServer
 
 log = logging.getLogger("xdit_backend.service.leader")
