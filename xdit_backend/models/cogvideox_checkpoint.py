@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
 
 MARKERS = ("mixins.patch_embed.proj.weight", "mixins.final_layer.linear.weight", "transformer.final_layernorm.weight")
 LATENT_CHANNELS = 16
@@ -67,6 +67,7 @@ LAYOUT_MARKERS = {  # keys that tell each renamed layout (all of them present, u
     "comfyui": ("patch_embed.proj.weight", "patch_embed.text_proj.weight", "time_embedding_linear_1.weight",
                 "blocks.0.norm1.linear.weight"),
 }
+detect_prefix = prefix_detector(MARKERS, *LAYOUT_MARKERS.values())  # THUDM's, diffusers', ComfyUI's
 # diffusers name -> ComfyUI's (comfy/ldm/cogvideo/model.py: CogVideoXBlock's q, k, v, norm_q, norm_k,
 # attn_out, ff_proj, ff_out; the time MLP as two top-level Linears); every other name is the same
 _COMFYUI_GLOBAL = {"time_embedding.linear_1": "time_embedding_linear_1",
@@ -132,14 +133,6 @@ def _source(key: str, prefix: str, width: int) -> Source:
     raise KeyError(key)
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a CogVideoX model (THUDM's, diffusers' or ComfyUI's
-    layout), or None."""
-    keys = set(keys)
-    return next((prefix for markers in (MARKERS, *LAYOUT_MARKERS.values())
-                 if (prefix := find_prefix(keys, markers)) is not None), None)
-
-
 def layout_of(keys, prefix: str) -> str | None:
     """Which renamed layout the file's keys under ``prefix`` are in; None: THUDM's."""
     return next((layout for layout, markers in LAYOUT_MARKERS.items()
@@ -152,10 +145,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     if layout is not None:
         return _renamed_config(shapes, prefix, path, layout)
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     patch = shape("mixins.patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("mixins.final_layer.linear.weight"))
@@ -170,7 +161,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mixins.final_layer.linear.weight": [(patch_t or 1) * PATCH * PATCH * LATENT_CHANNELS, width],
         "mixins.final_layer.adaLN_modulation.1.weight": [2 * width, time_embed_dim],
     }
-    _check(path, {key: shape(key) for key, want in expected.items() if shape(key) != want}, width, head_dim)
+    _check(path, shape.unexpected(expected), width, head_dim)
     blocks = count_blocks(own, "transformer.layers")
     return _config(width, head_dim, patch_t, time_embed_dim, shape("mixins.patch_embed.text_proj.weight")[1], blocks,
                    "mixins.patch_embed.proj.bias" in own, _rotary(own, width))
@@ -179,10 +170,12 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
 def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout: str) -> dict:
     """The config of a file in diffusers' or ComfyUI's names (read as diffusers' through ``renamed``)."""
 
-    def shape(key):
-        return list(shapes[prefix + renamed(key, layout)])
+    file = FileShapes(shapes, prefix)
 
-    own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+    def shape(key):
+        return file(renamed(key, layout))
+
+    own = file.own
     patch = shape("patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("proj_out.weight"))

@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_stream_modulation_img.lin.weight", "final_layer.linear.weight")
+detect_prefix = prefix_detector(MARKERS)
 
 _GLOBAL = {
     "x_embedder": "img_in",
@@ -73,17 +74,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     return table
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Flux.2 model in BFL layout, or None if it does not."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' Flux2Transformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.2.weight")[1]  # the MLP's hidden width (3·D)
@@ -100,7 +94,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mlp_ratio": mlp / width,
         "axes_dims_rope": (head_dim // 4,) * 4,
         "rope_theta": ROPE_THETA,
-        "guidance_embeds": prefix + "guidance_in.in_layer.weight" in shapes,
+        "guidance_embeds": "guidance_in.in_layer.weight" in shape,
     }
     expected = {
         "double_blocks.0.img_attn.qkv.weight": [3 * width, width],
@@ -110,7 +104,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if config["num_single_layers"]:
         expected["single_blocks.0.linear1.weight"] = [3 * width + 2 * mlp, width]
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if width % head_dim or head_dim % 4 or int(width * config["mlp_ratio"]) != mlp or wrong:
         raise UserError(
             f"{path}: its Flux.2 tensors match no Flux.2 variant (width {width}, head size {head_dim}, MLP {mlp}; "

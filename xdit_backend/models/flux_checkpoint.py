@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
+detect_prefix = prefix_detector(MARKERS)
 
 
 _GLOBAL = {
@@ -78,17 +79,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     return table
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Flux model in BFL layout, or None if it does not."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' FluxTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return shapes[prefix + key]
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     config = {
@@ -100,7 +94,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "num_attention_heads": width // head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1],
         "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
-        "guidance_embeds": prefix + "guidance_in.in_layer.weight" in shapes,
+        "guidance_embeds": "guidance_in.in_layer.weight" in shape,
         "axes_dims_rope": rope_axes(head_dim),
     }
     expected = {
@@ -110,7 +104,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if config["num_single_layers"]:
         expected["single_blocks.0.linear1.weight"] = [7 * width, width]
-    wrong = {key: shape(key) for key, want in expected.items() if list(shape(key)) != want}
+    wrong = shape.unexpected(expected)
     if width % head_dim or wrong:
         raise UserError(
             f"{path}: its Flux tensors match no Flux variant (width {width}, head size {head_dim}; "

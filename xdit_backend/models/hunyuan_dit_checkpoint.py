@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
 
 MARKERS = ("mlp_t5.0.weight", "x_embedder.proj.weight", "extra_embedder.0.weight", "text_embedding_padding")
+detect_prefix = prefix_detector(MARKERS)
 SIZE_EMBEDDING = 6 * 256  # six image-size numbers, each a 256-wide sinusoid (comfy/ldm/hydit/models.py)
 
 # diffusers module (or parameter) -> original one; weight / bias names are the same on both sides.
@@ -79,18 +80,11 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a HunyuanDiT in Tencent's layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' HunyuanDiT2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # Conv2d: [D, C, p, p]
     head_dim = shape("blocks.0.attn1.q_norm.weight")[0]  # the QK layer norm is per head
     depth = count_blocks(own, "blocks")
@@ -112,8 +106,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if depth - 1 > depth // 2:  # the blocks after the middle one take a skip (none at depth 2)
         expected[f"blocks.{depth - 1}.skip_linear.weight"] = [width, 2 * width]
-    wrong = {key: shape(key) if prefix + key in shapes else "missing" for key, want in expected.items()
-             if prefix + key not in shapes or shape(key) != want}
+    wrong = {key: shape(key) if key in shape else "missing" for key, want in expected.items()
+             if key not in shape or shape(key) != want}
     if wrong or width % head_dim or depth % 2:
         raise UserError(
             f"{path}: its HunyuanDiT tensors match no HunyuanDiT variant (width {width}, head size {head_dim}, "

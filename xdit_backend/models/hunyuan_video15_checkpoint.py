@@ -20,9 +20,10 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import FileShapes, Source, bands, prefix_detector
 
 MARKERS = ("img_in.proj.weight", "byt5_in.fc1.weight", "cond_type_embedding.weight")
+detect_prefix = prefix_detector(MARKERS)
 LATENT_CHANNELS = 32  # the model's input: latent (32) + image latent (32) + mask (1) = 65
 
 _GLOBAL = {  # diffusers module or parameter → original
@@ -94,11 +95,6 @@ def _source(key: str, prefix: str, width: int) -> Source:
     return Source(base + original, swap_halves=key.startswith("norm_out.linear"))
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a HunyuanVideo 1.5 model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def rope_axes(head_dim: int) -> tuple[int, int, int] | None:
     """RoPE's (frames, rows, columns) split of a head: (16, 56, 56) of 128 in every released file;
     the same proportions (1/8, 7/16, 7/16) at test widths that are multiples of 32."""
@@ -108,10 +104,8 @@ def rope_axes(head_dim: int) -> tuple[int, int, int] | None:
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' HunyuanVideo15Transformer3DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     width, in_channels, *patch = shape("img_in.proj.weight")  # Conv3d [D, C_in, p_t, p_h, p_w]
     if any(key.startswith("time_r_in.") for key in own):
         raise UserError(f"{path}: a HunyuanVideo 1.5 MeanFlow (step-distilled) file: its second time embedding "
@@ -134,7 +128,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "final_layer.adaLN_modulation.1.weight": [2 * width, width],
         "cond_type_embedding.weight": [3, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if axes is None or width % head_dim or out_rows % math.prod(patch) or wrong:
         raise UserError(f"{path}: its HunyuanVideo 1.5 tensors match no HunyuanVideo 1.5 variant (width {width}, "
                         f"head {head_dim}, patch {tuple(patch)}; unexpected shapes: {wrong or 'none'})",

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import safe_open
@@ -34,6 +33,7 @@ from . import (
     z_image_checkpoint,
 )
 from .builtins import BUILTINS, BuiltinModel
+from .checkpoint import Checkpoint
 from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
 from .flux2 import Flux2Model, Flux2Spec
@@ -54,7 +54,7 @@ class Family:
     diffusers_class: str
     spec: Callable[[dict], object]  # config → spec
     model: type  # base.DiffusionModel subclass
-    checkpoint: ModuleType  # detect_prefix, config_from_shapes, variant, sources
+    checkpoint: Checkpoint  # its <family>_checkpoint module
     block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order (its StagePlan's)
     describes: str  # the variants, for messages
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
 
 MARKERS = ("x_embedder.weight", "cap_embedder.1.weight", "x_pad_token", "cap_pad_token",
            "layers.0.attention.qkv.weight")
+detect_prefix = prefix_detector(MARKERS)
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
 HEAD_DIM = 128  # Z-Image: 3840 = 30 × 128 (comfy/model_detection.py: n_heads 30 for dim 3840)
 AXES_DIMS = (32, 48, 48)  # RoPE pairs per axis at head size 128 (comfy/model_detection.py, Z-Image)
@@ -56,18 +57,11 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     return {key: _source(key, prefix, config["dim"]) for key in diffusers_keys}
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Z-Image model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' ZImageTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     if any(key.startswith("siglip_") for key in own):
         raise UserError(f"{path}: a Z-Image-Omni file (SigLIP image conditioning) is not supported",
                         "use a Z-Image text-to-image file (Z-Image-Turbo, Z-Image)")
@@ -96,7 +90,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "t_embedder.mlp.2.weight": [min(width, 256), 1024],
         "final_layer.linear.weight": [PATCH * PATCH * in_channels, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if wrong or width % head or head % 8:
         raise UserError(f"{path}: its Z-Image tensors match no Z-Image variant (width {width}, head size {head}; "
                         f"unexpected shapes: {wrong or 'width not a multiple of the head size'})",
