@@ -32,6 +32,7 @@ from . import (
     weights,
     z_image_checkpoint,
 )
+from .base import DiffusionModel, FamilySpec
 from .builtins import BUILTINS, BuiltinModel
 from .checkpoint import Checkpoint
 from .cogvideox import CogVideoXModel, CogVideoXSpec
@@ -48,41 +49,45 @@ from .z_image import ZImageModel, ZImageSpec
 
 @dataclass(frozen=True)
 class Family:
-    """A model family as data: its diffusers class, spec, model wrapper and key-layout converter."""
+    """A model family as data: its spec class (which holds its name and block lists), model wrapper,
+    key-layout converter and diffusers class."""
 
-    name: str
-    diffusers_class: str
-    spec: Callable[[dict], object]  # config → spec
-    model: type  # base.DiffusionModel subclass
+    spec_class: type[FamilySpec]
+    model: type[DiffusionModel]
     checkpoint: Checkpoint  # its <family>_checkpoint module
-    block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order (its StagePlan's)
+    diffusers_class: str
     describes: str  # the variants, for messages
 
+    @property
+    def name(self) -> str:
+        return self.spec_class.family
 
-FAMILIES = {  # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
-    "flux2": Family("flux2", "Flux2Transformer2DModel", Flux2Spec.from_config, Flux2Model, flux2_checkpoint,
-                    Flux2Spec.stage_plan.block_lists, "Flux.2 (dev, klein 4B and 9B)"),
-    "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
-                   FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
-    "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
-                  SD3Spec.stage_plan.block_lists, "SD3 (medium), SD3.5 (medium, large)"),
-    "pixart": Family("pixart", "PixArtTransformer2DModel", PixArtSpec.from_config, PixArtModel, pixart_checkpoint,
-                     PixArtSpec.stage_plan.block_lists, "PixArt-α, PixArt-Σ"),
-    "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
-                  WanSpec.stage_plan.block_lists, "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
-    "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo15Transformer3DModel", HunyuanVideo15Spec.from_config,
-                              HunyuanVideo15Model, hunyuan_video15_checkpoint,
-                              HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
-    "z_image": Family("z_image", "ZImageTransformer2DModel", ZImageSpec.from_config, ZImageModel, z_image_checkpoint,
-                      ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
-    "hunyuan_dit": Family("hunyuan_dit", "HunyuanDiT2DModel", HunyuanDiTSpec.from_config, HunyuanDiTModel,
-                          hunyuan_dit_checkpoint, HunyuanDiTSpec.stage_plan.block_lists, "HunyuanDiT 1.0, 1.1, 1.2"),
-    "qwen_image": Family("qwen_image", "QwenImageTransformer2DModel", QwenImageSpec.from_config, QwenImageModel,
-                         qwen_image_checkpoint, QwenImageSpec.stage_plan.block_lists,
-                         "Qwen-Image, Qwen-Image-Edit (-2509)"),
-    "cogvideox": Family("cogvideox", "CogVideoXTransformer3DModel", CogVideoXSpec.from_config, CogVideoXModel,
-                        cogvideox_checkpoint, CogVideoXSpec.stage_plan.block_lists, "CogVideoX T2V (2B, 5B, 1.5-5B)"),
-}
+    @property
+    def block_lists(self) -> tuple[str, ...]:
+        """The transformer's ModuleLists of blocks, in execution order (its StagePlan's)."""
+        return self.spec_class.stage_plan.block_lists
+
+    def spec(self, config: dict) -> FamilySpec:
+        return self.spec_class.from_config(config)
+
+
+# in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
+FAMILIES = {family.name: family for family in (
+    Family(Flux2Spec, Flux2Model, flux2_checkpoint, "Flux2Transformer2DModel", "Flux.2 (dev, klein 4B and 9B)"),
+    Family(FluxSpec, FluxModel, flux_checkpoint, "FluxTransformer2DModel", "Flux.1 (dev, schnell)"),
+    Family(SD3Spec, SD3Model, sd3_checkpoint, "SD3Transformer2DModel", "SD3 (medium), SD3.5 (medium, large)"),
+    Family(PixArtSpec, PixArtModel, pixart_checkpoint, "PixArtTransformer2DModel", "PixArt-α, PixArt-Σ"),
+    Family(WanSpec, WanModel, wan_checkpoint, "WanTransformer3DModel",
+           "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+    Family(HunyuanVideo15Spec, HunyuanVideo15Model, hunyuan_video15_checkpoint, "HunyuanVideo15Transformer3DModel",
+           "HunyuanVideo 1.5 (480p, 720p; text to video)"),
+    Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
+    Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
+    Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",
+           "Qwen-Image, Qwen-Image-Edit (-2509)"),
+    Family(CogVideoXSpec, CogVideoXModel, cogvideox_checkpoint, "CogVideoXTransformer3DModel",
+           "CogVideoX T2V (2B, 5B, 1.5-5B)"),
+)}
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
 
