@@ -1,9 +1,9 @@
 """Reading single files in a family's original key layout into diffusers tensors.
 
 Each family's converter (``<family>_checkpoint.py``) implements ``Checkpoint``, the four functions
-the registry calls; its ``sources`` is a table: for every diffusers parameter, the ``Source`` it
-comes from in the original file. Fused tensors (a qkv projection) give each
-diffusers tensor a band of rows. Tensors are read through memory-mapped slices, one at a time, so
+the registry calls; its ``sources`` is a table: for every diffusers parameter, the ``TensorSource``
+it comes from in the original file. Fused tensors (a qkv projection) give each diffusers tensor a
+band of rows. Tensors are read through memory-mapped slices, one at a time, so
 a rank reads only the rows of the parameters it keeps; weights.put moves each to the device and
 casts it there (float8 files included).
 """
@@ -67,7 +67,7 @@ class Checkpoint(Protocol):
                         converters: ``detect_prefix = prefix_detector(MARKERS)``)
     config_from_shapes: diffusers' config, read off the tensor shapes (``path`` for the UserErrors)
     variant:            a name for what the shapes say, for messages
-    sources:            the ``Source`` of every diffusers key in a file under ``prefix``
+    sources:            the ``TensorSource`` of every diffusers key in a file under ``prefix``
     """
 
     def detect_prefix(self, keys: Iterable[str]) -> str | None: ...
@@ -76,7 +76,7 @@ class Checkpoint(Protocol):
 
     def variant(self, config: dict) -> str: ...
 
-    def sources(self, diffusers_keys: Iterable[str], prefix: str, config: dict) -> dict[str, Source]: ...
+    def sources(self, diffusers_keys: Iterable[str], prefix: str, config: dict) -> dict[str, TensorSource]: ...
 
 
 def count_blocks(keys, name: str, prefix: str = "") -> int:
@@ -86,7 +86,7 @@ def count_blocks(keys, name: str, prefix: str = "") -> int:
 
 
 @dataclass(frozen=True)
-class Source:
+class TensorSource:
     """Where one diffusers tensor comes from: a key of the original file, and which part of it."""
 
     key: str
@@ -115,7 +115,7 @@ def bands(sizes: list[int]) -> list[tuple[int, int]]:
     return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def read_tensor(handle, source: Source) -> torch.Tensor:
+def read_tensor(handle, source: TensorSource) -> torch.Tensor:
     """One diffusers tensor from an open safetensors file (``safe_open``), on the CPU in the file's
     dtype: only its rows are read."""
     return source.convert(handle.get_slice(source.key)[source.row_slice])

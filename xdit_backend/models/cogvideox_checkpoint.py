@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("mixins.patch_embed.proj.weight", "mixins.final_layer.linear.weight", "transformer.final_layernorm.weight")
 LATENT_CHANNELS = 16
@@ -78,7 +78,7 @@ _COMFYUI_BLOCK = {"attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v", "attn
 
 
 @dataclass(frozen=True)
-class OuterBands(Source):
+class OuterBands(TensorSource):
     """The first and last thirds of ``rows``, without the middle third: a block modulation's video
     chunks and its text chunks, which the original interleaves with the other modulation's."""
 
@@ -87,13 +87,13 @@ class OuterBands(Source):
         return torch.cat([rows[:third], rows[2 * third:]], dim=0)  # [6·D, ...]
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key: in THUDM's layout renames, q/k/v rows of the fused
     projection, and each block's two modulations gathered from the 12 chunks of its one AdaLN
     linear; in a renamed layout the same tensor under its name there."""
     layout = config.get(LAYOUT_KEY)
     if layout is not None:
-        return {key: Source(prefix + renamed(key, layout)) for key in diffusers_keys}
+        return {key: TensorSource(prefix + renamed(key, layout)) for key in diffusers_keys}
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
@@ -112,20 +112,20 @@ def renamed(key: str, layout: str) -> str:
     return f"blocks.{index}.{_COMFYUI_BLOCK.get(rest, rest)}.{param}"
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     module, _, param = key.rpartition(".")
     if module in _GLOBAL:
-        return Source(f"{prefix}{_GLOBAL[module]}.{param}")
+        return TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
     block, rest = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module).groups()
     layer = f"{prefix}transformer.layers.{block}."
     if rest in _BLOCK:
-        return Source(f"{layer}{_BLOCK[rest]}.{param}")
+        return TensorSource(f"{layer}{_BLOCK[rest]}.{param}")
     if rest in ("attn1.to_q", "attn1.to_k", "attn1.to_v"):
         rows = bands([width] * 3)["qkv".index(rest[-1])]
-        return Source(f"{layer}attention.query_key_value.{param}", rows=rows)
+        return TensorSource(f"{layer}attention.query_key_value.{param}", rows=rows)
     if rest in ("attn1.norm_q", "attn1.norm_k"):
         kind = "query" if rest.endswith("q") else "key"
-        return Source(f"{prefix}{_ADALN}.{kind}_layernorm_list.{block}.{param}")
+        return TensorSource(f"{prefix}{_ADALN}.{kind}_layernorm_list.{block}.{param}")
     if rest in ("norm1.linear", "norm2.linear"):
         # rows: 12 chunks of D; norm1 takes chunks 0-2 (video) and 6-8 (text), norm2 3-5 and 9-11
         start = 0 if rest == "norm1.linear" else 3 * width

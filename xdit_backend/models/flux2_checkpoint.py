@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_stream_modulation_img.lin.weight", "final_layer.linear.weight")
 detect_prefix = prefix_detector(MARKERS)
@@ -50,7 +50,7 @@ _SINGLE = {
 ROPE_THETA = 2000  # comfy/model_detection.py, flux2: theta 2000, axes_dim [32, 32, 32, 32] at head size 128
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -58,10 +58,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         module, param = key.rsplit(".", 1)
         bfl_param = "scale" if re.search(r"norm_(q|k|added_q|added_k)$", module) else param
         if module == "norm_out.linear":  # BFL (shift, scale), diffusers (scale, shift)
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
         if not match:
@@ -70,7 +70,8 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         double = kind == "transformer_blocks"
         name, *third = (_DOUBLE if double else _SINGLE)[rest]
         rows = bands([width] * 3)[third[0]] if third else None  # q, k or v of a fused [3·D, D] qkv
-        table[key] = Source(f"{prefix}{'double_blocks' if double else 'single_blocks'}.{index}.{name}.{bfl_param}", rows)
+        bfl_block = "double_blocks" if double else "single_blocks"
+        table[key] = TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
     return table
 
 

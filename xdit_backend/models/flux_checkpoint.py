@@ -1,7 +1,7 @@
 """Flux single files in the original (BFL / ComfyUI) key layout, read into diffusers' Flux.
 
 The layout conversion is a table: every diffusers parameter names the BFL tensor it comes from,
-and, for fused tensors, which rows (checkpoint.Source). It works at any width (diffusers' own
+and, for fused tensors, which rows (checkpoint.TensorSource). It works at any width (diffusers' own
 converter assumes 3072), and infers the config from the shapes.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
 detect_prefix = prefix_detector(MARKERS)
@@ -51,7 +51,7 @@ _SINGLE = {
 }
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -60,10 +60,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         bfl_param = "scale" if param == "weight" and ("norm_q" in module or "norm_k" in module
                                                       or "norm_added" in module) else param
         if module == "norm_out.linear":
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
         if not match:
@@ -75,7 +75,7 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         if split:  # a band of a fused tensor: parts of width D or 4·D (the MLP)
             part, parts = split
             rows = bands([width if size == "D" else 4 * width for size in parts])[part]
-        table[key] = Source(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
+        table[key] = TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
     return table
 
 

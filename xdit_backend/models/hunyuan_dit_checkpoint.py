@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("mlp_t5.0.weight", "x_embedder.proj.weight", "extra_embedder.0.weight", "text_embedding_padding")
 detect_prefix = prefix_detector(MARKERS)
@@ -56,25 +56,25 @@ _FUSED = {"attn1.to_q": ("attn1.Wqkv", 0, 3), "attn1.to_k": ("attn1.Wqkv", 1, 3)
           "attn2.to_k": ("attn2.kv_proj", 0, 2), "attn2.to_v": ("attn2.kv_proj", 1, 2)}  # (original, band, of)
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     """The original source of one diffusers key; KeyError if it has none."""
     if key in ("norm_out.linear.weight", "norm_out.linear.bias"):
-        return Source(prefix + "final_layer.adaLN_modulation.1." + key.rpartition(".")[2], swap_halves=True)
+        return TensorSource(prefix + "final_layer.adaLN_modulation.1." + key.rpartition(".")[2], swap_halves=True)
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", key)
     if match:
         block, module, param = match.groups()
         base = f"{prefix}blocks.{block}."
         if module in _FUSED:
             original, band, of = _FUSED[module]
-            return Source(f"{base}{original}.{param}", rows=bands([width] * of)[band])
-        return Source(f"{base}{_BLOCK[module]}.{param}")
+            return TensorSource(f"{base}{original}.{param}", rows=bands([width] * of)[band])
+        return TensorSource(f"{base}{_BLOCK[module]}.{param}")
     if key in _GLOBAL:
-        return Source(prefix + _GLOBAL[key])
+        return TensorSource(prefix + _GLOBAL[key])
     module, _, param = key.rpartition(".")
-    return Source(f"{prefix}{_GLOBAL[module]}.{param}")
+    return TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}

@@ -20,7 +20,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, prefix_detector
 
 MARKERS = ("img_in.proj.weight", "byt5_in.fc1.weight", "cond_type_embedding.weight")
 detect_prefix = prefix_detector(MARKERS)
@@ -70,29 +70,29 @@ def _rename(rest: str, table: dict[str, str]) -> str | None:
     return f"{table[module]}.{param}" if module in table else None
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``config``: the width the refiner's qkv bands have)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     if match := re.fullmatch(r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.(.+)", key):
         base, rest = f"{prefix}txt_in.individual_token_refiner.blocks.{match.group(1)}.", match.group(2)
         if m := re.fullmatch(r"attn\.to_([qkv])\.(weight|bias)", rest):  # one fused [3·D, D] qkv
-            return Source(f"{base}self_attn_qkv.{m.group(2)}", bands([width] * 3)["qkv".index(m.group(1))])
+            return TensorSource(f"{base}self_attn_qkv.{m.group(2)}", bands([width] * 3)["qkv".index(m.group(1))])
         original = _rename(rest, _REFINER)
     elif match := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", key):
         base, rest = f"{prefix}double_blocks.{match.group(1)}.", match.group(2)
         if (m := re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)) and m.group(1) in _QKV:
             stream, index = _QKV[m.group(1)]  # separate q, k, v tensors, as Tencent ships them
-            return Source(f"{base}{stream}_{'qkv'[index]}.{m.group(2)}")
+            return TensorSource(f"{base}{stream}_{'qkv'[index]}.{m.group(2)}")
         original = _rename(rest, _BLOCK)
     else:
         base, original = prefix, _rename(key, _GLOBAL)
     if original is None:
         raise KeyError(key)
-    return Source(base + original, swap_halves=key.startswith("norm_out.linear"))
+    return TensorSource(base + original, swap_halves=key.startswith("norm_out.linear"))
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int] | None:

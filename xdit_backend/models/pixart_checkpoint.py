@@ -25,7 +25,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 # t_block and the cross-attention's q_linear are PixArt's own (SD3 also has x_embedder / t_embedder).
 MARKERS = ("t_block.1.weight", "blocks.0.cross_attn.q_linear.weight", "x_embedder.proj.weight")
@@ -64,7 +64,7 @@ def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers state_dict key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -75,9 +75,9 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
             name, *split = _BLOCK[module]
             # fused qkv [3W, W] and kv_linear [2W, C]: q, k, v are consecutive bands of W rows
             rows = bands([width] * split[1])[split[0]] if split else None
-            table[key] = Source(prefix + _join("blocks", block.group(1), name, param), rows)
+            table[key] = TensorSource(prefix + _join("blocks", block.group(1), name, param), rows)
         elif not block and module in _GLOBAL:
-            table[key] = Source(prefix + _join(_GLOBAL[module], param))
+            table[key] = TensorSource(prefix + _join(_GLOBAL[module], param))
         else:
             raise KeyError(key)
     return table

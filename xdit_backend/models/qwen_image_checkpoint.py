@@ -10,7 +10,7 @@ architecture (an Edit model is the same weights' shapes used with reference late
 from __future__ import annotations
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, count_blocks, prefix_detector
 
 MARKERS = ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.img_mod.1.weight",
            "transformer_blocks.0.attn.add_q_proj.weight")
@@ -18,9 +18,9 @@ detect_prefix = prefix_detector(MARKERS)
 FULL_SIZE = (3072, 60)  # width, blocks of Qwen-Image (20 B)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The file's key for every diffusers parameter key: the same name under ``prefix``."""
-    return {key: Source(prefix + key) for key in diffusers_keys}
+    return {key: TensorSource(prefix + key) for key in diffusers_keys}
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:

@@ -102,8 +102,9 @@ def resolve_builtin(name: str) -> BuiltinModel:
 
 
 @dataclass(frozen=True)
-class Source:
-    """A resolved model argument: what kind it is, where, its family and its diffusers config."""
+class ModelSource:
+    """Where a model's weights come from (a resolved model argument: a built-in's seed, a single file
+    or a diffusers folder), its family and its diffusers config."""
 
     kind: str  # "builtin", "file" (original key layout) or "folder" (diffusers layout)
     ref: str
@@ -115,11 +116,11 @@ class Source:
     gguf: bool = False  # a GGUF file (city96's layout), not a safetensors one
 
 
-def resolve(ref: str) -> Source:
+def resolve(ref: str) -> ModelSource:
     """A built-in name, a safetensors file in a family's original layout, or a diffusers folder."""
     if ref in BUILTINS:
         builtin = BUILTINS[ref]
-        return Source("builtin", ref, builtin.family, builtin.config, describes=builtin.description)
+        return ModelSource("builtin", ref, builtin.family, builtin.config, describes=builtin.description)
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelError(f"no model at {ref}: not a built-in name, and no such file or folder",
@@ -130,7 +131,7 @@ def resolve(ref: str) -> Source:
 
 
 @functools.lru_cache(maxsize=32)
-def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
+def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
     """Read a file's header (or a folder's config) once per version of the file."""
     if Path(path).is_dir():
         return _resolve_folder(path)
@@ -156,7 +157,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
 
 
-def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> Source:
+def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> ModelSource:
     """The family whose original layout the file's tensor names and shapes are, and its config."""
     for family in FAMILIES.values():
         prefix = family.checkpoint.detect_prefix(shapes)
@@ -173,10 +174,10 @@ def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = Fals
         raise ModelError(exc.message, exc.hint) from None
     except KeyError as exc:
         raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
-    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
+    return ModelSource("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
 
 
-def _resolve_folder(path: str) -> Source:
+def _resolve_folder(path: str) -> ModelSource:
     config_file = Path(path) / "config.json"
     if not config_file.exists() and (Path(path) / "transformer" / "config.json").exists():
         config_file = Path(path) / "transformer" / "config.json"  # a whole pipeline folder
@@ -190,7 +191,8 @@ def _resolve_folder(path: str) -> Source:
         raise ModelError(f"{path} holds a {config.get('_class_name')!r}, not a supported model",
                          f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders")
     init = {k: v for k, v in config.items() if not k.startswith("_")}
-    return Source("folder", str(config_file.parent), family.name, init, describes=f"{family.name} (diffusers folder)")
+    return ModelSource("folder", str(config_file.parent), family.name, init,
+                       describes=f"{family.name} (diffusers folder)")
 
 
 def identity(ref: str) -> tuple[str, int]:
@@ -202,7 +204,7 @@ def identity(ref: str) -> tuple[str, int]:
     return source.ref, Path(source.ref).stat().st_mtime_ns
 
 
-def _construct(source: Source):
+def _construct(source: ModelSource):
     """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
     import diffusers
@@ -327,7 +329,7 @@ def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> i
 
 
 @contextmanager
-def _tensors(source: Source, transformer, keys: list[str]):
+def _tensors(source: ModelSource, transformer, keys: list[str]):
     """``tensor_of(key)``: a built-in's drawn tensor, or one tensor read from the file or folder (on
     the CPU, in the stored dtype, memory-mapped), each only when ``weights.put`` asks for it."""
     if source.kind == "builtin":
@@ -358,7 +360,7 @@ def _tensors(source: Source, transformer, keys: list[str]):
         yield tensor_of
 
 
-def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
+def _file_reader(source: ModelSource, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
     if source.gguf:

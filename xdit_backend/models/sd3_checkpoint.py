@@ -1,7 +1,7 @@
 """SD3 / SD3.5 single files in the original (Stability / ComfyUI) key layout, read into diffusers' SD3.
 
 The conversion is a table: every diffusers ``SD3Transformer2DModel`` state_dict key names the
-``checkpoint.Source`` it comes from (a fused qkv gives each projection a band of rows). It works at
+``checkpoint.TensorSource`` it comes from (a fused qkv gives each projection a band of rows). It works at
 any width and infers the config from the tensor shapes alone.
 
 Buffers: ``pos_embed.pos_embed`` (the position table) is a persistent buffer whenever
@@ -23,7 +23,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, prefix_detector
 
 MARKERS = ("x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
            "joint_blocks.0.context_block.attn.qkv.weight")
@@ -143,7 +143,7 @@ def variant(config: dict) -> str:
     return _VARIANTS.get(key, f"{family} architecture, width {width}, {config['num_layers']} blocks")
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers state_dict key (``prefix``: the file's key prefix)."""
     width = config["attention_head_dim"] * config["num_attention_heads"]
     qkv = bands([width, width, width])
@@ -151,21 +151,21 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     table = {}
     for key in diffusers_keys:
         if key == "pos_embed.pos_embed":  # the persistent position-table buffer
-            table[key] = Source(f"{prefix}pos_embed")
+            table[key] = TensorSource(f"{prefix}pos_embed")
             continue
         module, param = key.rsplit(".", 1)
         if module == "norm_out.linear":
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module)
         if not match or match.group(2) not in _BLOCK:
             raise KeyError(key)
         index, rest = int(match.group(1)), match.group(2)
         name, band = _BLOCK[rest]
-        table[key] = Source(f"{prefix}joint_blocks.{index}.{name}.{param}",
+        table[key] = TensorSource(f"{prefix}joint_blocks.{index}.{name}.{param}",
                             rows=None if band is None else qkv[band],
                             swap_halves=rest == "norm1_context.linear" and index == last)
     return table

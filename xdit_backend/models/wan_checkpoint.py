@@ -18,7 +18,7 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, count_blocks, prefix_detector
 
 MARKERS = ("patch_embedding.weight", "time_projection.1.weight", "head.modulation")
 detect_prefix = prefix_detector(MARKERS)
@@ -60,9 +60,9 @@ def _original(key: str) -> str:
     raise KeyError(key)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``config`` is unused: Wan fuses no tensors)."""
-    return {key: Source(prefix + _original(key)) for key in diffusers_keys}
+    return {key: TensorSource(prefix + _original(key)) for key in diffusers_keys}
 
 
 def head_dim(width: int) -> int | None:

@@ -8,7 +8,7 @@ names as diffusers except ``x_embedder`` / ``final_layer`` (diffusers keys them 
 rows each), ``attention.out`` (``to_out.0``) and ``q_norm`` / ``k_norm`` (``norm_q`` / ``norm_k``).
 diffusers' own single-file converter (convert_z_image_transformer_checkpoint_to_diffusers) is the
 same renaming, but it splits each qkv as a whole tensor in memory; the table reads only the rows a
-tensor needs (checkpoint.Source), as the other families do. The config comes from the shapes.
+tensor needs (checkpoint.TensorSource), as the other families do. The config comes from the shapes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import FileShapes, Source, bands, count_blocks, prefix_detector
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("x_embedder.weight", "cap_embedder.1.weight", "x_pad_token", "cap_pad_token",
            "layers.0.attention.qkv.weight")
@@ -37,22 +37,22 @@ _BLOCK_TENSORS = ("attention.qkv.weight", "attention.out.weight", "attention.q_n
                   "attention_norm1.weight", "attention_norm2.weight", "ffn_norm1.weight", "ffn_norm2.weight")
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     """The original source of one diffusers key."""
     module, _, param = key.rpartition(".")
     for ours, theirs in _GLOBAL.items():
         if module == ours or module.startswith(ours + "."):
-            return Source(prefix + theirs + key[len(ours):])
+            return TensorSource(prefix + theirs + key[len(ours):])
     match = re.fullmatch(r"(\w+\.\d+\.attention)\.(.+)", module)
     if match:
         block, inner = match.groups()
         if inner in _QKV:  # fused [q; k; v] rows, D each
-            return Source(f"{prefix}{block}.qkv.{param}", bands([width] * 3)[_QKV[inner]])
-        return Source(f"{prefix}{block}.{_ATTENTION.get(inner, inner)}.{param}")
-    return Source(prefix + key)  # every other name is the same in both layouts
+            return TensorSource(f"{prefix}{block}.qkv.{param}", bands([width] * 3)[_QKV[inner]])
+        return TensorSource(f"{prefix}{block}.{_ATTENTION.get(inner, inner)}.{param}")
+    return TensorSource(prefix + key)  # every other name is the same in both layouts
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``prefix``: the file's key prefix)."""
     return {key: _source(key, prefix, config["dim"]) for key in diffusers_keys}
 
