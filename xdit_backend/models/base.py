@@ -262,18 +262,18 @@ class SequencePlan:
     cuts:      the tensors cut to this rank's share, each where it enters or leaves a module. Every
                rank holds 1/P of the image tokens and, for a joint model, 1/P of the text tokens.
     gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify).
-    attention: (attribute name, kind): attention modules that get a sequence-parallel processor;
-               "flux" (FluxAttention), "joint" (diffusers Attention: self-attention, and the joint
-               [text; image] attention when given the text), "wan" (WanAttention with 3-D RoPE).
-               Or a family's own processor class (``Processor(core)``, defined in its module), whose
-               attention is ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text
-               share (L tokens); image share] (parallel/sequence.processor_class).
+    attention: (attribute name, processor class): attention modules that get a sequence-parallel
+               processor. The class is the family's (defined in its module; SD3's and PixArt's plain
+               diffusers ``Attention`` share joint_attention.JointAttentionProcessor): ``Processor(core)``
+               computes the module's projections and hands the attention itself to
+               ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text share (L
+               tokens); image share], returning [B, S, H, D] (parallel/sequence.USPAttention).
                Cross-attention to the whole text is left alone: its queries are this rank's tokens
                and its keys the whole text, so it is already exact.
     """
 
     cuts: tuple[Cut, ...]
-    attention: tuple[tuple[str, str | type], ...]
+    attention: tuple[tuple[str, type], ...]
     gather: str = "proj_out"
 
     @property
@@ -288,12 +288,11 @@ class StagePlan:
 
     block_lists: the transformer's ModuleLists of blocks, in execution order; a stage is a
                  contiguous run of their concatenation (Flux: double-, then single-stream blocks).
-    attention:   (attribute name, kind, sees_text): the attention modules that keep every token's
-                 K/V and let a patch attend to the other patches' one-step-stale K/V. ``kind`` picks
-                 the processor as in SequencePlan ("joint": diffusers Attention; "flux": FluxAttention;
-                 "wan": WanAttention with 3-D RoPE; or the family's own processor class, as in
-                 SequencePlan); ``sees_text``: the module also attends to the
-                 text tokens (MM-DiT joint attention). Cross-attention to the text is not listed: its
+    attention:   (attribute name, processor class, sees_text): the attention modules that keep every
+                 token's K/V and let a patch attend to the other patches' one-step-stale K/V. The
+                 processor class is the one the SequencePlan names (its core here: parallel/stale_kv.
+                 StaleKV); ``sees_text``: the module also attends to the text tokens (MM-DiT joint
+                 attention). Cross-attention to the text is not listed: its
                  keys are the whole text, the same at every step, so it needs no stale K/V.
     joint_text:  the text's hidden states change from block to block (MM-DiT), so they travel
                  between stages with the first patch of each step; otherwise every stage takes the
@@ -307,7 +306,7 @@ class StagePlan:
     """
 
     block_lists: tuple[str, ...]
-    attention: tuple[tuple[str, str | type, bool], ...]
+    attention: tuple[tuple[str, type, bool], ...]
     joint_text: bool = False
     carries: bool = False
 

@@ -66,6 +66,24 @@ def time_embedded_in_float32(time_text_embed, timestep: torch.Tensor, guidance: 
         handle.remove()
 
 
+class FluxProcessor:
+    """The attention of Flux's modules (double- and single-stream blocks alike) with a pluggable core:
+    the projections, QK norms and RoPE as diffusers' processor computes them, the attention itself
+    ``core(q, k, v, text_tokens=L)`` on [B, S, H, D] laid out [text (L); image]."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:
+            raise NotImplementedError("parallel Flux attention does not take an attention mask")
+        # RoPE comes from the token ids the module is given, so it matches its tokens. q, k, v: [B, S, H, D], text first
+        query, key, value = attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]  # single-stream: joint
+        out = self.core(query, key, value, text_tokens=text_tokens).to(query.dtype)
+        return attention_outputs(attn, out, encoder_hidden_states)
+
+
 # teacache: the polynomial that maps the relative change of the first block's time embedding between
 # steps to the change of the model's output: fitted on flux-tiny (random weights; no trained weights
 # here), tools/fit_teacache.py, data and fit in docs/step-cache.md. Refit on a trained file.
@@ -89,9 +107,9 @@ class FluxSpec(FamilySpec):
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]
               Cut("", "encoder_hidden_states", 1, text=True), Cut("", "txt_ids", 0, text=True)),  # [B, L, C], [L, 3]
-        attention=(("attn", "flux"),))  # double- and single-stream blocks alike
+        attention=(("attn", FluxProcessor),))  # double- and single-stream blocks alike
     stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
-                           attention=(("attn", "flux", True),), joint_text=True)
+                           attention=(("attn", FluxProcessor, True),), joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks", "single_transformer_blocks"),
                            returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states"),
                                     "single_transformer_blocks": ("encoder_hidden_states", "hidden_states")},
