@@ -16,25 +16,11 @@ import torch
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .patch_embed import pack, unpack
 
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
-
-
-def pack(latent: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] → [B, (h/2)·(w/2), C·4]: 2×2 patches as tokens, channel-major within a patch."""
-    b, c, h, w = latent.shape
-    patches = latent.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # [B, h/2, w/2, C, 2, 2]
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, (h/2)·(w/2), C·4] → [B, C, h, w], the inverse of ``pack``."""
-    b, _, packed = tokens.shape
-    c = packed // 4
-    patches = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)  # [B, C, h/2, 2, w/2, 2]
-    return patches.reshape(b, c, h, w)
 
 
 def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
