@@ -1,10 +1,13 @@
 """What every model family shares: the request geometry a spec derives, and the loaded-model wrapper.
 
-A family module (flux.py, sd3.py, pixart.py, wan.py) declares, as data on its spec: the
-conditioning it takes, its latent format, its model sampling, how sequence parallelism cuts its
-tokens and positions (its SequencePlan), how PipeFusion cuts it into stages (its StagePlan), and
-the parallel methods it supports. Where PipeFusion needs code (a patch entering and leaving a
-stage), the family's model wrapper implements the few ``DiffusionModel`` stage methods below.
+A family module (flux.py, wan.py, qwen_image.py, …: one per family in registry.FAMILIES) declares,
+as data on its spec: the conditioning it takes, its latent format, its model sampling, how sequence
+parallelism cuts its tokens and positions and which attention processor it gives them (its
+SequencePlan), how PipeFusion cuts it into stages (its StagePlan), which blocks a step cache may
+skip (its CachePlan), and the parallel methods it supports. Where PipeFusion needs code (a patch
+entering and leaving a stage), the family's model wrapper implements the few ``DiffusionModel``
+stage methods below; where attention needs code, the family's processor class (defined in its
+module) computes the projections and hands the attention itself to the engine's core.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from ..errors import UserError
 
 class FamilySpec(ABC):
     """The interface every family's spec implements: a frozen dataclass of the numbers read from a
-    model's config, plus these class attributes and methods. The engine (parallel/, sampling/, the
-    worker) reads a family only through this interface; ``__init_subclass__`` refuses a family that
+    model's config, plus these class attributes and methods. The engine (parallel/, sampling/,
+    service/) reads a family only through this interface and its model wrapper (``DiffusionModel``),
+    never by importing a family module; ``__init_subclass__`` refuses a family that
     leaves a required attribute unset, so a new family fails at its definition, not in a request.
 
     Each family sets:
     family:           its name in the registry ("flux", "sd3", …)
     latent_format:    models/latent_formats.py (ComfyUI's constants; a property where it depends on the model)
-    parallel_methods: the degrees it can run with > 1 (config.DEGREES)
+    parallel_methods: the degrees it can run with > 1 (distributed/config.DEGREES)
     sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
     stage_plan:       how PipeFusion cuts its blocks into stages and keeps stale K/V (StagePlan)
     cache_plan:       which blocks a step cache may skip, and what it reads to decide (CachePlan)
