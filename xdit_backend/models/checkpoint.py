@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 
-
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI's: bare, or inside a checkpoint
 
 

@@ -18,7 +18,6 @@ from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 from .patch_embed import pack, unpack
 
-
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
 

@@ -18,7 +18,6 @@ from . import latent_formats, patch_embed
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 from .joint_attention import JointAttentionProcessor
 
-
 # teacache: the polynomial that maps the relative change of the first block's time embedding between
 # steps to the change of the model's output: fitted on pixart-tiny (random weights; no trained weights
 # here), tools/fit_teacache.py, data and fit in docs/step-cache.md. Refit on a trained file.
