@@ -1,10 +1,13 @@
 """What every model family shares: the request geometry a spec derives, and the loaded-model wrapper.
 
-A family module (flux.py, sd3.py, pixart.py, wan.py) declares, as data on its spec: the
-conditioning it takes, its latent format, its model sampling, how sequence parallelism cuts its
-tokens and positions (its SequencePlan), how PipeFusion cuts it into stages (its StagePlan), and
-the parallel methods it supports. Where PipeFusion needs code (a patch entering and leaving a
-stage), the family's model wrapper implements the few ``DiffusionModel`` stage methods below.
+A family module (flux.py, wan.py, qwen_image.py, …: one per family in registry.FAMILIES) declares,
+as data on its spec: the conditioning it takes, its latent format, its model sampling, how sequence
+parallelism cuts its tokens and positions and which attention processor it gives them (its
+SequencePlan), how PipeFusion cuts it into stages (its StagePlan), which blocks a step cache may
+skip (its CachePlan), and the parallel methods it supports. Where PipeFusion needs code (a patch
+entering and leaving a stage), the family's model wrapper implements the few ``DiffusionModel``
+stage methods below; where attention needs code, the family's processor class (defined in its
+module) computes the projections and hands the attention itself to the engine's core.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from ..errors import UserError
 
 class FamilySpec(ABC):
     """The interface every family's spec implements: a frozen dataclass of the numbers read from a
-    model's config, plus these class attributes and methods. The engine (parallel/, sampling/, the
-    worker) reads a family only through this interface; ``__init_subclass__`` refuses a family that
+    model's config, plus these class attributes and methods. The engine (parallel/, sampling/,
+    service/) reads a family only through this interface and its model wrapper (``DiffusionModel``),
+    never by importing a family module; ``__init_subclass__`` refuses a family that
     leaves a required attribute unset, so a new family fails at its definition, not in a request.
 
     Each family sets:
     family:           its name in the registry ("flux", "sd3", …)
     latent_format:    models/latent_formats.py (ComfyUI's constants; a property where it depends on the model)
-    parallel_methods: the degrees it can run with > 1 (config.DEGREES)
+    parallel_methods: the degrees it can run with > 1 (distributed/config.DEGREES)
     sequence_plan:    where sequence parallelism cuts its tokens and gathers them (SequencePlan)
     stage_plan:       how PipeFusion cuts its blocks into stages and keeps stale K/V (StagePlan)
     cache_plan:       which blocks a step cache may skip, and what it reads to decide (CachePlan)
@@ -262,18 +266,18 @@ class SequencePlan:
     cuts:      the tensors cut to this rank's share, each where it enters or leaves a module. Every
                rank holds 1/P of the image tokens and, for a joint model, 1/P of the text tokens.
     gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify).
-    attention: (attribute name, kind): attention modules that get a sequence-parallel processor;
-               "flux" (FluxAttention), "joint" (diffusers Attention: self-attention, and the joint
-               [text; image] attention when given the text), "wan" (WanAttention with 3-D RoPE).
-               Or a family's own processor class (``Processor(core)``, defined in its module), whose
-               attention is ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text
-               share (L tokens); image share] (parallel/sequence.processor_class).
+    attention: (attribute name, processor class): attention modules that get a sequence-parallel
+               processor. The class is the family's (defined in its module; SD3's and PixArt's plain
+               diffusers ``Attention`` share joint_attention.JointAttentionProcessor): ``Processor(core)``
+               computes the module's projections and hands the attention itself to
+               ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text share (L
+               tokens); image share], returning [B, S, H, D] (parallel/sequence.USPAttention).
                Cross-attention to the whole text is left alone: its queries are this rank's tokens
                and its keys the whole text, so it is already exact.
     """
 
     cuts: tuple[Cut, ...]
-    attention: tuple[tuple[str, str | type], ...]
+    attention: tuple[tuple[str, type], ...]
     gather: str = "proj_out"
 
     @property
@@ -288,12 +292,11 @@ class StagePlan:
 
     block_lists: the transformer's ModuleLists of blocks, in execution order; a stage is a
                  contiguous run of their concatenation (Flux: double-, then single-stream blocks).
-    attention:   (attribute name, kind, sees_text): the attention modules that keep every token's
-                 K/V and let a patch attend to the other patches' one-step-stale K/V. ``kind`` picks
-                 the processor as in SequencePlan ("joint": diffusers Attention; "flux": FluxAttention;
-                 "wan": WanAttention with 3-D RoPE; or the family's own processor class, as in
-                 SequencePlan); ``sees_text``: the module also attends to the
-                 text tokens (MM-DiT joint attention). Cross-attention to the text is not listed: its
+    attention:   (attribute name, processor class, sees_text): the attention modules that keep every
+                 token's K/V and let a patch attend to the other patches' one-step-stale K/V. The
+                 processor class is the one the SequencePlan names (its core here: parallel/stale_kv.
+                 StaleKV); ``sees_text``: the module also attends to the text tokens (MM-DiT joint
+                 attention). Cross-attention to the text is not listed: its
                  keys are the whole text, the same at every step, so it needs no stale K/V.
     joint_text:  the text's hidden states change from block to block (MM-DiT), so they travel
                  between stages with the first patch of each step; otherwise every stage takes the
@@ -307,7 +310,7 @@ class StagePlan:
     """
 
     block_lists: tuple[str, ...]
-    attention: tuple[tuple[str, str | type, bool], ...]
+    attention: tuple[tuple[str, type, bool], ...]
     joint_text: bool = False
     carries: bool = False
 

@@ -1,8 +1,9 @@
-"""Reading original-layout single files (BFL, Stability, PixArt, Wan) into diffusers tensors.
+"""Reading single files in a family's original key layout into diffusers tensors.
 
-Each family's converter (``<family>_checkpoint.py``) is a table: for every diffusers parameter,
-the ``Source`` it comes from in the original file. Fused tensors (a qkv projection) give each
-diffusers tensor a band of rows. Tensors are read through memory-mapped slices, one at a time, so
+Each family's converter (``<family>_checkpoint.py``) implements ``Checkpoint``, the four functions
+the registry calls; its ``sources`` is a table: for every diffusers parameter, the ``TensorSource``
+it comes from in the original file. Fused tensors (a qkv projection) give each diffusers tensor a
+band of rows. Tensors are read through memory-mapped slices, one at a time, so
 a rank reads only the rows of the parameters it keeps; weights.put moves each to the device and
 casts it there (float8 files included).
 """
@@ -10,13 +11,12 @@ casts it there (float8 files included).
 from __future__ import annotations
 
 import re
-
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI's: bare, or inside a checkpoint
 
@@ -27,6 +27,57 @@ def find_prefix(keys, markers: tuple[str, ...]) -> str | None:
     return next((prefix for prefix in PREFIXES if all(prefix + marker in keys for marker in markers)), None)
 
 
+def prefix_detector(*layouts: tuple[str, ...]) -> Callable[[Iterable[str]], str | None]:
+    """A converter's ``detect_prefix`` for a family whose files are told by ``layouts``: marker keys
+    that a file holds all of under one prefix (several when a family comes in several key layouts)."""
+
+    def detect_prefix(keys: Iterable[str]) -> str | None:
+        keys = set(keys)
+        return next((prefix for markers in layouts if (prefix := find_prefix(keys, markers)) is not None), None)
+
+    return detect_prefix
+
+
+class FileShapes:
+    """A file's tensor shapes seen under the prefix its family's keys sit at: ``shape(key)`` is the
+    shape of ``prefix + key``, a list (a KeyError names a missing tensor); ``own``: the keys under the
+    prefix, without it."""
+
+    def __init__(self, shapes: dict[str, list[int]], prefix: str):
+        self.shapes, self.prefix = shapes, prefix
+        self.own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+
+    def __call__(self, key: str) -> list[int]:
+        return list(self.shapes[self.prefix + key])
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix + key in self.shapes
+
+    def unexpected(self, expected: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The tensors of ``expected`` (key → wanted shape) whose shape differs, with their shape."""
+        return {key: self(key) for key, want in expected.items() if self(key) != want}
+
+
+class Checkpoint(Protocol):
+    """What the registry asks of a family's converter module (a module implements a protocol by its
+    functions, PEP 544); each ``<family>_checkpoint.py`` provides these four.
+
+    detect_prefix:      the key prefix under which a file holds the family's layout, or None (most
+                        converters: ``detect_prefix = prefix_detector(MARKERS)``)
+    config_from_shapes: diffusers' config, read off the tensor shapes (``path`` for the UserErrors)
+    variant:            a name for what the shapes say, for messages
+    sources:            the ``TensorSource`` of every diffusers key in a file under ``prefix``
+    """
+
+    def detect_prefix(self, keys: Iterable[str]) -> str | None: ...
+
+    def config_from_shapes(self, shapes: dict[str, list[int]], prefix: str, path: str) -> dict: ...
+
+    def variant(self, config: dict) -> str: ...
+
+    def sources(self, diffusers_keys: Iterable[str], prefix: str, config: dict) -> dict[str, TensorSource]: ...
+
+
 def count_blocks(keys, name: str, prefix: str = "") -> int:
     """How many blocks a file holds in its list ``name``: the distinct N of keys ``prefix + name.N.…``."""
     pattern = re.compile(re.escape(prefix + name) + r"\.(\d+)\.")
@@ -34,7 +85,7 @@ def count_blocks(keys, name: str, prefix: str = "") -> int:
 
 
 @dataclass(frozen=True)
-class Source:
+class TensorSource:
     """Where one diffusers tensor comes from: a key of the original file, and which part of it."""
 
     key: str
@@ -63,7 +114,7 @@ def bands(sizes: list[int]) -> list[tuple[int, int]]:
     return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def read_tensor(handle, source: Source) -> torch.Tensor:
+def read_tensor(handle, source: TensorSource) -> torch.Tensor:
     """One diffusers tensor from an open safetensors file (``safe_open``), on the CPU in the file's
     dtype: only its rows are read."""
     return source.convert(handle.get_slice(source.key)[source.row_slice])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("mixins.patch_embed.proj.weight", "mixins.final_layer.linear.weight", "transformer.final_layernorm.weight")
 LATENT_CHANNELS = 16
@@ -67,6 +67,7 @@ LAYOUT_MARKERS = {  # keys that tell each renamed layout (all of them present, u
     "comfyui": ("patch_embed.proj.weight", "patch_embed.text_proj.weight", "time_embedding_linear_1.weight",
                 "blocks.0.norm1.linear.weight"),
 }
+detect_prefix = prefix_detector(MARKERS, *LAYOUT_MARKERS.values())  # THUDM's, diffusers', ComfyUI's
 # diffusers name -> ComfyUI's (comfy/ldm/cogvideo/model.py: CogVideoXBlock's q, k, v, norm_q, norm_k,
 # attn_out, ff_proj, ff_out; the time MLP as two top-level Linears); every other name is the same
 _COMFYUI_GLOBAL = {"time_embedding.linear_1": "time_embedding_linear_1",
@@ -77,7 +78,7 @@ _COMFYUI_BLOCK = {"attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v", "attn
 
 
 @dataclass(frozen=True)
-class OuterBands(Source):
+class OuterBands(TensorSource):
     """The first and last thirds of ``rows``, without the middle third: a block modulation's video
     chunks and its text chunks, which the original interleaves with the other modulation's."""
 
@@ -86,13 +87,13 @@ class OuterBands(Source):
         return torch.cat([rows[:third], rows[2 * third:]], dim=0)  # [6·D, ...]
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key: in THUDM's layout renames, q/k/v rows of the fused
     projection, and each block's two modulations gathered from the 12 chunks of its one AdaLN
     linear; in a renamed layout the same tensor under its name there."""
     layout = config.get(LAYOUT_KEY)
     if layout is not None:
-        return {key: Source(prefix + renamed(key, layout)) for key in diffusers_keys}
+        return {key: TensorSource(prefix + renamed(key, layout)) for key in diffusers_keys}
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
@@ -111,33 +112,25 @@ def renamed(key: str, layout: str) -> str:
     return f"blocks.{index}.{_COMFYUI_BLOCK.get(rest, rest)}.{param}"
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     module, _, param = key.rpartition(".")
     if module in _GLOBAL:
-        return Source(f"{prefix}{_GLOBAL[module]}.{param}")
+        return TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
     block, rest = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module).groups()
     layer = f"{prefix}transformer.layers.{block}."
     if rest in _BLOCK:
-        return Source(f"{layer}{_BLOCK[rest]}.{param}")
+        return TensorSource(f"{layer}{_BLOCK[rest]}.{param}")
     if rest in ("attn1.to_q", "attn1.to_k", "attn1.to_v"):
         rows = bands([width] * 3)["qkv".index(rest[-1])]
-        return Source(f"{layer}attention.query_key_value.{param}", rows=rows)
+        return TensorSource(f"{layer}attention.query_key_value.{param}", rows=rows)
     if rest in ("attn1.norm_q", "attn1.norm_k"):
         kind = "query" if rest.endswith("q") else "key"
-        return Source(f"{prefix}{_ADALN}.{kind}_layernorm_list.{block}.{param}")
+        return TensorSource(f"{prefix}{_ADALN}.{kind}_layernorm_list.{block}.{param}")
     if rest in ("norm1.linear", "norm2.linear"):
         # rows: 12 chunks of D; norm1 takes chunks 0-2 (video) and 6-8 (text), norm2 3-5 and 9-11
         start = 0 if rest == "norm1.linear" else 3 * width
         return OuterBands(f"{prefix}{_ADALN}.adaLN_modulations.{block}.1.{param}", rows=(start, start + 9 * width))
     raise KeyError(key)
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a CogVideoX model (THUDM's, diffusers' or ComfyUI's
-    layout), or None."""
-    keys = set(keys)
-    return next((prefix for markers in (MARKERS, *LAYOUT_MARKERS.values())
-                 if (prefix := find_prefix(keys, markers)) is not None), None)
 
 
 def layout_of(keys, prefix: str) -> str | None:
@@ -152,10 +145,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     if layout is not None:
         return _renamed_config(shapes, prefix, path, layout)
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     patch = shape("mixins.patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("mixins.final_layer.linear.weight"))
@@ -170,7 +161,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mixins.final_layer.linear.weight": [(patch_t or 1) * PATCH * PATCH * LATENT_CHANNELS, width],
         "mixins.final_layer.adaLN_modulation.1.weight": [2 * width, time_embed_dim],
     }
-    _check(path, {key: shape(key) for key, want in expected.items() if shape(key) != want}, width, head_dim)
+    _check(path, shape.unexpected(expected), width, head_dim)
     blocks = count_blocks(own, "transformer.layers")
     return _config(width, head_dim, patch_t, time_embed_dim, shape("mixins.patch_embed.text_proj.weight")[1], blocks,
                    "mixins.patch_embed.proj.bias" in own, _rotary(own, width))
@@ -179,10 +170,12 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
 def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout: str) -> dict:
     """The config of a file in diffusers' or ComfyUI's names (read as diffusers' through ``renamed``)."""
 
-    def shape(key):
-        return list(shapes[prefix + renamed(key, layout)])
+    file = FileShapes(shapes, prefix)
 
-    own = {key[len(prefix):] for key in shapes if key.startswith(prefix)}
+    def shape(key):
+        return file(renamed(key, layout))
+
+    own = file.own
     patch = shape("patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("proj_out.weight"))

@@ -16,25 +16,10 @@ import torch
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-
+from .patch_embed import pack, unpack
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
-
-
-def pack(latent: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] → [B, (h/2)·(w/2), C·4]: 2×2 patches as tokens, channel-major within a patch."""
-    b, c, h, w = latent.shape
-    patches = latent.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # [B, h/2, w/2, C, 2, 2]
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, (h/2)·(w/2), C·4] → [B, C, h, w], the inverse of ``pack``."""
-    b, _, packed = tokens.shape
-    c = packed // 4
-    patches = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)  # [B, C, h/2, 2, w/2, 2]
-    return patches.reshape(b, c, h, w)
 
 
 def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tensor:
@@ -66,6 +51,24 @@ def time_embedded_in_float32(time_text_embed, timestep: torch.Tensor, guidance: 
         handle.remove()
 
 
+class FluxProcessor:
+    """The attention of Flux's modules (double- and single-stream blocks alike) with a pluggable core:
+    the projections, QK norms and RoPE as diffusers' processor computes them, the attention itself
+    ``core(q, k, v, text_tokens=L)`` on [B, S, H, D] laid out [text (L); image]."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:
+            raise NotImplementedError("parallel Flux attention does not take an attention mask")
+        # RoPE comes from the token ids the module is given, so it matches its tokens. q, k, v: [B, S, H, D], text first
+        query, key, value = attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]  # single-stream: joint
+        out = self.core(query, key, value, text_tokens=text_tokens).to(query.dtype)
+        return attention_outputs(attn, out, encoder_hidden_states)
+
+
 # teacache: the polynomial that maps the relative change of the first block's time embedding between
 # steps to the change of the model's output: fitted on flux-tiny (random weights; no trained weights
 # here), tools/fit_teacache.py, data and fit in docs/step-cache.md. Refit on a trained file.
@@ -89,9 +92,9 @@ class FluxSpec(FamilySpec):
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]
               Cut("", "encoder_hidden_states", 1, text=True), Cut("", "txt_ids", 0, text=True)),  # [B, L, C], [L, 3]
-        attention=(("attn", "flux"),))  # double- and single-stream blocks alike
+        attention=(("attn", FluxProcessor),))  # double- and single-stream blocks alike
     stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
-                           attention=(("attn", "flux", True),), joint_text=True)
+                           attention=(("attn", FluxProcessor, True),), joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks", "single_transformer_blocks"),
                            returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states"),
                                     "single_transformer_blocks": ("encoder_hidden_states", "hidden_states")},

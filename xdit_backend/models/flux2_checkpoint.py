@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_stream_modulation_img.lin.weight", "final_layer.linear.weight")
+detect_prefix = prefix_detector(MARKERS)
 
 _GLOBAL = {
     "x_embedder": "img_in",
@@ -49,7 +50,7 @@ _SINGLE = {
 ROPE_THETA = 2000  # comfy/model_detection.py, flux2: theta 2000, axes_dim [32, 32, 32, 32] at head size 128
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -57,10 +58,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         module, param = key.rsplit(".", 1)
         bfl_param = "scale" if re.search(r"norm_(q|k|added_q|added_k)$", module) else param
         if module == "norm_out.linear":  # BFL (shift, scale), diffusers (scale, shift)
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
         if not match:
@@ -69,21 +70,15 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         double = kind == "transformer_blocks"
         name, *third = (_DOUBLE if double else _SINGLE)[rest]
         rows = bands([width] * 3)[third[0]] if third else None  # q, k or v of a fused [3·D, D] qkv
-        table[key] = Source(f"{prefix}{'double_blocks' if double else 'single_blocks'}.{index}.{name}.{bfl_param}", rows)
+        bfl_block = "double_blocks" if double else "single_blocks"
+        table[key] = TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
     return table
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Flux.2 model in BFL layout, or None if it does not."""
-    return find_prefix(keys, MARKERS)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' Flux2Transformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.2.weight")[1]  # the MLP's hidden width (3·D)
@@ -100,7 +95,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "mlp_ratio": mlp / width,
         "axes_dims_rope": (head_dim // 4,) * 4,
         "rope_theta": ROPE_THETA,
-        "guidance_embeds": prefix + "guidance_in.in_layer.weight" in shapes,
+        "guidance_embeds": "guidance_in.in_layer.weight" in shape,
     }
     expected = {
         "double_blocks.0.img_attn.qkv.weight": [3 * width, width],
@@ -110,7 +105,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if config["num_single_layers"]:
         expected["single_blocks.0.linear1.weight"] = [3 * width + 2 * mlp, width]
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if width % head_dim or head_dim % 4 or int(width * config["mlp_ratio"]) != mlp or wrong:
         raise UserError(
             f"{path}: its Flux.2 tensors match no Flux.2 variant (width {width}, head size {head_dim}, MLP {mlp}; "

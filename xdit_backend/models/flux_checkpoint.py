@@ -1,7 +1,7 @@
 """Flux single files in the original (BFL / ComfyUI) key layout, read into diffusers' Flux.
 
 The layout conversion is a table: every diffusers parameter names the BFL tensor it comes from,
-and, for fused tensors, which rows (checkpoint.Source). It works at any width (diffusers' own
+and, for fused tensors, which rows (checkpoint.TensorSource). It works at any width (diffusers' own
 converter assumes 3072), and infers the config from the shapes.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight")
+detect_prefix = prefix_detector(MARKERS)
 
 
 _GLOBAL = {
@@ -50,7 +51,7 @@ _SINGLE = {
 }
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The BFL source of every diffusers parameter key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -59,10 +60,10 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         bfl_param = "scale" if param == "weight" and ("norm_q" in module or "norm_k" in module
                                                       or "norm_added" in module) else param
         if module == "norm_out.linear":
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
         if not match:
@@ -74,21 +75,14 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
         if split:  # a band of a fused tensor: parts of width D or 4·D (the MLP)
             part, parts = split
             rows = bands([width if size == "D" else 4 * width for size in parts])[part]
-        table[key] = Source(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
+        table[key] = TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
     return table
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Flux model in BFL layout, or None if it does not."""
-    return find_prefix(keys, MARKERS)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' FluxTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return shapes[prefix + key]
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     config = {
@@ -100,7 +94,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "num_attention_heads": width // head_dim,
         "joint_attention_dim": shape("txt_in.weight")[1],
         "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
-        "guidance_embeds": prefix + "guidance_in.in_layer.weight" in shapes,
+        "guidance_embeds": "guidance_in.in_layer.weight" in shape,
         "axes_dims_rope": rope_axes(head_dim),
     }
     expected = {
@@ -110,7 +104,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if config["num_single_layers"]:
         expected["single_blocks.0.linear1.weight"] = [7 * width, width]
-    wrong = {key: shape(key) for key, want in expected.items() if list(shape(key)) != want}
+    wrong = shape.unexpected(expected)
     if width % head_dim or wrong:
         raise UserError(
             f"{path}: its Flux tensors match no Flux variant (width {width}, head size {head_dim}; "

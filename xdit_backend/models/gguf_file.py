@@ -4,7 +4,7 @@ GGML type (Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, … or F32 / F16 / BF16), its dims stor
 Read with the ``gguf`` package (an optional extra: ``pip install 'comfyui-xdit[gguf]'``), memory
 mapped, one tensor (or band of rows) at a time. A quantized matrix stays as its raw blocks, uint8
 [rows, bytes per row]: GGML blocks run along the last dim, so dim 0 is still the output rows, and a
-fused original tensor (Flux's qkv) splits by rows like any other (checkpoint.Source). It is
+fused original tensor (Flux's qkv) splits by rows like any other (checkpoint.TensorSource). It is
 dequantized one layer at a time at compute (storage.StoredLinear) by diffusers' GGUF kernels
 (torch, so on the GPU). F32 / F16 / BF16 tensors are plain tensors.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
-from .checkpoint import Source
+from .checkpoint import TensorSource
 from .gguf_blocks import PLAIN, dequantizers, gguf_package
 from .storage import Quantized
 
@@ -45,13 +45,13 @@ def original_shape(reader, tensor) -> list[int]:
     return [int(n) for n in reversed(tensor.shape.tolist())]
 
 
-def file_reader(reader) -> Callable[[Source], object]:
+def file_reader(reader) -> Callable[[TensorSource], object]:
     """``read(source)``: one diffusers tensor's rows from the GGUF file: a plain tensor (F32, F16,
     BF16) or a storage.Quantized of raw blocks [rows, bytes per row]."""
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     shapes = {name: original_shape(reader, tensor) for name, tensor in tensors.items()}
 
-    def read(source: Source):
+    def read(source: TensorSource):
         tensor = tensors[source.key]
         with warnings.catch_warnings():  # the memory map is read-only; the rows are copied out of it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("mlp_t5.0.weight", "x_embedder.proj.weight", "extra_embedder.0.weight", "text_embedding_padding")
+detect_prefix = prefix_detector(MARKERS)
 SIZE_EMBEDDING = 6 * 256  # six image-size numbers, each a 256-wide sinusoid (comfy/ldm/hydit/models.py)
 
 # diffusers module (or parameter) -> original one; weight / bias names are the same on both sides.
@@ -55,42 +56,35 @@ _FUSED = {"attn1.to_q": ("attn1.Wqkv", 0, 3), "attn1.to_k": ("attn1.Wqkv", 1, 3)
           "attn2.to_k": ("attn2.kv_proj", 0, 2), "attn2.to_v": ("attn2.kv_proj", 1, 2)}  # (original, band, of)
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     """The original source of one diffusers key; KeyError if it has none."""
     if key in ("norm_out.linear.weight", "norm_out.linear.bias"):
-        return Source(prefix + "final_layer.adaLN_modulation.1." + key.rpartition(".")[2], swap_halves=True)
+        return TensorSource(prefix + "final_layer.adaLN_modulation.1." + key.rpartition(".")[2], swap_halves=True)
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", key)
     if match:
         block, module, param = match.groups()
         base = f"{prefix}blocks.{block}."
         if module in _FUSED:
             original, band, of = _FUSED[module]
-            return Source(f"{base}{original}.{param}", rows=bands([width] * of)[band])
-        return Source(f"{base}{_BLOCK[module]}.{param}")
+            return TensorSource(f"{base}{original}.{param}", rows=bands([width] * of)[band])
+        return TensorSource(f"{base}{_BLOCK[module]}.{param}")
     if key in _GLOBAL:
-        return Source(prefix + _GLOBAL[key])
+        return TensorSource(prefix + _GLOBAL[key])
     module, _, param = key.rpartition(".")
-    return Source(f"{prefix}{_GLOBAL[module]}.{param}")
+    return TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a HunyuanDiT in Tencent's layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' HunyuanDiT2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # Conv2d: [D, C, p, p]
     head_dim = shape("blocks.0.attn1.q_norm.weight")[0]  # the QK layer norm is per head
     depth = count_blocks(own, "blocks")
@@ -112,8 +106,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
     if depth - 1 > depth // 2:  # the blocks after the middle one take a skip (none at depth 2)
         expected[f"blocks.{depth - 1}.skip_linear.weight"] = [width, 2 * width]
-    wrong = {key: shape(key) if prefix + key in shapes else "missing" for key, want in expected.items()
-             if prefix + key not in shapes or shape(key) != want}
+    wrong = {key: shape(key) if key in shape else "missing" for key, want in expected.items()
+             if key not in shape or shape(key) != want}
     if wrong or width % head_dim or depth % 2:
         raise UserError(
             f"{path}: its HunyuanDiT tensors match no HunyuanDiT variant (width {width}, head size {head_dim}, "

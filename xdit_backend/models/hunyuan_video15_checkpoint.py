@@ -20,9 +20,10 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, prefix_detector
 
 MARKERS = ("img_in.proj.weight", "byt5_in.fc1.weight", "cond_type_embedding.weight")
+detect_prefix = prefix_detector(MARKERS)
 LATENT_CHANNELS = 32  # the model's input: latent (32) + image latent (32) + mask (1) = 65
 
 _GLOBAL = {  # diffusers module or parameter → original
@@ -69,34 +70,29 @@ def _rename(rest: str, table: dict[str, str]) -> str | None:
     return f"{table[module]}.{param}" if module in table else None
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``config``: the width the refiner's qkv bands have)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     return {key: _source(key, prefix, width) for key in diffusers_keys}
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     if match := re.fullmatch(r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.(.+)", key):
         base, rest = f"{prefix}txt_in.individual_token_refiner.blocks.{match.group(1)}.", match.group(2)
         if m := re.fullmatch(r"attn\.to_([qkv])\.(weight|bias)", rest):  # one fused [3·D, D] qkv
-            return Source(f"{base}self_attn_qkv.{m.group(2)}", bands([width] * 3)["qkv".index(m.group(1))])
+            return TensorSource(f"{base}self_attn_qkv.{m.group(2)}", bands([width] * 3)["qkv".index(m.group(1))])
         original = _rename(rest, _REFINER)
     elif match := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", key):
         base, rest = f"{prefix}double_blocks.{match.group(1)}.", match.group(2)
         if (m := re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)) and m.group(1) in _QKV:
             stream, index = _QKV[m.group(1)]  # separate q, k, v tensors, as Tencent ships them
-            return Source(f"{base}{stream}_{'qkv'[index]}.{m.group(2)}")
+            return TensorSource(f"{base}{stream}_{'qkv'[index]}.{m.group(2)}")
         original = _rename(rest, _BLOCK)
     else:
         base, original = prefix, _rename(key, _GLOBAL)
     if original is None:
         raise KeyError(key)
-    return Source(base + original, swap_halves=key.startswith("norm_out.linear"))
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a HunyuanVideo 1.5 model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
+    return TensorSource(base + original, swap_halves=key.startswith("norm_out.linear"))
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int] | None:
@@ -108,10 +104,8 @@ def rope_axes(head_dim: int) -> tuple[int, int, int] | None:
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' HunyuanVideo15Transformer3DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     width, in_channels, *patch = shape("img_in.proj.weight")  # Conv3d [D, C_in, p_t, p_h, p_w]
     if any(key.startswith("time_r_in.") for key in own):
         raise UserError(f"{path}: a HunyuanVideo 1.5 MeanFlow (step-distilled) file: its second time embedding "
@@ -134,7 +128,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "final_layer.adaLN_modulation.1.weight": [2 * width, width],
         "cond_type_embedding.weight": [3, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if axes is None or width % head_dim or out_rows % math.prod(patch) or wrong:
         raise UserError(f"{path}: its HunyuanVideo 1.5 tensors match no HunyuanVideo 1.5 variant (width {width}, "
                         f"head {head_dim}, patch {tuple(patch)}; unexpected shapes: {wrong or 'none'})",

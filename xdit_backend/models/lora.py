@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from .checkpoint import Source
+from .checkpoint import TensorSource
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
 _UP = ("lora_B.weight", "lora_up.weight")
@@ -102,13 +102,13 @@ class Patches:
     key (the family's converter), for LoRAs in the original or kohya names.
     """
 
-    def __init__(self, transformer: torch.nn.Module, table: dict[str, Source], dtype: torch.dtype):
+    def __init__(self, transformer: torch.nn.Module, table: dict[str, TensorSource], dtype: torch.dtype):
         self.dtype = dtype  # the compute dtype: what the hooks' input is, and the LoRA tensors are cast to
         modules = dict(transformer.named_modules())
         params = dict(transformer.named_parameters())
         self.modules = {name: module for name, module in modules.items() if isinstance(module, torch.nn.Linear)}
         self.elsewhere = {name for name, module in self.modules.items() if module.weight.is_meta}
-        self.by_original: dict[str, list[tuple[str, Source]]] = {}
+        self.by_original: dict[str, list[tuple[str, TensorSource]]] = {}
         for key, source in table.items():
             if key in params and key.endswith(".weight"):
                 self.by_original.setdefault(source.key.removesuffix(".weight"), []).append(
@@ -158,7 +158,7 @@ class Patches:
         self.handles = [self.modules[name].register_forward_hook(_low_rank_addition(pairs))
                         for name, pairs in adapters.items()]
 
-    def _targets(self, module: str) -> list[tuple[str, Source | None]]:
+    def _targets(self, module: str) -> list[tuple[str, TensorSource | None]]:
         """(diffusers module, original source or None) pairs the LoRA module writes to."""
         if module in self.modules:  # diffusers / PEFT names
             return [(module, None)]

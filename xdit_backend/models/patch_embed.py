@@ -1,5 +1,9 @@
-"""diffusers' ``PatchEmbed`` (SD3, PixArt) for a band of latent rows, with the whole latent's positions.
+"""Latent cells into patch tokens, for the families that share a patching.
 
+``pack`` / ``unpack``: 2×2 patches of a latent as tokens, channel-major within a patch, the layout
+Flux's and Qwen-Image's transformers take (their ``x_embedder`` / ``img_in`` is a Linear on them).
+
+diffusers' ``PatchEmbed`` (SD3, PixArt) for a band of latent rows, with the whole latent's positions:
 ``PatchEmbed.forward`` takes the positions of the latent it is given: for a band of rows that is
 the wrong grid (SD3 crops the centre of its table; PixArt re-derives a table for the band's
 size). PipeFusion embeds one band at a time, so it takes the table of the whole latent once
@@ -10,6 +14,21 @@ module's own.
 from __future__ import annotations
 
 import torch
+
+
+def pack(latent: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] → [B, (h/2)·(w/2), C·4]: 2×2 patches as tokens, channel-major within a patch."""
+    b, c, h, w = latent.shape
+    patches = latent.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # [B, h/2, w/2, C, 2, 2]
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, (h/2)·(w/2), C·4] → [B, C, h, w], the inverse of ``pack``."""
+    b, _, packed = tokens.shape
+    c = packed // 4
+    patches = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)  # [B, C, h/2, 2, w/2, 2]
+    return patches.reshape(b, c, h, w)
 
 
 def table(embed, h: int, w: int) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import torch
 from ..sampling.model_sampling import EpsSampling
 from . import latent_formats, patch_embed
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-
+from .joint_attention import JointAttentionProcessor
 
 # teacache: the polynomial that maps the relative change of the first block's time embedding between
 # steps to the change of the model's output: fitted on pixart-tiny (random weights; no trained weights
@@ -38,8 +38,8 @@ class PixArtSpec(FamilySpec):
     optional_conditioning = ("context_mask",)  # [B, L] 1 for a real text token, 0 for padding
     takes_shift = False  # discrete EPS noise levels: no flow shift
     sequence_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1),),  # [B, N, C], positions already added
-                                 attention=(("attn1", "joint"),))
-    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn1", "joint", False),))
+                                 attention=(("attn1", JointAttentionProcessor),))
+    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn1", JointAttentionProcessor, False),))
     cache_plan = CachePlan(blocks=("transformer_blocks",),
                            returns={"transformer_blocks": ("hidden_states",)},
                            probe="timestep", teacache=TEACACHE)

@@ -25,10 +25,11 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 # t_block and the cross-attention's q_linear are PixArt's own (SD3 also has x_embedder / t_embedder).
 MARKERS = ("t_block.1.weight", "blocks.0.cross_attn.q_linear.weight", "x_embedder.proj.weight")
+detect_prefix = prefix_detector(MARKERS)
 HEAD_DIM = 72
 ALPHA_TOKENS = 120  # Σ: 300
 
@@ -63,7 +64,7 @@ def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers state_dict key (``prefix``: the file's key prefix)."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     table = {}
@@ -74,30 +75,23 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
             name, *split = _BLOCK[module]
             # fused qkv [3W, W] and kv_linear [2W, C]: q, k, v are consecutive bands of W rows
             rows = bands([width] * split[1])[split[0]] if split else None
-            table[key] = Source(prefix + _join("blocks", block.group(1), name, param), rows)
+            table[key] = TensorSource(prefix + _join("blocks", block.group(1), name, param), rows)
         elif not block and module in _GLOBAL:
-            table[key] = Source(prefix + _join(_GLOBAL[module], param))
+            table[key] = TensorSource(prefix + _join(_GLOBAL[module], param))
         else:
             raise KeyError(key)
     return table
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a PixArt model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' PixArtTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # a conv: [W, C, p, p]
     layers = count_blocks(shapes, "blocks", prefix)
     caption_channels = shape("y_embedder.y_proj.fc1.weight")[1]
     out_rows = shape("final_layer.linear.weight")[0]  # p·p·out_channels, patch pixels outermost
-    micro = prefix + "csize_embedder.mlp.0.weight" in shapes
+    micro = "csize_embedder.mlp.0.weight" in shape
     tokens = shapes.get(prefix + "y_embedder.y_embedding")
     alpha = tokens[0] == ALPHA_TOKENS if tokens else micro
     expected = {
@@ -116,13 +110,13 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     grid = math.isqrt(pos[1]) if pos else 0
     if pos:
         expected["pos_embed"] = [1, grid * grid, width]
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if out_rows % (patch * patch):
         wrong["final_layer.linear.weight"] = shape("final_layer.linear.weight")
     problems = [f"unexpected shapes: {wrong}"] if wrong else []
     if width % HEAD_DIM:
         problems.append(f"width {width} is not a multiple of PixArt's head size {HEAD_DIM}")
-    if prefix + "blocks.0.attn.q_norm.weight" in shapes:
+    if "blocks.0.attn.q_norm.weight" in shape:
         problems.append("it normalises queries and keys (qk_norm), which diffusers' PixArt does not")
     if problems:
         raise UserError(f"{path}: its PixArt tensors match no PixArt variant ({'; '.join(problems)})",

@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-from .flux import pack, unpack
+from .patch_embed import pack, unpack
 
 QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
 ROPE_THETA = 10000  # comfy/ldm/qwen_image/model.py's EmbedND, diffusers' QwenEmbedRope

@@ -10,34 +10,28 @@ architecture (an Edit model is the same weights' shapes used with reference late
 from __future__ import annotations
 
 from ..errors import UserError
-from .checkpoint import Source, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, count_blocks, prefix_detector
 
 MARKERS = ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.img_mod.1.weight",
            "transformer_blocks.0.attn.add_q_proj.weight")
+detect_prefix = prefix_detector(MARKERS)
 FULL_SIZE = (3072, 60)  # width, blocks of Qwen-Image (20 B)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The file's key for every diffusers parameter key: the same name under ``prefix``."""
-    return {key: Source(prefix + key) for key in diffusers_keys}
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Qwen-Image model, or None if it does not."""
-    return find_prefix(keys, MARKERS)
+    return {key: TensorSource(prefix + key) for key in diffusers_keys}
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' QwenImageTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return shapes[prefix + key]
-
+    shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
     head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
     blocks = count_blocks(shapes, "transformer_blocks", prefix)
     out_values = shape("proj_out.weight")[0]
-    if prefix + "time_text_embed.addition_t_embedding.weight" in shapes:
+    if "time_text_embed.addition_t_embedding.weight" in shape:
         raise UserError(f"{path}: a Qwen-Image-Layered model (it has an additional timestep embedding), "
                         "which this backend does not run yet", "use Qwen-Image or Qwen-Image-Edit")
     expected = {
@@ -48,7 +42,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "norm_out.linear.weight": [2 * width, width],
         "proj_out.weight": [out_values, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if list(shape(key)) != want}
+    wrong = shape.unexpected(expected)
     if wrong or width % head_dim or in_channels % 4 or out_values % 4:
         raise UserError(
             f"{path}: its Qwen-Image tensors match no Qwen-Image variant (width {width}, head size {head_dim}; "

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import safe_open
@@ -34,7 +33,9 @@ from . import (
     weights,
     z_image_checkpoint,
 )
+from .base import DiffusionModel, FamilySpec
 from .builtins import BUILTINS, BuiltinModel
+from .checkpoint import Checkpoint
 from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
 from .flux2 import Flux2Model, Flux2Spec
@@ -49,41 +50,45 @@ from .z_image import ZImageModel, ZImageSpec
 
 @dataclass(frozen=True)
 class Family:
-    """A model family as data: its diffusers class, spec, model wrapper and key-layout converter."""
+    """A model family as data: its spec class (which holds its name and block lists), model wrapper,
+    key-layout converter and diffusers class."""
 
-    name: str
+    spec_class: type[FamilySpec]
+    model: type[DiffusionModel]
+    checkpoint: Checkpoint  # its <family>_checkpoint module
     diffusers_class: str
-    spec: Callable[[dict], object]  # config → spec
-    model: type  # base.DiffusionModel subclass
-    checkpoint: ModuleType  # detect_prefix, config_from_shapes, variant, sources
-    block_lists: tuple[str, ...]  # the transformer's ModuleLists of blocks, in execution order (its StagePlan's)
     describes: str  # the variants, for messages
 
+    @property
+    def name(self) -> str:
+        return self.spec_class.family
 
-FAMILIES = {  # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
-    "flux2": Family("flux2", "Flux2Transformer2DModel", Flux2Spec.from_config, Flux2Model, flux2_checkpoint,
-                    Flux2Spec.stage_plan.block_lists, "Flux.2 (dev, klein 4B and 9B)"),
-    "flux": Family("flux", "FluxTransformer2DModel", FluxSpec.from_config, FluxModel, flux_checkpoint,
-                   FluxSpec.stage_plan.block_lists, "Flux.1 (dev, schnell)"),
-    "sd3": Family("sd3", "SD3Transformer2DModel", SD3Spec.from_config, SD3Model, sd3_checkpoint,
-                  SD3Spec.stage_plan.block_lists, "SD3 (medium), SD3.5 (medium, large)"),
-    "pixart": Family("pixart", "PixArtTransformer2DModel", PixArtSpec.from_config, PixArtModel, pixart_checkpoint,
-                     PixArtSpec.stage_plan.block_lists, "PixArt-α, PixArt-Σ"),
-    "wan": Family("wan", "WanTransformer3DModel", WanSpec.from_config, WanModel, wan_checkpoint,
-                  WanSpec.stage_plan.block_lists, "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
-    "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo15Transformer3DModel", HunyuanVideo15Spec.from_config,
-                              HunyuanVideo15Model, hunyuan_video15_checkpoint,
-                              HunyuanVideo15Spec.stage_plan.block_lists, "HunyuanVideo 1.5 (480p, 720p; text to video)"),
-    "z_image": Family("z_image", "ZImageTransformer2DModel", ZImageSpec.from_config, ZImageModel, z_image_checkpoint,
-                      ZImageSpec.stage_plan.block_lists, "Z-Image (Turbo, Base)"),
-    "hunyuan_dit": Family("hunyuan_dit", "HunyuanDiT2DModel", HunyuanDiTSpec.from_config, HunyuanDiTModel,
-                          hunyuan_dit_checkpoint, HunyuanDiTSpec.stage_plan.block_lists, "HunyuanDiT 1.0, 1.1, 1.2"),
-    "qwen_image": Family("qwen_image", "QwenImageTransformer2DModel", QwenImageSpec.from_config, QwenImageModel,
-                         qwen_image_checkpoint, QwenImageSpec.stage_plan.block_lists,
-                         "Qwen-Image, Qwen-Image-Edit (-2509)"),
-    "cogvideox": Family("cogvideox", "CogVideoXTransformer3DModel", CogVideoXSpec.from_config, CogVideoXModel,
-                        cogvideox_checkpoint, CogVideoXSpec.stage_plan.block_lists, "CogVideoX T2V (2B, 5B, 1.5-5B)"),
-}
+    @property
+    def block_lists(self) -> tuple[str, ...]:
+        """The transformer's ModuleLists of blocks, in execution order (its StagePlan's)."""
+        return self.spec_class.stage_plan.block_lists
+
+    def spec(self, config: dict) -> FamilySpec:
+        return self.spec_class.from_config(config)
+
+
+# in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
+FAMILIES = {family.name: family for family in (
+    Family(Flux2Spec, Flux2Model, flux2_checkpoint, "Flux2Transformer2DModel", "Flux.2 (dev, klein 4B and 9B)"),
+    Family(FluxSpec, FluxModel, flux_checkpoint, "FluxTransformer2DModel", "Flux.1 (dev, schnell)"),
+    Family(SD3Spec, SD3Model, sd3_checkpoint, "SD3Transformer2DModel", "SD3 (medium), SD3.5 (medium, large)"),
+    Family(PixArtSpec, PixArtModel, pixart_checkpoint, "PixArtTransformer2DModel", "PixArt-α, PixArt-Σ"),
+    Family(WanSpec, WanModel, wan_checkpoint, "WanTransformer3DModel",
+           "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
+    Family(HunyuanVideo15Spec, HunyuanVideo15Model, hunyuan_video15_checkpoint, "HunyuanVideo15Transformer3DModel",
+           "HunyuanVideo 1.5 (480p, 720p; text to video)"),
+    Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
+    Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
+    Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",
+           "Qwen-Image, Qwen-Image-Edit (-2509)"),
+    Family(CogVideoXSpec, CogVideoXModel, cogvideox_checkpoint, "CogVideoXTransformer3DModel",
+           "CogVideoX T2V (2B, 5B, 1.5-5B)"),
+)}
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
 
@@ -98,8 +103,9 @@ def resolve_builtin(name: str) -> BuiltinModel:
 
 
 @dataclass(frozen=True)
-class Source:
-    """A resolved model argument: what kind it is, where, its family and its diffusers config."""
+class ModelSource:
+    """Where a model's weights come from (a resolved model argument: a built-in's seed, a single file
+    or a diffusers folder), its family and its diffusers config."""
 
     kind: str  # "builtin", "file" (original key layout) or "folder" (diffusers layout)
     ref: str
@@ -111,11 +117,11 @@ class Source:
     gguf: bool = False  # a GGUF file (city96's layout), not a safetensors one
 
 
-def resolve(ref: str) -> Source:
+def resolve(ref: str) -> ModelSource:
     """A built-in name, a safetensors file in a family's original layout, or a diffusers folder."""
     if ref in BUILTINS:
         builtin = BUILTINS[ref]
-        return Source("builtin", ref, builtin.family, builtin.config, describes=builtin.description)
+        return ModelSource("builtin", ref, builtin.family, builtin.config, describes=builtin.description)
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelError(f"no model at {ref}: not a built-in name, and no such file or folder",
@@ -126,7 +132,7 @@ def resolve(ref: str) -> Source:
 
 
 @functools.lru_cache(maxsize=32)
-def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
+def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
     """Read a file's header (or a folder's config) once per version of the file."""
     if Path(path).is_dir():
         return _resolve_folder(path)
@@ -152,7 +158,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> Source:
     return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
 
 
-def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> Source:
+def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = False, gguf: bool = False) -> ModelSource:
     """The family whose original layout the file's tensor names and shapes are, and its config."""
     for family in FAMILIES.values():
         prefix = family.checkpoint.detect_prefix(shapes)
@@ -169,10 +175,10 @@ def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = Fals
         raise ModelError(exc.message, exc.hint) from None
     except KeyError as exc:
         raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
-    return Source("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
+    return ModelSource("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
 
 
-def _resolve_folder(path: str) -> Source:
+def _resolve_folder(path: str) -> ModelSource:
     config_file = Path(path) / "config.json"
     if not config_file.exists() and (Path(path) / "transformer" / "config.json").exists():
         config_file = Path(path) / "transformer" / "config.json"  # a whole pipeline folder
@@ -186,7 +192,8 @@ def _resolve_folder(path: str) -> Source:
         raise ModelError(f"{path} holds a {config.get('_class_name')!r}, not a supported model",
                          f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders")
     init = {k: v for k, v in config.items() if not k.startswith("_")}
-    return Source("folder", str(config_file.parent), family.name, init, describes=f"{family.name} (diffusers folder)")
+    return ModelSource("folder", str(config_file.parent), family.name, init,
+                       describes=f"{family.name} (diffusers folder)")
 
 
 def identity(ref: str) -> tuple[str, int]:
@@ -198,7 +205,7 @@ def identity(ref: str) -> tuple[str, int]:
     return source.ref, Path(source.ref).stat().st_mtime_ns
 
 
-def _construct(source: Source):
+def _construct(source: ModelSource):
     """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
     import diffusers
@@ -323,7 +330,7 @@ def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> i
 
 
 @contextmanager
-def _tensors(source: Source, transformer, keys: list[str]):
+def _tensors(source: ModelSource, transformer, keys: list[str]):
     """``tensor_of(key)``: a built-in's drawn tensor, or one tensor read from the file or folder (on
     the CPU, in the stored dtype, memory-mapped), each only when ``weights.put`` asks for it."""
     if source.kind == "builtin":
@@ -354,7 +361,7 @@ def _tensors(source: Source, transformer, keys: list[str]):
         yield tensor_of
 
 
-def _file_reader(source: Source, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
+def _file_reader(source: ModelSource, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
     """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
     if source.gguf:

@@ -11,7 +11,7 @@ Two layouts, as ComfyUI writes and reads them:
 The weight is ``weight.to(dtype) * scale`` (a scalar, or one per output row). The input scales
 serve only ComfyUI's fp8 matrix-multiply fast path and are not needed to upcast: they are skipped.
 A fused original tensor (Flux's qkv) is split by rows: a scalar scale applies to every part, a
-per-row scale is split with the rows (checkpoint.Source.select).
+per-row scale is split with the rows (checkpoint.TensorSource.select).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import torch
 
 from ..errors import UserError
-from .checkpoint import Source, read_tensor
+from .checkpoint import TensorSource, read_tensor
 from .storage import Quantized
 
 MARKER = "scaled_fp8"
@@ -76,7 +76,7 @@ class ScaledReader:
         self.keys = set(handle.keys())
         self.formats = formats(handle, path)
 
-    def read(self, source: Source):
+    def read(self, source: TensorSource):
         tensor = read_tensor(self.handle, source)
         layer, _, leaf = source.key.rpartition(".")
         if leaf != "weight":

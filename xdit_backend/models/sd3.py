@@ -16,6 +16,7 @@ import torch
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats, patch_embed
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .joint_attention import JointAttentionProcessor
 
 SD3_DEFAULT_SHIFT = 3.0  # ComfyUI's SD3 sampling_settings
 
@@ -39,10 +40,10 @@ class SD3Spec(FamilySpec):
     sequence_plan = SequencePlan(
         cuts=(Cut("pos_embed", None, 1),  # [B, N, C], absolute positions already added
               Cut("", "encoder_hidden_states", 1, text=True)),  # [B, L, 4096]
-        attention=(("attn", "joint"), ("attn2", "joint")))
+        attention=(("attn", JointAttentionProcessor), ("attn2", JointAttentionProcessor)))
     # attn2: SD3.5-medium's extra image-only self-attention in its first blocks
     stage_plan = StagePlan(block_lists=("transformer_blocks",),
-                           attention=(("attn", "joint", True), ("attn2", "joint", False)), joint_text=True)
+                           attention=(("attn", JointAttentionProcessor, True), ("attn2", JointAttentionProcessor, False)), joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks",),
                            returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states")},
                            probe="temb", teacache=TEACACHE)

@@ -1,7 +1,7 @@
 """SD3 / SD3.5 single files in the original (Stability / ComfyUI) key layout, read into diffusers' SD3.
 
 The conversion is a table: every diffusers ``SD3Transformer2DModel`` state_dict key names the
-``checkpoint.Source`` it comes from (a fused qkv gives each projection a band of rows). It works at
+``checkpoint.TensorSource`` it comes from (a fused qkv gives each projection a band of rows). It works at
 any width and infers the config from the tensor shapes alone.
 
 Buffers: ``pos_embed.pos_embed`` (the position table) is a persistent buffer whenever
@@ -23,10 +23,11 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, prefix_detector
 
 MARKERS = ("x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
            "joint_blocks.0.context_block.attn.qkv.weight")
+detect_prefix = prefix_detector(MARKERS)
 HEAD_DIM = 64  # every SD3; files without qk-norm weights do not store it
 FREQUENCY_DIM = 256  # sinusoidal timestep features fed to t_embedder
 
@@ -59,11 +60,6 @@ _BLOCK = {
 }
 
 
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds an SD3 model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
-
-
 def _block_indices(shapes, prefix: str, suffix: str = "") -> list[int]:
     pattern = re.escape(prefix) + r"joint_blocks\.(\d+)\." + re.escape(suffix)
     return sorted({int(m.group(1)) for key in shapes if (m := re.match(pattern, key))})
@@ -72,15 +68,13 @@ def _block_indices(shapes, prefix: str, suffix: str = "") -> list[int]:
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' SD3Transformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
+    shape = FileShapes(shapes, prefix)
     ranks = {"x_embedder.proj.weight": 4, "pos_embed": 3, "context_embedder.weight": 2}
     if odd := {key: shape(key) for key, rank in ranks.items() if len(shape(key)) != rank}:
         raise UserError(f"{path}: its SD3 tensors have unexpected shapes: {odd}",
                         "the file may be damaged or of another architecture; re-download it")
     width, in_channels, patch, _ = shape("x_embedder.proj.weight")  # a conv: [width, channels, p, p]
-    qk_norm = prefix + "joint_blocks.0.x_block.attn.ln_q.weight" in shapes
+    qk_norm = "joint_blocks.0.x_block.attn.ln_q.weight" in shape
     head_dim = shape("joint_blocks.0.x_block.attn.ln_q.weight")[0] if qk_norm else HEAD_DIM
     caption_dim, joint_dim = shape("context_embedder.weight")
     positions = shape("pos_embed")[1]  # [1, max_size², width]: a square grid of patches, flattened
@@ -120,7 +114,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         expected[block + "x_block.adaLN_modulation.1.weight"] = [(9 if i in dual else 6) * width, width]
         # the last context block only feeds attention: (shift, scale)
         expected[block + "context_block.adaLN_modulation.1.weight"] = [(2 if last else 6) * width, width]
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if width % head_dim:
         wrong["attention head size"] = f"{head_dim}, which does not divide the width"
     if layers != list(range(len(layers))):
@@ -149,7 +143,7 @@ def variant(config: dict) -> str:
     return _VARIANTS.get(key, f"{family} architecture, width {width}, {config['num_layers']} blocks")
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers state_dict key (``prefix``: the file's key prefix)."""
     width = config["attention_head_dim"] * config["num_attention_heads"]
     qkv = bands([width, width, width])
@@ -157,21 +151,21 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
     table = {}
     for key in diffusers_keys:
         if key == "pos_embed.pos_embed":  # the persistent position-table buffer
-            table[key] = Source(f"{prefix}pos_embed")
+            table[key] = TensorSource(f"{prefix}pos_embed")
             continue
         module, param = key.rsplit(".", 1)
         if module == "norm_out.linear":
-            table[key] = Source(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
+            table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
-            table[key] = Source(f"{prefix}{_GLOBAL[module]}.{param}")
+            table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
         match = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", module)
         if not match or match.group(2) not in _BLOCK:
             raise KeyError(key)
         index, rest = int(match.group(1)), match.group(2)
         name, band = _BLOCK[rest]
-        table[key] = Source(f"{prefix}joint_blocks.{index}.{name}.{param}",
+        table[key] = TensorSource(f"{prefix}joint_blocks.{index}.{name}.{param}",
                             rows=None if band is None else qkv[band],
                             swap_halves=rest == "norm1_context.linear" and index == last)
     return table

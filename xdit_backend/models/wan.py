@@ -21,6 +21,32 @@ from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, Stag
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
 
 
+class WanProcessor:
+    """Wan's self-attention with a pluggable core ``core(q, k, v, text_tokens=0)`` on [B, N, H, D]; RoPE
+    from the table the module is given (under sequence parallelism: this rank's share of it)."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise NotImplementedError("WanProcessor is for Wan's self-attention only")
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # [B, N, H, D]
+        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
+        out = self.core(query, key, value, text_tokens=0).flatten(2, 3).type_as(query)  # [B, N, H·D]
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE on interleaved pairs: x [B, S, H, D], cos and sin [1, S, 1, D]."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, D/2] each
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)  # [B, S, H, D]
+
+
 # teacache: the polynomial that maps the relative change of the first block's time embedding between
 # steps to the change of the model's output: fitted on wan-tiny (random weights; no trained weights
 # here), tools/fit_teacache.py, data and fit in docs/step-cache.md. Refit on a trained file.
@@ -39,8 +65,8 @@ class WanSpec(FamilySpec):
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
                                        Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]
-                                 attention=(("attn1", "wan"),))
-    stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", "wan", False),))
+                                 attention=(("attn1", WanProcessor),))
+    stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", WanProcessor, False),))
     cache_plan = CachePlan(blocks=("blocks",),
                            returns={"blocks": ("hidden_states",)},
                            probe="temb", teacache=TEACACHE)

@@ -18,9 +18,10 @@ import math
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, count_blocks, prefix_detector
 
 MARKERS = ("patch_embedding.weight", "time_projection.1.weight", "head.modulation")
+detect_prefix = prefix_detector(MARKERS)
 HEAD_DIM = 128  # every released Wan: 1.3B 1536 = 12 x 128, 5B 3072 = 24 x 128, 14B 5120 = 40 x 128
 SMALL_HEAD_DIM = 32  # for test-sized widths that are not a multiple of 128 (64 = 2 x 32)
 KNOWN = {"patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks", "head"}
@@ -59,14 +60,9 @@ def _original(key: str) -> str:
     raise KeyError(key)
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``config`` is unused: Wan fuses no tensors)."""
-    return {key: Source(prefix + _original(key)) for key in diffusers_keys}
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Wan model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
+    return {key: TensorSource(prefix + _original(key)) for key in diffusers_keys}
 
 
 def head_dim(width: int) -> int | None:
@@ -77,10 +73,8 @@ def head_dim(width: int) -> int | None:
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' WanTransformer3DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     tops = {key.split(".", 1)[0] for key in own}
     width, in_channels, *patch = shape("patch_embedding.weight")  # Conv3d: [D, C_in, p_t, p_h, p_w]
     # head.head is Linear(D, C_out * p_t * p_h * p_w): its rows are C_out patch cells
@@ -107,7 +101,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "head.head.weight": [out_channels * math.prod(patch), width],  # differs if the rows do not divide
         "head.modulation": [1, 2, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if head is None or wrong:
         raise UserError(
             f"{path}: its Wan tensors match no Wan variant (width {width}, patch {tuple(patch)}; unexpected "

@@ -8,7 +8,7 @@ names as diffusers except ``x_embedder`` / ``final_layer`` (diffusers keys them 
 rows each), ``attention.out`` (``to_out.0``) and ``q_norm`` / ``k_norm`` (``norm_q`` / ``norm_k``).
 diffusers' own single-file converter (convert_z_image_transformer_checkpoint_to_diffusers) is the
 same renaming, but it splits each qkv as a whole tensor in memory; the table reads only the rows a
-tensor needs (checkpoint.Source), as the other families do. The config comes from the shapes.
+tensor needs (checkpoint.TensorSource), as the other families do. The config comes from the shapes.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import re
 
 from ..errors import UserError
-from .checkpoint import Source, bands, count_blocks, find_prefix
+from .checkpoint import FileShapes, TensorSource, bands, count_blocks, prefix_detector
 
 MARKERS = ("x_embedder.weight", "cap_embedder.1.weight", "x_pad_token", "cap_pad_token",
            "layers.0.attention.qkv.weight")
+detect_prefix = prefix_detector(MARKERS)
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
 HEAD_DIM = 128  # Z-Image: 3840 = 30 × 128 (comfy/model_detection.py: n_heads 30 for dim 3840)
 AXES_DIMS = (32, 48, 48)  # RoPE pairs per axis at head size 128 (comfy/model_detection.py, Z-Image)
@@ -36,38 +37,31 @@ _BLOCK_TENSORS = ("attention.qkv.weight", "attention.out.weight", "attention.q_n
                   "attention_norm1.weight", "attention_norm2.weight", "ffn_norm1.weight", "ffn_norm2.weight")
 
 
-def _source(key: str, prefix: str, width: int) -> Source:
+def _source(key: str, prefix: str, width: int) -> TensorSource:
     """The original source of one diffusers key."""
     module, _, param = key.rpartition(".")
     for ours, theirs in _GLOBAL.items():
         if module == ours or module.startswith(ours + "."):
-            return Source(prefix + theirs + key[len(ours):])
+            return TensorSource(prefix + theirs + key[len(ours):])
     match = re.fullmatch(r"(\w+\.\d+\.attention)\.(.+)", module)
     if match:
         block, inner = match.groups()
         if inner in _QKV:  # fused [q; k; v] rows, D each
-            return Source(f"{prefix}{block}.qkv.{param}", bands([width] * 3)[_QKV[inner]])
-        return Source(f"{prefix}{block}.{_ATTENTION.get(inner, inner)}.{param}")
-    return Source(prefix + key)  # every other name is the same in both layouts
+            return TensorSource(f"{prefix}{block}.qkv.{param}", bands([width] * 3)[_QKV[inner]])
+        return TensorSource(f"{prefix}{block}.{_ATTENTION.get(inner, inner)}.{param}")
+    return TensorSource(prefix + key)  # every other name is the same in both layouts
 
 
-def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, Source]:
+def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``prefix``: the file's key prefix)."""
     return {key: _source(key, prefix, config["dim"]) for key in diffusers_keys}
-
-
-def detect_prefix(keys) -> str | None:
-    """The key prefix under which the file holds a Z-Image model in the original layout, or None."""
-    return find_prefix(keys, MARKERS)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' ZImageTransformer2DModel config, read off the tensor shapes; errors name the file."""
 
-    def shape(key):
-        return list(shapes[prefix + key])
-
-    own = [key[len(prefix):] for key in shapes if key.startswith(prefix)]
+    shape = FileShapes(shapes, prefix)
+    own = shape.own
     if any(key.startswith("siglip_") for key in own):
         raise UserError(f"{path}: a Z-Image-Omni file (SigLIP image conditioning) is not supported",
                         "use a Z-Image text-to-image file (Z-Image-Turbo, Z-Image)")
@@ -96,7 +90,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "t_embedder.mlp.2.weight": [min(width, 256), 1024],
         "final_layer.linear.weight": [PATCH * PATCH * in_channels, width],
     }
-    wrong = {key: shape(key) for key, want in expected.items() if shape(key) != want}
+    wrong = shape.unexpected(expected)
     if wrong or width % head or head % 8:
         raise UserError(f"{path}: its Z-Image tensors match no Z-Image variant (width {width}, head size {head}; "
                         f"unexpected shapes: {wrong or 'width not a multiple of the head size'})",

@@ -18,7 +18,8 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
   patch (its own history: dpmpp_2m's previous x0, uni_pc's predictions) and sends each patch's
   next model input (or, after the last step, its final latent) back to stage 0. Whole-latent
   noise is drawn once per step and cut to each patch (sampling/noise.py). A sampler with two model
-  calls in a step (heun) cannot be pipelined and is refused by the worker.
+  calls in a step (heun) cannot be pipelined: the leader refuses it before the ranks start
+  (service/leader.py), and the last stage stops if a walk ever asks for a second call in a step.
 - Step cache (step_cache.StageCache): the stage holding the cache span's first block decides at each
   step's first chunk; the decision rides on every activation as one more token row to the later stages.
 - Guidance and latent format: the normal path's (denoiser.guided, generate.start/finish).

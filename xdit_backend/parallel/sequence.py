@@ -13,7 +13,8 @@ through every block. Attention over the local [text share; image share] tokens i
 yunchang's ``LongContextAttention`` (0.6.4) reads its groups from yunchang's module globals, so
 its two building blocks are composed here with our groups. The model runs unchanged on its share:
 ``attach`` cuts the tensors the plan names with forward hooks, gathers the output once per model
-call, and gives each attention module the plan names a processor whose attention is USPAttention.
+call, and gives each attention module the plan names its family's processor (the plan's class)
+with USPAttention as its core.
 Everything is undone by ``Attached.detach``.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..models import flux
 from ..models.base import Cut, SequencePlan
 from . import attention
 
@@ -133,95 +133,6 @@ class PaddedKeys:
         return attend
 
 
-class FluxUSPProcessor:
-    """A Flux attention processor (double- and single-stream blocks) whose attention is USPAttention."""
-
-    def __init__(self, usp: USPAttention):
-        self.usp = usp
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if attention_mask is not None:
-            raise NotImplementedError("sequence parallel Flux attention does not take an attention mask")
-        # RoPE comes from this rank's token ids, so it matches its tokens. q, k, v: [B, S/P, H, D], text first
-        query, key, value = flux.attention_inputs(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]  # single-stream: joint
-        out = self.usp(query, key, value, text_tokens=text_tokens).to(query.dtype)
-        return flux.attention_outputs(attn, out, encoder_hidden_states)
-
-
-class AttentionUSPProcessor:
-    """A diffusers ``Attention`` processor (SD3, PixArt) whose attention is USPAttention: the module's
-    own tokens, plus this rank's share of the text when it is given it (SD3's joint blocks)."""
-
-    def __init__(self, usp: USPAttention):
-        self.usp = usp
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
-        if attention_mask is not None:
-            raise NotImplementedError("sequence parallel attention does not take an attention mask")
-        residual = hidden_states
-
-        def heads(t):
-            return t.unflatten(-1, (attn.heads, -1))  # [B, S, H·D] → [B, S, H, D]
-
-        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
-        if attn.norm_q is not None:
-            query, key = attn.norm_q(query), attn.norm_k(key)  # over D: the same in either layout
-        text_tokens = 0
-        if encoder_hidden_states is not None:  # joint: [text share; image share]
-            text = [heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
-            if attn.norm_added_q is not None:
-                text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-            query, key, value = (torch.cat([t, x], dim=1) for t, x in zip(text, (query, key, value)))
-            text_tokens = encoder_hidden_states.shape[1]
-        out = self.usp(query, key, value, text_tokens=text_tokens).flatten(2, 3).to(query.dtype)  # [B, (L + N)/P, H·D]
-        text_out, image_out = out[:, :text_tokens], out[:, text_tokens:]
-        image_out = attn.to_out[1](attn.to_out[0](image_out))
-        if attn.residual_connection:
-            image_out = image_out + residual
-        image_out = image_out / attn.rescale_output_factor
-        if encoder_hidden_states is None:
-            return image_out
-        if not attn.context_pre_only:
-            text_out = attn.to_add_out(text_out)
-        return image_out, text_out
-
-
-class WanUSPProcessor:
-    """Wan's self-attention with USPAttention; RoPE comes from this rank's share of the table."""
-
-    def __init__(self, usp: USPAttention):
-        self.usp = usp
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise NotImplementedError("WanUSPProcessor is for Wan's self-attention only")
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # [B, N/P, H, D]
-        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        out = self.usp(query, key, value, text_tokens=0).flatten(2, 3).type_as(query)  # [B, N/P, H·D]
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE on interleaved pairs: x [B, S, H, D], cos and sin [1, S, 1, D]."""
-    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, D/2] each
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)  # [B, S, H, D]
-
-
-PROCESSORS = {"flux": FluxUSPProcessor, "joint": AttentionUSPProcessor, "wan": WanUSPProcessor}
-
-
-def processor_class(kind):
-    """The processor class a plan's attention ``kind`` names: one of PROCESSORS by name, or a family's own
-    class (its module defines it: ``Processor(core)``, whose attention is ``core(q, k, v, text_tokens=L)``
-    on q, k, v [B, S, H, D] laid out [text (L tokens); image], returning [B, S, H, D])."""
-    return PROCESSORS[kind] if isinstance(kind, str) else kind
-
-
 class Shard:
     """This rank's share of a sequence, and the gather that undoes the cut.
 
@@ -310,11 +221,11 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     attached.hooks.append(modules[plan.gather].register_forward_hook(
         lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
     usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel, shard)
-    kinds = dict(plan.attention)
+    processors = dict(plan.attention)
     for name, module in modules.items():
-        kind = kinds.get(name.rsplit(".", 1)[-1])
-        if kind is not None:
-            module.set_processor(processor_class(kind)(usp))
+        processor = processors.get(name.rsplit(".", 1)[-1])
+        if processor is not None:
+            module.set_processor(processor(usp))
     return attached
 
 

@@ -8,17 +8,15 @@ warm-up attends to what exists. With sequence parallelism inside a stage, each r
 of the chunk's tokens; the slices' fresh K/V are all-gathered in the sequence group (text is the
 same on every rank), so every rank's buffer holds the whole chunk.
 
-The processors are the sequence-parallel ones (sequence.py), which compute the module's Q/K/V
-and output projections and hand the attention itself to a pluggable core; here the core is
-``StaleKV``.
+The processors are the families' own (the plan's classes, the same sequence parallelism uses),
+which compute the module's Q/K/V and output projections and hand the attention itself to a
+pluggable core; here the core is ``StaleKV``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from . import sequence
 
 
 class Chunk:
@@ -135,10 +133,10 @@ def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
     ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before.
     A plan names a module by its attribute ("attn1") or by its path without block indices
     ("layers.attention": the main blocks' attention of Z-Image, not its refiners')."""
-    kinds = {name: (kind, sees_text) for name, kind, sees_text in plan.attention}
+    processors = {name: (processor, sees_text) for name, processor, sees_text in plan.attention}
     for name, module in transformer.named_modules():
         path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
-        entry = kinds.get(name.rsplit(".", 1)[-1], kinds.get(path))
+        entry = processors.get(name.rsplit(".", 1)[-1], processors.get(path))
         if entry is not None:
-            kind, sees_text = entry
-            module.set_processor(sequence.processor_class(kind)(StaleKV(chunk, sp_group, kernel, sees_text)))
+            processor, sees_text = entry
+            module.set_processor(processor(StaleKV(chunk, sp_group, kernel, sees_text)))

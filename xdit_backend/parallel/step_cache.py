@@ -140,7 +140,8 @@ class StepCache:
             image_in, outs = signature.argument(signature.image, args, kwargs), signature.outputs(out)
             image_out = outs[signature.image]
             if call.decides:
-                self._reuse = self._decide(call, image_out, image_in, signature.argument(signature.probe, args, kwargs))
+                self._reuse = self.decide(image_out, image_in, signature.argument(signature.probe, args, kwargs),
+                                          call.rows)
             slot = self._slots.setdefault(call.slot, {})
             if self._reuse:
                 return signature.returned({**outs, signature.image: image_out + slot["tail"]})
@@ -164,19 +165,21 @@ class StepCache:
 
     # ------------------------------------------------------------------ the decision
 
-    def _decide(self, call: _Call, image_out, image_in, probe) -> bool:
-        """Reuse at this evaluation? The same answer on every rank of ``group``."""
+    def decide(self, image_out, image_in, probe, rows: slice | None) -> bool:
+        """Reuse at this evaluation of ``step``? The same answer on every rank of ``group``. From the span's
+        first block: its image output and input, its probe argument, and the cond ``rows`` of them (None:
+        none here). A model call's head decides through it, and a PipeFusion stage (StageCache) directly."""
         forced = (self.step < self.options.start or self.step >= self.steps - self.options.end
                   or self.step in self.computes)
         if self.options.method == "fbcache":
             residual = image_out - image_in  # [B, S, D] this rank's rows and tokens
-            ratio = None if forced or self._previous is None else self._ratio(residual, self._previous, call.rows)
+            ratio = None if forced or self._previous is None else self._ratio(residual, self._previous, rows)
             reuse = ratio is not None and ratio < self.options.threshold
             if not reuse:
                 self._previous = residual
         else:
             probe = flat_probe(probe)  # [B, features]
-            change = None if self._previous is None else self._ratio(probe, self._previous, call.rows, tokens=False)
+            change = None if self._previous is None else self._ratio(probe, self._previous, rows, tokens=False)
             self._previous = probe
             ratio, reuse = None, False
             if change is not None and not forced:
@@ -271,7 +274,7 @@ class StageCache:
                 image, text = run_block(block, image, text, kwargs)
                 if chunk[0] == 0:
                     self.cache.step = step
-                    self.reuse = self.cache._decide(_Call(0, True, self.rows), image, before, self._probe)
+                    self.reuse = self.cache.decide(image, before, self._probe, self.rows)
             elif self.reuse:  # skipped: this stage's residual at the chunk's last computed step, added once
                 if block is self.rest[0]:
                     image = image + self.residuals[chunk]  # [batch, n/P, D]

@@ -36,7 +36,7 @@ TENSOR_ROUNDING = 512  # bytes: the CUDA caching allocator rounds every tensor u
 
 
 def _table(name: str, keys) -> dict:
-    """Each diffusers key's source in the family's original layout (checkpoint.Source)."""
+    """Each diffusers key's source in the family's original layout (checkpoint.TensorSource)."""
     source = registry.resolve(name)
     return registry.FAMILIES[source.family].checkpoint.sources(keys, "", source.config)
 
