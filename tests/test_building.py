@@ -10,11 +10,12 @@ import weakref
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch._subclasses.fake_tensor import FakeTensorMode
 from test_model_files import bfl_state_dict
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xdit_backend.models import registry, scaled_fp8
+from xdit_backend.models.resolved import resolve_model
 from xdit_backend.parallel.pipefusion import keep_stage
 
 CUDA = torch.device("cuda", 0)  # a rank's device, as runtime.py pins it
@@ -62,7 +63,7 @@ def test_a_pipefusion_stage_of_a_builtin_is_the_whole_models_blocks(name):
     layers outside every block, equal the whole model's."""
     whole = registry.build(name, torch.device("cpu")).transformer
     plan = registry.spec(name).stage_plan
-    total = len(registry.block_sizes(name))
+    total = len(resolve_model(name).block_sizes)
     start, end = 1, total - 1  # a middle stage: blocks on both sides are someone else's
     stage = registry.build(name, torch.device("cpu"), blocks=(start, end)).transformer
     assert sum(p.is_meta for p in stage.parameters()) > 0

@@ -11,6 +11,7 @@ from test_model_files import bfl_state_dict, forward
 from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
+from xdit_backend.models.resolved import resolve_model
 from xdit_backend.models.storage import StoredLinear
 
 gguf = pytest.importorskip("gguf")  # the optional extra "gguf" (installed in CI)
@@ -171,7 +172,8 @@ def test_the_fit_check_counts_a_gguf_files_blocks_as_stored(tiny, tmp_path):
     take, not at the compute dtype: counted against the loaded model's parameters."""
     path = tmp_path / "flux-Q8_0.gguf"
     gguf_file(bfl_state_dict(tiny.transformer), path, GGML.Q8_0)
-    estimate = memory_fit.needed(str(path), torch.float32, "default", 1, None, tokens_per_rank=16, rows=1)
+    estimate = memory_fit.needed(resolve_model(str(path)), torch.float32, "default", 1, None, tokens_per_rank=16,
+                                 rows=1)
     loaded = registry.build(str(path), CPU).transformer
     held = sum(p.numel() * p.element_size() for p in loaded.parameters())
     assert abs(estimate.weights_resident - held) <= 0.05 * held, (estimate.weights_resident, held)

@@ -101,6 +101,7 @@ def test_auto_shards_the_weights_when_only_a_share_fits(backends, monkeypatch):
     shard_weights on and says so, and the sharded run equals the serial one."""
     from xdit_backend.distributed.config import ParallelConfig
     from xdit_backend.memory.fit import needed, request_shape
+    from xdit_backend.models.resolved import resolve_model
     from xdit_backend.parallel.denoiser import Denoiser
     from xdit_backend.sampling.generate import generate
 
@@ -112,7 +113,7 @@ def test_auto_shards_the_weights_when_only_a_share_fits(backends, monkeypatch):
         request = SampleRequest.parse(Message("sample", {**fields, "parallel": config.to_json()}, positive))
         tokens, rows = request_shape(request, spec, positive["context"].shape[1])
         shard_ranks = config.shard_size if config.shard_weights else 1
-        return needed("flux-tiny", torch.float32, "default", shard_ranks, config, tokens, rows).total
+        return needed(resolve_model("flux-tiny"), torch.float32, "default", shard_ranks, config, tokens, rows).total
 
     whole, shared = need(ParallelConfig(ulysses=2)), need(ParallelConfig(ulysses=2, shard_weights=True))
     assert shared < whole, "a share of the blocks must need less than the whole model"

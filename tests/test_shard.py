@@ -8,6 +8,7 @@ from conftest import flux_tiny_conditioning, serial_of
 
 from xdit_backend.distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
 from xdit_backend.models import registry
+from xdit_backend.models.resolved import resolve_model
 
 TOLERANCE = 1e-4
 FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 3, "seed": 21, "cfg": 3.5, "batch": 2}
@@ -84,7 +85,7 @@ def test_sharded_pipefusion_equals_it_unsharded(backend4, conditioning, blocks):
     difference = (sharded["samples"] - unsharded["samples"]).abs().max().item()
     assert difference <= TOLERANCE
     block_list, _ = blocks
-    bounds = stage_bounds(registry.block_sizes("flux-tiny"), 2)
+    bounds = stage_bounds(resolve_model("flux-tiny").block_sizes, 2)
     chunks = 1 + (FIELDS["steps"] - 1) * 2  # warm-up 1, then 2 patches (the default: as many as stages)
     for record in info["profile"]:
         start, end = bounds[record["rank"] // 2]  # ranks [0, 1] run stage 0, [2, 3] stage 1

@@ -15,6 +15,7 @@ from xdit_backend.errors import UserError
 from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
+from xdit_backend.models.resolved import resolve_model
 from xdit_backend.models.storage import StoredLinear
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.sampling.generate import generate
@@ -330,6 +331,7 @@ def test_the_fit_check_counts_an_fp8_files_matrices_at_their_stored_byte(tiny, t
     value), not at the compute dtype: counted against the loaded model's parameters."""
     path = tmp_path / "flux-fp8.safetensors"
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in bfl_state_dict(tiny.transformer).items()}, str(path))
-    estimate = memory_fit.needed(str(path), torch.float32, "default", 1, None, tokens_per_rank=16, rows=1)
+    estimate = memory_fit.needed(resolve_model(str(path)), torch.float32, "default", 1, None, tokens_per_rank=16,
+                                 rows=1)
     held = parameter_bytes(registry.build(str(path), CPU).transformer)
     assert abs(estimate.weights_resident - held) <= 0.05 * held, (estimate.weights_resident, held)

@@ -19,7 +19,9 @@ import torch
 
 from .. import device as device_memory
 from ..errors import UserError
-from ..models import registry, storage
+from ..models import storage
+from ..models.registry import ModelSource
+from ..models.resolved import ResolvedModel
 from . import model as memory_model
 
 TEST_BUDGET_ENV = "XDIT_TEST_MEMORY_BUDGET"  # tests only: bytes the rank's device has
@@ -47,26 +49,25 @@ def available(device: torch.device, held: int) -> int:
     return device_memory.free_and_total(device)[0]
 
 
-def needed(name: str, compute_dtype: torch.dtype, weight_dtype: str, shard_ranks: int, config,
+def needed(model: ResolvedModel, compute_dtype: torch.dtype, weight_dtype: str, shard_ranks: int, config,
            tokens_per_rank: int, rows: int) -> memory_model.Estimate:
-    """The memory model's bytes for loading ``name`` and running a request with it on one rank;
+    """The memory model's bytes for loading ``model`` and running a request with it on one rank;
     ``config``: the request's ParallelConfig (None: one rank)."""
-    return memory_model.estimate(registry.on_meta(name), storage_bytes_per_value=storage_rule(name, compute_dtype,
-                                                                                              weight_dtype),
+    return memory_model.estimate(model.on_meta(), storage_bytes_per_value=storage_rule(model.source, compute_dtype,
+                                                                                       weight_dtype),
                                  compute_dtype=compute_dtype,
                                  shard_ranks=shard_ranks, tokens_per_rank=tokens_per_rank, rows=rows,
                                  stages=config.pipefusion if config else 1, ulysses=config.ulysses if config else 1,
                                  ring=config.ring if config else 1)
 
 
-def storage_rule(name: str, compute_dtype: torch.dtype, weight_dtype: str):
-    """Bytes a value of ``name``'s weights takes once loaded: weight_dtype fp8_* stores matrices in fp8;
+def storage_rule(source: ModelSource, compute_dtype: torch.dtype, weight_dtype: str):
+    """Bytes a value of ``source``'s weights takes once loaded: weight_dtype fp8_* stores matrices in fp8;
     by default a file's float8 and GGUF matrices stay as stored (their bytes read from the file, on
     average) and everything else takes the compute dtype."""
     if weight_dtype.startswith("fp8"):
         return memory_model.fp8_storage(compute_dtype)
     size = float(compute_dtype.itemsize)
-    source = registry.resolve(name)
     if source.kind != "file":  # a built-in or a diffusers folder: cast to the compute dtype
         return size
     kept_bytes, kept_values, cast_values = storage.file_matrix_bytes(source.ref, Path(source.ref).stat().st_mtime_ns)

@@ -196,60 +196,13 @@ def _resolve_folder(path: str) -> ModelSource:
                        describes=f"{family.name} (diffusers folder)")
 
 
-def identity(ref: str) -> tuple[str, int]:
-    """What a loaded model is cached under: its name or resolved path, and the file's version
-    (modification time; 0 for a built-in), so a changed file is loaded again."""
-    source = resolve(ref)
-    if source.kind == "builtin":
-        return ref, 0
-    return source.ref, Path(source.ref).stat().st_mtime_ns
-
-
-def _construct(source: ModelSource):
+def construct(source: ModelSource):
     """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[source.family].diffusers_class)
     return weights.construct(cls, source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
-
-
-def on_meta(ref: str):
-    """The model's diffusers transformer with its parameters on the meta device: its shapes, no weights
-    (the model cache's fit check and auto size a model with it before loading). Built once per version
-    of the model (a full-size one takes a quarter of a second of CPU), so read it, never change it."""
-    return _on_meta(*identity(ref))
-
-
-@functools.lru_cache(maxsize=8)
-def _on_meta(ref: str, version: int):
-    return _construct(resolve(ref))
-
-
-def block_sizes(ref: str) -> list[int]:
-    """Parameter count of each transformer block, in execution order (nothing allocated); counted
-    once per version of the model, not on every PipeFusion request."""
-    return list(_block_sizes(*identity(ref)))
-
-
-@functools.lru_cache(maxsize=32)
-def _block_sizes(ref: str, version: int) -> tuple[int, ...]:
-    transformer = _on_meta(ref, version)
-    blocks = [b for name in FAMILIES[resolve(ref).family].block_lists for b in getattr(transformer, name)]
-    return tuple(sum(p.numel() for p in block.parameters()) for block in blocks)
-
-
-def cache_head(ref: str) -> int:
-    """Where the step cache's span (its CachePlan) begins, as an index in the block order PipeFusion
-    cuts into stages: the stage that holds that block decides for every stage."""
-    return _cache_head(*identity(ref))
-
-
-@functools.lru_cache(maxsize=32)
-def _cache_head(ref: str, version: int) -> int:
-    transformer = _on_meta(ref, version)
-    lists, first = FAMILIES[resolve(ref).family].block_lists, spec(ref).cache_plan.blocks[0]
-    return sum(len(getattr(transformer, name)) for name in lists[:lists.index(first)])
 
 
 def attention_geometry(config) -> tuple[int, int]:
@@ -269,7 +222,13 @@ def spec(ref: str):
 
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
           blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
-    """Build or load a model onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
+    """Build or load the model ``ref`` names (build_source)."""
+    return build_source(resolve(ref), ref, device, dtype, loras, blocks, weight_dtype)
+
+
+def build_source(source: ModelSource, name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                 loras=(), blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
+    """Build or load a model (called ``name``) onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
     else its file or folder), carrying ``loras`` (lora.LoraSpec) as patches (``model.patches``: lora.py).
 
 
@@ -281,18 +240,17 @@ def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, lo
     tensors (and the embeddings around them) are drawn or read, the other blocks stay on the meta
     device for the caller to drop (parallel/pipefusion.keep_stage).
     """
-    source = resolve(ref)
     family = FAMILIES[source.family]
     fp8 = _weight_dtype(weight_dtype)
     if fp8 is not None or source.float8:
         storage.check_fp8(device, source.ref)
-    transformer = _construct(source)
+    transformer = construct(source)
     keys = _stage_keys(transformer, family, blocks)
     with _tensors(source, transformer, keys) as tensor_of:
         weights.put(transformer, keys, tensor_of, device, dtype, fp8)
     table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
     patches = lora.Patches(transformer, table, dtype)  # before a stage drops the other blocks
-    model = family.model(transformer, ref, family.spec(source.config), patches, dtype,
+    model = family.model(transformer, name, family.spec(source.config), patches, dtype,
                          storage.storage_dtype(transformer, dtype))
     try:
         model.lora_reports = model.patches.carry(list(loras), lora.LoraFiles(device)) if loras else []

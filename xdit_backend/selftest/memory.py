@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ..memory import fit as memory_fit
 from ..models import registry
 from ..models.lora import LoraFiles, LoraSpec
+from ..models.resolved import resolve_model
 from ..service.request import SampleRequest
 from ..wire.protocol import Message
 from .models import distance, generation
@@ -74,7 +75,7 @@ def _request_peak(ctx: Context, checks: Checks, model, weight_dtype: str, side: 
     name, label, request = model.name, f"{'bf16' if weight_dtype == 'default' else 'fp8'}_{side}", _request(side)
     parsed = SampleRequest.parse(Message("sample", {**request, "model": name}))
     tokens, rows = memory_fit.request_shape(parsed, registry.spec(name), registry.resolve_builtin(name).text_tokens)
-    predicted = memory_fit.needed(name, BF16, weight_dtype, 1, None, tokens, rows)  # as the executor's fit check
+    predicted = memory_fit.needed(resolve_model(name), BF16, weight_dtype, 1, None, tokens, rows)  # as the fit check
     checks.record(**{f"{label}_predicted_mib": predicted.total / 2**20,
                      f"{label}_predicted_weights_mib": predicted.weights / 2**20,
                      f"{label}_predicted_activations_mib": (predicted.activations + predicted.workspace) / 2**20})

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from ..memory import fit as memory_fit
 from ..models import registry
+from ..models.resolved import resolve_model
 from ..service.model_cache import resident_bytes
 from ..service.step_clock import StepClock
 from .memory import allocated
@@ -117,7 +118,7 @@ def _load(ctx: Context, checks: Checks, label: str, ref: str, weight_dtype: str 
     rounding of each tensor, a 0-dim scale's 4 bytes taking 512)."""
     before = allocated(ctx.device)
     model = registry.build(ref, ctx.device, BF16, weight_dtype=weight_dtype)
-    counted = memory_fit.needed(ref, BF16, weight_dtype, 1, None, 0, 1).weights_resident
+    counted = memory_fit.needed(resolve_model(ref), BF16, weight_dtype, 1, None, 0, 1).weights_resident
     held = resident_bytes(model)
     tensors = sum(1 for _ in model.transformer.parameters()) + sum(1 for _ in model.transformer.buffers())
     slack = 0.02 * counted + TENSOR_ROUNDING * tensors

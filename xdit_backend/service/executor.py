@@ -20,6 +20,7 @@ from ..distributed.mesh import MeshCache
 from ..distributed.runtime import Runtime
 from ..memory import fit as memory_fit
 from ..models import lora, registry
+from ..models.resolved import ResolvedModel, resolve_model
 from ..parallel import attention, shard, traffic
 from ..parallel.compile import use_compiled
 from ..parallel.denoiser import Denoiser
@@ -52,44 +53,43 @@ class Executor:
         """Model evaluations computed and reused by the last generation's step cache."""
         return None if self.last_cache is None else self.last_cache.counts
 
-    def key(self, name: str, dtype: str = "auto", weight_dtype: str = "default", shard_mesh=None,
+    def key(self, model: ResolvedModel, dtype: str = "auto", weight_dtype: str = "default", shard_mesh=None,
             stage: tuple[int, int] | None = None) -> ModelKey:
-        path, version = registry.identity(name)
         torch_dtype = compute_dtype(dtype, self.rt.device)
         shard_ranks = () if shard_mesh is None else tuple(shard_mesh.mesh.tolist())
-        return ModelKey(path, version, str(torch_dtype).removeprefix("torch."), weight_dtype, shard_ranks, stage)
+        return ModelKey(model.cache_name, model.version, str(torch_dtype).removeprefix("torch."), weight_dtype,
+                        shard_ranks, stage)
 
-    def model(self, name: str, dtype: str = "auto", loras=(), compiled: bool = False,
+    def model(self, model: ResolvedModel, dtype: str = "auto", loras=(), compiled: bool = False,
               weight_dtype: str = "default", shard_mesh=None, stage: tuple[int, int] | None = None) -> Entry:
-        """The resident base for ``name`` (loaded once per file version, precision, shard ranks and
+        """The resident base for ``model`` (loaded once per file version, precision, shard ranks and
         PipeFusion stage), made to carry exactly ``loras`` and to run compiled or not: neither makes
         another copy of its weights. A changed file (new mtime) replaces the old version; a sharded
         model is loaded again when its mesh was rebuilt (after a failed request: agreement.py)."""
-        key = self.key(name, dtype, weight_dtype, shard_mesh, stage)
+        key = self.key(model, dtype, weight_dtype, shard_mesh, stage)
         entry = self.cache.get(key)
         if entry is not None and shard_mesh is not None and shard.mesh_of(entry.model) is not shard_mesh:
             self.cache.drop([key])
             entry = None
         if entry is None:
             self.cache.drop(k for k in self.cache.least_recent_first() if k.name == key.name and k.version != key.version)
-            entry = self.load(name, key, shard_mesh)
+            entry = self.load(model, key, shard_mesh)
             self.cache.put(key, entry)
         entry.model.lora_reports = entry.model.patches.carry(list(loras), self.lora_files)
         self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
         use_compiled(entry.model, compiled)
         return entry
 
-    def load(self, name: str, key: ModelKey, shard_mesh) -> Entry:
+    def load(self, model: ResolvedModel, key: ModelKey, shard_mesh) -> Entry:
         """Build the model of ``key`` on this rank's device: the whole of it, or only a PipeFusion
         stage's tensors (the other stages' blocks stay on meta and are dropped); with ``shard_mesh``,
         built on the CPU and each block sharded onto the device (it never holds a whole copy: shard.py)."""
         device = torch.device("cpu") if shard_mesh is not None else self.rt.device
-        model = registry.build(name, device, getattr(torch, key.compute_dtype), blocks=key.stage,
-                               weight_dtype=key.weight_dtype)
-        blocks = None if key.stage is None else keep_stage(model.transformer, model.spec.stage_plan, *key.stage)
+        built = model.build(device, getattr(torch, key.compute_dtype), blocks=key.stage, weight_dtype=key.weight_dtype)
+        blocks = None if key.stage is None else keep_stage(built.transformer, built.spec.stage_plan, *key.stage)
         if shard_mesh is not None:
-            shard.shard_blocks(model, shard_mesh, self.rt.device)
-        return Entry(model, blocks)
+            shard.shard_blocks(built, shard_mesh, self.rt.device)
+        return Entry(built, blocks)
 
     def loaded(self) -> list[str]:
         """One line per loaded model, least recently used first, with the LoRAs it carries and whether
@@ -144,7 +144,7 @@ class Executor:
         if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
             torch.cuda.empty_cache()
 
-    def make_room(self, name: str, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
+    def make_room(self, model: ResolvedModel, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
         """Before loading: every rank checks that the model and the request's activations fit its
         device, counting what evicting least-recently-used models would free; the ranks agree (one
         small gather on the control group, every request), then evict, or all raise the refusal of
@@ -153,14 +153,15 @@ class Executor:
         if key not in self.cache.entries:
             config = request.parallel
             shard_ranks = len(key.shard_ranks) or 1
-            tokens, rows = memory_fit.request_shape(request, registry.spec(name), text_tokens)
-            estimate = memory_fit.needed(name, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
+            tokens, rows = memory_fit.request_shape(request, model.spec, text_tokens)
+            estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
                                          config, tokens, rows)
             free = memory_fit.available(self.rt.device, self.held_bytes())
             loaded = [(k, resident_bytes(e.model)) for k, e in self.cache.entries.items()]
             plan = memory_fit.eviction_plan(estimate.total, free, loaded)
             if plan is None:
-                verdict = {"rank": self.rt.rank, "model": name, "device": str(self.rt.device), "needed": estimate.total,
+                verdict = {"rank": self.rt.rank, "model": model.name, "device": str(self.rt.device),
+                           "needed": estimate.total,
                            "weights": estimate.weights, "activations": estimate.activations,
                            "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in loaded)}
         verdicts = gather_json(verdict, self.rt.control) if self.rt.world_size > 1 else [verdict]
@@ -187,18 +188,19 @@ class Executor:
 
     def _generate(self, request: SampleRequest, after_step) -> torch.Tensor:
         layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
-        spec = registry.spec(request.model)
+        model = resolve_model(request.model)  # once: everything below takes the resolved model
+        spec = model.spec
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
         stage = None
         if layout is not None and layout.config.pipefusion > 1:
             config = layout.config
-            bounds = stage_bounds(registry.block_sizes(request.model), config.pipefusion, config.pipefusion_blocks)
+            bounds = stage_bounds(model.block_sizes, config.pipefusion, config.pipefusion_blocks)
             stage = bounds[layout.index("pipefusion")]
-        key = self.key(request.model, request.dtype, request.weight_dtype, shard_mesh, stage)
+        key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
-        self.make_room(request.model, key, request, text_tokens)
-        entry = self.model(request.model, request.dtype, request.loras, request.compile, request.weight_dtype,
+        self.make_room(model, key, request, text_tokens)
+        entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype,
                            shard_mesh, stage)
         self.computing = entry.model
         if stage is None:
@@ -210,7 +212,7 @@ class Executor:
                 self.last_cache = denoiser.cache
         _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
         denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
-        decides = gen.cache is not None and stage[0] <= registry.cache_head(request.model) < stage[1]
+        decides = gen.cache is not None and stage[0] <= model.cache_head < stage[1]
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
         self.last_trace = pipeline.trace
         try:

@@ -8,7 +8,6 @@ parse (follower.py), and every rank runs it through agreement.run_request.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import traceback
@@ -24,6 +23,7 @@ from ..errors import UserError
 from ..launch.idle import STOP, UNLOAD, IdleClock
 from ..memory import fit as memory_fit
 from ..models import registry
+from ..models.resolved import ResolvedModel, resolve_model
 from ..parallel import attention
 from ..sampling.generate import side_differences
 from ..sampling.samplers import ONE_CALL_PER_STEP
@@ -138,7 +138,8 @@ class Leader:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
         request = SampleRequest.parse(job.message)
         self.check_roots(request)
-        spec = registry.spec(request.model)  # validation needs no weights
+        model = resolve_model(request.model)  # once: validation needs no weights
+        spec = model.spec
         request.check_model(spec)
         positive, negative = request.sides(spec)
         # the layout is chosen on the sides as the model takes them (Flux.2: text padded to 512); the ranks
@@ -150,12 +151,10 @@ class Leader:
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
         facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
                              request.steps)
-        source = registry.resolve(request.model).config  # the width C = heads × head size, for auto's traffic model
-        width = math.prod(registry.attention_geometry(source))
-        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, width)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width)
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology,
-                                              lambda layout: self.memory_fit(request, spec, layout, text))
+                                              lambda layout: self.memory_fit(request, model, layout, text))
             why = f"auto: {why}"
         else:
             config, why = request.parallel, "as requested"
@@ -176,13 +175,14 @@ class Leader:
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
 
-    def memory_fit(self, request: SampleRequest, spec, config: ParallelConfig, text_tokens: int) -> MemoryFit | None:
+    def memory_fit(self, request: SampleRequest, model: ResolvedModel, config: ParallelConfig,
+                   text_tokens: int) -> MemoryFit | None:
         """What auto weighs to shard the weights: one rank's unsharded weights under ``config`` (the memory
         model's estimate) against the tightest rank's room less the request's activations (memory_fit.py)."""
         if not self.memory or config.shard_size == 1:
             return None
-        tokens, rows = memory_fit.request_shape(replace(request, parallel=config), spec, text_tokens)
-        estimate = memory_fit.needed(request.model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
+        tokens, rows = memory_fit.request_shape(replace(request, parallel=config), model.spec, text_tokens)
+        estimate = memory_fit.needed(model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
                                      1, config, tokens, rows)
         room = memory_fit.tightest_room(self.memory) - estimate.activations - estimate.workspace
         return MemoryFit(estimate.weights, room)
