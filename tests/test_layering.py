@@ -108,6 +108,17 @@ def test_every_package_imports_only_packages_below_it():
     assert not upward, "\n".join(upward)
 
 
+def test_the_engine_names_no_family():
+    """parallel/, sampling/, memory/ and service/ import no family module (models/<family>.py, beside its
+    <family>_checkpoint.py) and no converter: a family reaches the engine through its spec and plans."""
+    families = {f"xdit_backend.models.{path.stem.removesuffix('_checkpoint')}"
+                for path in (PACKAGE / "models").glob("*_checkpoint.py")}
+    families |= {f"{name}_checkpoint" for name in families}
+    named = sorted(f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
+                   if package_of(module) in ("parallel", "sampling", "memory", "service") and target in families)
+    assert len(families) >= 20 and not named, "\n".join(named)
+
+
 def test_the_package_table_runs_one_way():
     """MAY_IMPORT itself has no cycle, and names every package there is."""
     assert cycle({name: set(allowed) for name, allowed in MAY_IMPORT.items()}) is None

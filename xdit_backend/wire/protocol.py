@@ -1,4 +1,4 @@
-"""Wire protocol: framing, message schemas and tensor (de)serialisation.
+"""Wire protocol: framing and message schemas; the tensors ride as a safetensors payload (tensor_payload.py).
 
 One frame on the socket::
 
@@ -27,25 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import schema
+from . import tensor_payload
 
 MAGIC = b"XDIT"
 PROTOCOL_VERSION = 1
 
 _PRELUDE = struct.Struct(">4sHI")  # magic, protocol version, header length
 _PAYLOAD_LENGTH = struct.Struct(">Q")
-_ST_HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian header length
-
-# safetensors dtype names accepted on the wire (float8 is for model files, not messages).
-WIRE_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -124,7 +112,7 @@ def error_message(kind: str, message: str, hint: str = "", *, id: str = "", **ex
 def encode(message: Message) -> list[bytes | memoryview]:
     """Serialise a message into the parts of one frame (send them in order)."""
     header = json.dumps({"type": message.type, **message.fields}, separators=(",", ":")).encode()
-    payload = _encode_tensors(message.tensors)
+    payload = tensor_payload.encode(message.tensors)
     prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, len(header))
     return [prelude, header, _PAYLOAD_LENGTH.pack(sum(len(p) for p in payload)), *payload]
 
@@ -132,28 +120,6 @@ def encode(message: Message) -> list[bytes | memoryview]:
 def encode_bytes(message: Message) -> bytes:
     """The whole frame as one bytes object (for in-process use and tests)."""
     return b"".join(bytes(p) for p in encode(message))
-
-
-def _encode_tensors(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
-    """A safetensors blob as a list of parts, without copying tensor data into one buffer."""
-    if not tensors:
-        return []
-    entries, parts, offset = {}, [], 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, not one the protocol carries")
-        data = tensor.detach().to("cpu").contiguous()
-        raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b""
-        entries[name] = {
-            "dtype": _DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        parts.append(raw)
-        offset += len(raw)
-    header = json.dumps(entries, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # tensor data starts 8-byte aligned, as safetensors does
-    return [_ST_HEADER_LENGTH.pack(len(header)), header, *parts]
 
 
 # --------------------------------------------------------------------------- decoding
@@ -227,7 +193,11 @@ def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction
             kind="bad_request",
         )
     _check_fields(msg_type, fields, schemas[msg_type], limits)
-    return Message(msg_type, fields, _decode_tensors(payload, limits))
+    try:
+        tensors = tensor_payload.decode(payload, limits.max_header_bytes, limits.max_tensors, limits.max_tensor_dims)
+    except tensor_payload.PayloadError as exc:
+        raise FrameError(exc.message, exc.hint, fatal=False) from None
+    return Message(msg_type, fields, tensors)
 
 
 def _refuse_constant(name: str):
@@ -279,94 +249,6 @@ def _type_name(expected) -> str:
     if isinstance(expected, tuple):
         return "number"
     return {str: "string", int: "integer", bool: "boolean", dict: "object"}.get(expected, expected.__name__)
-
-
-def _decode_tensors(payload: bytearray, limits: Limits) -> dict[str, torch.Tensor]:
-    """Validate a safetensors blob completely, then build zero-copy views over it."""
-    if not payload:
-        return {}
-    if len(payload) < _ST_HEADER_LENGTH.size:
-        raise FrameError("payload is shorter than a safetensors header", fatal=False)
-    (st_len,) = _ST_HEADER_LENGTH.unpack_from(payload)
-    data_start = _ST_HEADER_LENGTH.size + st_len
-    if st_len > limits.max_header_bytes or data_start > len(payload):
-        raise FrameError(f"safetensors header length {st_len} does not fit the payload", fatal=False)
-    try:
-        entries = json.loads(bytes(payload[_ST_HEADER_LENGTH.size : data_start]))
-    except (ValueError, RecursionError):
-        raise FrameError("safetensors header is not valid JSON", fatal=False) from None
-    if not isinstance(entries, dict):
-        raise FrameError("safetensors header must be a JSON object", fatal=False)
-    entries.pop("__metadata__", None)
-    if len(entries) > limits.max_tensors:
-        raise FrameError(f"{len(entries)} tensors exceed the limit of {limits.max_tensors}", fatal=False)
-
-    data_len = len(payload) - data_start
-    specs, spans = [], []
-    for name, entry in entries.items():
-        dtype, shape, (begin, end) = _check_tensor_entry(name, entry, limits)
-        if not 0 <= begin <= end <= data_len:
-            raise FrameError(f"tensor {name!r} lies outside the payload", fatal=False)
-        if _numel(shape) * dtype.itemsize != end - begin:
-            raise FrameError(
-                f"tensor {name!r}: shape {shape} of {dtype} needs {_numel(shape) * dtype.itemsize} bytes, "
-                f"the payload gives {end - begin}",
-                fatal=False,
-            )
-        specs.append((name, dtype, shape, begin, end))
-        spans.append((begin, end))
-    spans.sort()
-    if any(prev_end > begin for (_, prev_end), (begin, _) in zip(spans, spans[1:])):
-        raise FrameError("tensors overlap in the payload", fatal=False)
-
-    tensors = {}
-    for name, dtype, shape, begin, end in specs:
-        count = (end - begin) // dtype.itemsize
-        if count == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        offset = data_start + begin
-        tensor = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
-        tensors[name] = tensor if offset % dtype.itemsize == 0 else tensor.clone()
-    return tensors
-
-
-def _check_tensor_entry(name, entry, limits: Limits):
-    if not isinstance(name, str) or not name or len(name) > 64:
-        raise FrameError("tensor names must be strings of 1 to 64 characters", fatal=False)
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise FrameError(f"tensor {name!r}: entry must hold exactly dtype, shape, data_offsets", fatal=False)
-    dtype = WIRE_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-    if dtype is None:
-        raise FrameError(
-            f"tensor {name!r}: dtype {entry['dtype']!r} is not carried by the protocol",
-            f"use one of {', '.join(WIRE_DTYPES)}",
-            fatal=False,
-        )
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    if (
-        not isinstance(shape, list)
-        or len(shape) > limits.max_tensor_dims
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
-    ):
-        raise FrameError(
-            f"tensor {name!r}: shape must be a list of at most {limits.max_tensor_dims} non-negative integers",
-            fatal=False,
-        )
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-    ):
-        raise FrameError(f"tensor {name!r}: data_offsets must be two integers", fatal=False)
-    return dtype, shape, offsets
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 # --------------------------------------------------------------------------- sockets
