@@ -273,7 +273,7 @@ def test_pipefusion_refuses_reference_latents_with_the_methods_that_work():
 def test_a_comfyui_scaled_fp8_file_matches_its_dequantised_model(tmp_path):
     """Comfy-Org's scaled-fp8 form (``scaled_fp8`` marker, ``scale_weight`` per Linear): the block Linears
     keep fp8 and their scales, and the forward is that of the dequantised weights."""
-    from test_storage import comfy_scaled_file
+    from backend.test_storage import comfy_scaled_file
 
     path = tmp_path / "qwen-scaled.safetensors"
     save_file(comfy_scaled_file(tiny_file(), path), str(tmp_path / "reference.safetensors"))

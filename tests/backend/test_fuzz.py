@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from test_protocol import frame, st_payload
+from unit.test_protocol import frame, st_payload
 
 from xdit_backend.wire import protocol
 

@@ -5,8 +5,8 @@ hybrid, with every sampler that makes one model call per step."""
 import pytest
 import torch
 from conftest import flux_tiny_conditioning
-from test_families import FAMILIES, bound, serial_latent
-from test_families import fields as family_fields
+from backend.test_families import FAMILIES, bound, serial_latent
+from backend.test_families import fields as family_fields
 
 from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.models import registry

@@ -147,7 +147,7 @@ def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path):
 def test_a_comfyui_scaled_fp8_file_matches_the_dequantised_model(tmp_path):
     """ComfyUI's scaled fp8 with a scale per output row: the fused qkv's scales go with their thirds,
     every Linear stays fp8 with its scale, and the forward is the dequantised model's."""
-    from test_storage import comfy_scaled_file
+    from backend.test_storage import comfy_scaled_file
 
     path = tmp_path / "flux2-scaled.safetensors"
     reference = comfy_scaled_file(original_state_dict(build(DEV_LIKE)), path, per_row=True)

@@ -4,7 +4,7 @@ resolved before the check, so neither traversal nor a symlink escapes."""
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_model_files import bfl_state_dict
+from backend.test_model_files import bfl_state_dict
 
 from xdit_backend.client import BackendError
 from xdit_backend.models import registry

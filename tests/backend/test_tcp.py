@@ -4,7 +4,7 @@ import socket
 
 import pytest
 from conftest import SMALL
-from test_protocol import frame
+from unit.test_protocol import frame
 
 from xdit_backend.client import BackendError, Client
 from xdit_backend.launch import launcher

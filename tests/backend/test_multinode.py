@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import short_socket_dir
-from test_concurrency import FIELDS, serial
+from backend.test_concurrency import FIELDS, serial
 
 from xdit_backend.client import Client
 from xdit_backend.launch import launcher

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch._subclasses.fake_tensor import FakeTensorMode
-from test_model_files import bfl_state_dict
+from backend.test_model_files import bfl_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xdit_backend.models import registry, scaled_fp8

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
@@ -130,7 +130,7 @@ def tiny_sd3_file(path: Path) -> None:
     ComfyUI's own loader detects (its rule: width = 64 × depth)."""
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import save_file
-    from test_sd3_checkpoint import original_state_dict
+    from unit.test_sd3_checkpoint import original_state_dict
 
     torch.manual_seed(0)
     model = SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2,

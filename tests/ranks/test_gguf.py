@@ -6,7 +6,7 @@ built from the gguf package's own dequantisation."""
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_model_files import bfl_state_dict, forward
+from backend.test_model_files import bfl_state_dict, forward
 
 from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
@@ -136,7 +136,7 @@ def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path):
     """The contract with weight sharding: GGUF blocks and scaled-fp8 weights (per-row scales) are
     plain Parameters FSDP2 shards on dim 0, and the sharded model computes exactly the unsharded one."""
     from spawned import on_ranks
-    from test_storage import comfy_scaled_file
+    from backend.test_storage import comfy_scaled_file
 
     gguf_path, fp8_path = tmp_path / "flux-q8.gguf", tmp_path / "flux-scaled.safetensors"
     gguf_file(bfl_state_dict(tiny.transformer), gguf_path, GGML.Q8_0)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_model_files import bfl_state_dict, forward
+from backend.test_model_files import bfl_state_dict, forward
 
 from xdit_backend.client import BackendError
 from xdit_backend.errors import UserError
@@ -203,8 +203,8 @@ def test_a_comfyui_scaled_fp8_file_keeps_its_scales_and_matches_the_dequantised_
 def test_a_wan_scaled_fp8_file_loads_its_float32_modules_dequantised(tmp_path):
     """Wan's scaled-fp8 files were refused: now its Linear weights keep their scales, and the scaled
     weights of its float32 modules (the time embedder) are dequantised at load."""
-    from test_wan_checkpoint import TINY, build, original_state_dict
-    from test_wan_checkpoint import forward as wan_forward
+    from unit.test_wan_checkpoint import TINY, build, original_state_dict
+    from unit.test_wan_checkpoint import forward as wan_forward
 
     path = tmp_path / "wan-scaled.safetensors"
     save_file(comfy_scaled_file(original_state_dict(build(TINY)), path), str(tmp_path / "reference.safetensors"))
@@ -288,7 +288,7 @@ def test_a_lora_on_a_scaled_fp8_file_adds_its_term_and_leaves_the_fp8_weight(tin
 
 def test_a_lora_on_weights_kept_as_gguf_blocks_adds_its_term(tmp_path, tiny):
     gguf = pytest.importorskip("gguf")
-    from test_gguf import gguf_file
+    from ranks.test_gguf import gguf_file
 
     from xdit_backend.models.lora import LoraSpec
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from comfyui_newer_nodes import NEWER_NODES, NEWER_OPTIONS, with_newer_nodes
-from test_comfyui_host import COMFYUI_DIR, host  # noqa: F401  (host is a fixture used below)
+from host.test_comfyui_host import COMFYUI_DIR, host  # noqa: F401  (host is a fixture used below)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 PACK_NODES = ROOT / "nodes"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import LONG, SMALL
-from test_protocol import MALFORMED, frame
+from unit.test_protocol import MALFORMED, frame
 
 from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.wire import protocol
