@@ -86,6 +86,7 @@ def test_later_requests_compile_nothing(compiled):
 
 @pytest.mark.timeout(600)  # each rank compiles its ulysses graphs on one core
 def test_compiled_equals_eager_through_a_backend(backend2):
+    backend2.unload()  # the session's backend: only this test's model is listed below
     fields = {**FIELDS, "parallel": {"ulysses": 2}}
     eager, _ = backend2.sample(fields)
     compiled, _ = backend2.sample({**fields, "compile": True})

@@ -140,6 +140,7 @@ def test_a_lora_on_an_fsdp2_sharded_base_equals_it_on_the_whole_base(backend2, l
     (gathered just before they run): sharded ulysses=2 + LoRA equals unsharded ulysses=2 + LoRA, and
     status shows the sharded model's smaller bytes per rank."""
     path, _ = lora_file
+    backend2.unload()  # the session's backend: only this test's two models are listed below
     fields = {**FIELDS, "loras": [{"path": path, "strength": 0.8}]}
     whole, _ = backend2.sample({**fields, "parallel": {"ulysses": 2}})
     sharded, info = backend2.sample({**fields, "parallel": {"ulysses": 2, "shard_weights": True}})

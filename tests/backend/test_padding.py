@@ -5,7 +5,7 @@ text tokens, which no degree below divides)."""
 import pytest
 import torch
 
-from conftest import Backends, flux_tiny_conditioning, serial_of
+from conftest import flux_tiny_conditioning, serial_of
 from xdit_backend.parallel.sequence import Shard
 
 TOLERANCE = 1e-4
@@ -30,13 +30,6 @@ def conditioning():
 def serial(conditioning):
     """The serial latent, computed in this process by the world-1 code path."""
     return serial_of(FIELDS, conditioning)
-
-
-@pytest.fixture(scope="module")
-def backend3():
-    manager = Backends()
-    yield manager.start(3)
-    manager.cleanup()
 
 
 def case_id(case):

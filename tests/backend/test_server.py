@@ -149,6 +149,7 @@ def test_a_request_over_its_timeout_is_cancelled_with_a_clear_error(backend1):
 
 def test_weight_dtype_is_chosen_per_request_and_cached_apart(backend1):
     """bfloat16 weights give a nearby latent; each dtype is a loaded model of its own; unload drops both."""
+    backend1.unload()  # the session's backend: only this test's models are listed below
     full, _ = backend1.sample({**SMALL, "dtype": "float32"})
     half, _ = backend1.sample({**SMALL, "dtype": "bfloat16"})
     assert half["samples"].dtype == torch.float32

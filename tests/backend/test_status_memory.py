@@ -24,6 +24,7 @@ def test_status_reports_each_ranks_memory_and_each_models_bytes_per_rank(backend
     transformer = registry.build("flux-tiny", torch.device("cpu")).transformer
     model_bytes = sum(t.numel() * t.element_size() for t in (*transformer.parameters(), *transformer.buffers()))
 
+    backend2.unload()  # the session's backend: only this test's models count
     backend2.sample({**SMALL, "parallel": {"ulysses": 2}, "loras": [{"path": str(path), "strength": 0.5}]})
     status = backend2.status()
     for entry in status["ranks"]:
