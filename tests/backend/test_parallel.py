@@ -1,71 +1,36 @@
-"""Every parallel layout gives the serial latent (flux-tiny, 4 steps, float32, max abs diff ≤ 1e-4)."""
+"""What the parallel layouts do beside giving the serial latent (test_parity.py): the bytes they send, the groups
+they build, prompts of different lengths on the two sides of the guidance."""
 
 import pytest
 import torch
-from conftest import flux_tiny_conditioning, serial_of
+import parity
 
 from xdit_backend.models import registry
 from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.sampling.generate import generate
 from xdit_backend.service.request import SampleRequest
+from xdit_backend.service.reference import serial_latent
 from xdit_backend.wire.protocol import Message
 
-TOLERANCE = 1e-4
+from .test_parity import FLUX
 
-# The parity matrix: (world size, degrees). Every layout runs with CFG (scale 3.5, a negative)
-# and a batch of 2, so cfg and dp always have two of something to split.
-PARITY = [
-    (2, {"ulysses": 2}),
-    (2, {"ring": 2}),
-    (2, {"cfg": 2}),
-    (2, {"dp": 2}),
-    (4, {"ulysses": 2, "ring": 2}),
-    (4, {"ulysses": 4}),
-    (4, {"ring": 4}),
-    (4, {"cfg": 2, "ulysses": 2}),
-    (4, {"cfg": 2, "ring": 2}),
-    (4, {"dp": 2, "ulysses": 2}),
-]
-
-FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 21, "cfg": 3.5, "batch": 2}
+TOLERANCE = 1e-4  # every layout against serial: test_parity.py
+FIELDS = FLUX
 
 
 @pytest.fixture(scope="module")
 def conditioning():
-    return flux_tiny_conditioning()
+    return parity.conditioning("flux")
 
 
 @pytest.fixture(scope="module")
-def serial(conditioning):
-    """The serial latent, computed in this process by the world-1 code path."""
-    return serial_of(FIELDS, conditioning)
-
-
-def layout_id(case):
-    world, degrees = case
-    return f"world{world}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
-
-
-@pytest.mark.parametrize("case", PARITY, ids=layout_id)
-def test_layout_equals_serial(case, serial, conditioning, request):
-    world, degrees = case
-    client = request.getfixturevalue(f"backend{world}")
-    result, info = client.sample({**FIELDS, "parallel": degrees}, conditioning)
-    assert info["world_size"] == world
-    difference = (result["samples"] - serial).abs().max().item()
-    assert difference <= TOLERANCE, f"{layout_id(case)}: max |parallel − serial| = {difference:.3g}"
+def serial():
+    return parity.serial(FIELDS, "flux")
 
 
 def test_different_seeds_differ_beyond_the_tolerance(backend2, serial, conditioning):
     """The tolerance is meaningful: another seed moves the latent far more than it allows."""
     result, _ = backend2.sample({**FIELDS, "seed": 22, "parallel": {"ulysses": 2}}, conditioning)
     assert (result["samples"] - serial).abs().max() > 100 * TOLERANCE
-
-
-def test_auto_layout_equals_serial(backend4, serial, conditioning):
-    result, info = backend4.sample({**FIELDS, "parallel": "auto"}, conditioning)
-    assert info["layout"].startswith("cfg=2 × ulysses=2")
-    assert (result["samples"] - serial).abs().max() <= TOLERANCE
 
 
 @pytest.mark.parametrize("degrees", [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}, {"dp": 2}], ids=str)
@@ -110,7 +75,7 @@ def test_prompts_of_different_lengths_guide_exactly_serial_and_parallel(backend2
         guided = denoiser.x0(x, sigma, denoiser.conditioning(positive, negative), gen)
         cond, uncond = (model.predict_x0(x, sigma, side, gen) for side in (positive, negative))
         assert torch.allclose(guided, uncond + (cond - uncond) * FIELDS["cfg"], atol=1e-6)
-        serial = generate(Denoiser(model), gen)
+    serial = serial_latent(FIELDS, tensors)
     for degrees in ({"cfg": 2}, {"ulysses": 2}):
         result, _ = backend2.sample({**FIELDS, "parallel": degrees}, tensors)
         difference = (result["samples"] - serial).abs().max().item()

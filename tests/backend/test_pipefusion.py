@@ -1,54 +1,28 @@
-"""PipeFusion: exact with full warm-up, a small perturbation with stale K/V, 1/N of the blocks per
-rank, and receives posted ahead of use; for every family (the parity matrix as data), in each
-hybrid, with every sampler that makes one model call per step."""
+"""PipeFusion beside its parity rows (full warm-up: test_parity.py): a small perturbation with stale K/V,
+1/N of the blocks per rank, receives posted ahead of use, what it refuses, and cancelling."""
 
 import pytest
 import torch
-from conftest import flux_tiny_conditioning
-from backend.test_families import FAMILIES, bound, serial_latent
-from backend.test_families import fields as family_fields
+import parity
+from parity import PIPELINED, bound, family, serial
 
 from xdit_backend.client import BackendError, Cancelled
 from xdit_backend.models import registry
-from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.sampling.generate import generate
-from xdit_backend.sampling.samplers import ONE_CALL_PER_STEP
-from xdit_backend.service.request import SampleRequest
-from xdit_backend.wire.protocol import Message
+from xdit_backend.service.reference import serial_latent
 
-FIELDS = {"model": "flux-tiny", "width": 128, "height": 64, "steps": 4, "seed": 21, "cfg": 3.5, "batch": 2}
+from .test_parity import FLUX as FIELDS
 
 
-def conditioning(seed=5):
-    return flux_tiny_conditioning(seed)
-
-
-def serial(fields, tensors):
-    request = SampleRequest.parse(Message("sample", fields, tensors))
-    model = registry.build("flux-tiny", torch.device("cpu"))
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
-
-
-HYBRIDS = [(2, {"pipefusion": 2}), (4, {"pipefusion": 2, "ulysses": 2}), (4, {"pipefusion": 2, "ring": 2}),
-           (4, {"pipefusion": 2, "cfg": 2}), (4, {"pipefusion": 2, "dp": 2}), (4, {"pipefusion": 4})]
-
-
-@pytest.mark.parametrize("world,degrees", HYBRIDS, ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items())
-                         if isinstance(v, dict) else f"world{v}")
-def test_full_warmup_equals_serial(world, degrees, request):
-    client = request.getfixturevalue(f"backend{world}")
-    tensors = conditioning()
-    result, _ = client.sample({**FIELDS, "parallel": {**degrees, "warmup_steps": FIELDS["steps"]}}, tensors)
-    assert (result["samples"] - serial(FIELDS, tensors)).abs().max() <= 1e-4
+def conditioning():
+    return parity.conditioning("flux")
 
 
 def test_stale_kv_is_a_small_perturbation_of_the_right_image(backend2):
     """warmup 1, 8 steps: finite, and 10× closer to serial than another seed's serial latent is."""
     fields, tensors = {**FIELDS, "steps": 8}, conditioning()
     result, _ = backend2.sample({**fields, "parallel": {"pipefusion": 2, "warmup_steps": 1}}, tensors)
-    reference = serial(fields, tensors)
-    other_seed = serial({**fields, "seed": 22}, tensors)
+    reference = serial(fields, "flux")
+    other_seed = serial({**fields, "seed": 22}, "flux")
     assert torch.isfinite(result["samples"]).all()
     staleness = (result["samples"] - reference).norm()
     assert staleness > 0, "with stale K/V the result cannot be exact: the patches were not used"
@@ -96,44 +70,10 @@ def test_receives_are_posted_before_they_are_waited_on(backend2):
             assert events[:first_wait].count("post") == patches, (record["rank"], step, events)
 
 
-def test_stages_are_balanced_by_parameters():
-    from xdit_backend.parallel.pipefusion import stage_bounds
-
-    assert stage_bounds([2, 2, 1, 1, 1, 1], 2) == [(0, 2), (2, 6)]
-    assert stage_bounds([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
-    assert stage_bounds([1, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert stage_bounds([1, 1, 1, 1], 2, counts=(3, 1)) == [(0, 3), (3, 4)]
-
-
-# -- every family, every hybrid, every one-call sampler --------------------------------------------
-# Full warm-up: the model runs on the whole latent at every step, so the result is exact; the
-# sampler still walks each patch separately (its own history, its band of the shared noise).
-
-FAMILY_LAYOUTS = [(2, {"pipefusion": 2, "num_pipeline_patch": 4}), (4, {"pipefusion": 2, "ulysses": 2}),
-                  (4, {"pipefusion": 2, "cfg": 2})]
-PIPELINED = [m for m in FAMILIES if "pipefusion" in registry.spec(m).parallel_methods]
-
-
-def family_case_id(case):
-    model, (world, degrees) = case
-    return f"{model}-" + "x".join(f"{k}{v}" for k, v in degrees.items())
-
-
-@pytest.mark.parametrize("case", [(m, layout) for m in PIPELINED for layout in FAMILY_LAYOUTS], ids=family_case_id)
-def test_family_full_warmup_equals_serial(case, request):
-    model, (world, degrees) = case
-    client = request.getfixturevalue(f"backend{world}")
-    message = family_fields(model)
-    result, _ = client.sample({**message, "parallel": {**degrees, "warmup_steps": message["steps"]}})
-    reference = serial_latent(message)
-    difference = (result["samples"] - reference).abs().max().item()
-    assert difference <= bound(reference), f"{family_case_id(case)}: max |pipefusion − serial| = {difference:.3g}"
-
-
 def test_flux2_with_a_short_prompt_equals_serial_on_the_text_padded_to_512(backend2):
     """8 positive and 20 negative text tokens (as Flux.2-dev's Mistral encoder gives for a short prompt), full
     warm-up at pipefusion=2: equal to serial on the text padded to 512 with zeros in front, written out here."""
-    message = family_fields("flux2-tiny")
+    message = family("flux2-tiny")
     g = torch.Generator().manual_seed(9)
     positive, negative = torch.randn(1, 8, 96, generator=g), torch.randn(1, 20, 96, generator=g)
     short = {"context": positive, "negative_context": negative}
@@ -141,62 +81,29 @@ def test_flux2_with_a_short_prompt_equals_serial_on_the_text_padded_to_512(backe
               "negative_context": torch.cat([torch.zeros(1, 492, 96), negative], dim=1)}
     result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
                                                          "warmup_steps": message["steps"]}}, short)
-    request = SampleRequest.parse(Message("sample", message, padded))
-    model = registry.build("flux2-tiny", torch.device("cpu"))
-    with torch.no_grad():
-        reference = generate(Denoiser(model), request.generation(model.spec, *request.conditioning(model.spec)))
-    assert (result["samples"] - reference).abs().max() <= bound(reference)
-
-
-def test_hunyuan_dit_skips_travel_across_every_stage(backend4):
-    """pipefusion=4 over 4 blocks, full warm-up: block 0's output reaches block 3 through stages 1
-    and 2 (carried with each patch); the result equals serial."""
-    message = family_fields("hunyuan-dit-tiny")
-    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
-                                                         "warmup_steps": message["steps"]}})
-    reference = serial_latent(message)
-    assert (result["samples"] - reference).abs().max() <= bound(reference)
-
-
-def test_z_image_caption_is_refined_in_whichever_stage_holds_the_context_refiner(backend4):
-    """pipefusion=4 over 1 + 1 refiner and 2 main blocks, full warm-up: the noise refiner on stage 0,
-    the context refiner alone on stage 1 (the caption travels with the first patch), equal serial."""
-    message = family_fields("z-image-tiny")
-    result, _ = backend4.sample({**message, "parallel": {"pipefusion": 4, "num_pipeline_patch": 2,
-                                                         "warmup_steps": message["steps"]}})
-    reference = serial_latent(message)
+    reference = serial_latent(message, padded)
     assert (result["samples"] - reference).abs().max() <= bound(reference)
 
 
 def test_z_image_with_image_pad_tokens_is_refused_with_the_rule(backend2):
     """112 × 80 px: 35 image tokens, padded to 64 with pad tokens no PipeFusion stage can hold."""
-    message = family_fields("z-image-tiny", width=112, height=80)
+    message = family("z-image-tiny", width=112, height=80)
     with pytest.raises(BackendError, match="image tokens are a multiple of 32; 112 × 80 px has 35"):
         backend2.sample({**message, "parallel": {"pipefusion": 2}})
 
 
-@pytest.mark.parametrize("sampler", [s for s in ONE_CALL_PER_STEP if s != "euler"])
-def test_multistep_samplers_keep_a_history_per_patch(sampler, backend2):
-    """4 patches, full warm-up: each patch's walk equals its band of the serial walk."""
-    message = family_fields("sd3-tiny", sampler=sampler, steps=4)
-    result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
-                                                         "warmup_steps": 4}})
-    reference = serial_latent(message)
-    assert (result["samples"] - reference).abs().max() <= bound(reference), sampler
-
-
 def test_a_sampler_with_two_calls_per_step_is_refused_by_name(backend2):
     with pytest.raises(BackendError, match="sampler 'heun' cannot run with PipeFusion: it calls the model twice"):
-        backend2.sample({**family_fields("sd3-tiny", sampler="heun"), "parallel": {"pipefusion": 2}})
+        backend2.sample({**family("sd3-tiny", sampler="heun"), "parallel": {"pipefusion": 2}})
 
 
 @pytest.mark.parametrize("model", PIPELINED)
 def test_family_stale_kv_is_a_small_perturbation(model, backend2):
     """warm-up 1, 4 patches: finite, inexact, and far closer to serial than another seed is."""
-    message = family_fields(model, steps=6)
+    message = family(model, steps=6)
     result, _ = backend2.sample({**message, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4,
                                                          "warmup_steps": 1}})
-    reference, other = serial_latent(message), serial_latent({**message, "seed": 8})
+    reference, other = serial(message), serial({**message, "seed": 8})
     staleness = (result["samples"] - reference).norm()
     assert torch.isfinite(result["samples"]).all() and staleness > 0
     assert 10 * staleness < (other - reference).norm()
