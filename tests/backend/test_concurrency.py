@@ -6,10 +6,7 @@ import threading
 
 import torch
 
-from xdit_backend.models import registry
-from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.sampling.generate import generate
-from xdit_backend.service.request import SampleRequest
+from xdit_backend.service.reference import serial_latent
 from xdit_backend.wire import protocol
 from xdit_backend.wire.protocol import Message
 
@@ -18,12 +15,7 @@ FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "cfg": 1.
 
 
 def serial(seed: int) -> torch.Tensor:
-    request = SampleRequest.parse(Message("sample", {**FIELDS, "seed": seed}, {}))
-    spec = registry.spec("flux-tiny")
-    positive, negative = registry.random_conditioning("flux-tiny", 1, seed, spec)
-    with torch.no_grad():
-        return generate(Denoiser(registry.build("flux-tiny", torch.device("cpu"))),
-                        request.generation(spec, positive, negative))
+    return serial_latent({**FIELDS, "seed": seed})
 
 
 def test_eight_clients_times_five_requests_get_their_own_answers_in_fifo_order(backend2):

@@ -16,9 +16,8 @@ from torch._dynamo.utils import counters
 from xdit_backend.distributed.runtime import Runtime
 from xdit_backend.models import registry
 from xdit_backend.models.lora import LoraFiles, LoraSpec
-from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.sampling.generate import generate
 from xdit_backend.service.executor import Executor
+from xdit_backend.service.reference import serial_latent
 from xdit_backend.service.request import SampleRequest
 from xdit_backend.wire.protocol import Message
 
@@ -64,10 +63,8 @@ def merged_reference(deltas: dict, strength: float) -> torch.Tensor:
     with torch.no_grad():
         for key, delta in deltas.items():
             weights[key] += strength * delta
-    req = request()
-    spec = model.spec
-    with torch.no_grad():
-        return generate(Denoiser(model), req.generation(spec, *req.conditioning(spec)))
+    positive, _ = registry.random_conditioning("flux-tiny", 1, FIELDS["seed"], model.spec)
+    return serial_latent(FIELDS, positive, model=model)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -16,10 +16,7 @@ from xdit_backend.memory import fit as memory_fit
 from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.storage import StoredLinear
-from xdit_backend.parallel.denoiser import Denoiser
-from xdit_backend.sampling.generate import generate
-from xdit_backend.service.request import SampleRequest
-from xdit_backend.wire.protocol import Message
+from xdit_backend.service.reference import serial_latent
 
 CPU = torch.device("cpu")
 
@@ -117,11 +114,7 @@ def test_a_pipefusion_stage_of_an_fp8_file_reads_only_its_blocks(tiny, tmp_path)
 
 
 def serial(fields: dict, model) -> torch.Tensor:
-    request = SampleRequest.parse(Message("sample", fields, {}))
-    spec = registry.spec(fields["model"])
-    positive, negative = registry.random_conditioning(fields["model"], 1, fields["seed"], spec)
-    with torch.no_grad():
-        return generate(Denoiser(model), request.generation(spec, positive, negative))
+    return serial_latent(fields, model=model)
 
 
 def test_a_request_weight_dtype_reaches_every_rank(backend2):
