@@ -162,3 +162,23 @@ def pytest_collection_modifyitems(config, items):
         worlds = sorted(WORLDS[name] for name in item.fixturenames if name in WORLDS)
         if worlds and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(f"world{worlds[-1]}"))
+
+
+class GroupIds:
+    """pytest-xdist 3.8 groups a test by adding ``@group`` to its node id through ``item._nodeid``, which pytest 9
+    no longer reads (a node's id is ``item._id``): without this, ``--dist loadgroup`` spreads every group."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's own attempt
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                             for m in item.iter_markers("xdist_group")})
+            if groups and "@" not in item.nodeid:
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadgroup", False) and int(pytest.__version__.split(".")[0]) >= 9:
+        config.pluginmanager.register(GroupIds())
