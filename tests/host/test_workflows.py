@@ -1,7 +1,7 @@
 """The example workflows: each UI file and its API twin are one graph, and ComfyUI accepts every node and value.
 
 The file checks need only the JSON and the pack's source; the checks against the real /object_info run
-when COMFYUI_DIR points at a ComfyUI checkout (tests/test_comfyui_host.py's `host` fixture starts it).
+when COMFYUI_DIR points at a ComfyUI checkout (tests/host/test_comfyui_host.py's `host` fixture starts it).
 Nodes newer than that checkout (Flux.2's, HunyuanVideo 1.5's) are checked against the entries of
 tests/comfyui_newer_nodes.py, read from ComfyUI's current source; the test ids of
 test_a_node_newer_than_the_snapshot_matches_its_source name each of them.

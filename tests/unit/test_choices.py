@@ -1,5 +1,5 @@
 """What the pack's nodes pass between them (nodes/choices.py) and the request fields it gives.
-The nodes themselves, in the real ComfyUI: tests/test_comfyui_host.py."""
+The nodes themselves, in the real ComfyUI: tests/host/test_comfyui_host.py."""
 
 import pytest
 from conftest import load_node_module

@@ -1,6 +1,6 @@
 """ComfyUI's "unload models" (POST /free) reaches the backend: which bodies ask for it, the
 middleware on an aiohttp server answering the way ComfyUI's does, and never starting a backend.
-The same in the real ComfyUI: tests/test_comfyui_host.py."""
+The same in the real ComfyUI: tests/host/test_comfyui_host.py."""
 
 import asyncio
 import threading
