@@ -1,7 +1,7 @@
 """The ComfyUI nodes (and combo values) the example workflows use that are newer than the ComfyUI
 snapshot the tests start (v0.3.64), with their inputs as ComfyUI's current source declares them.
 
-tests/test_workflows.py checks every node the snapshot has against its real /object_info, and the
+tests/host/test_workflows.py checks every node the snapshot has against its real /object_info, and the
 nodes below against these entries, written in /object_info's own format. When the snapshot is
 updated and has one of them, test_workflows fails until the entry is deleted here, so that node is
 then checked against the real thing.

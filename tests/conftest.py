@@ -89,25 +89,96 @@ def backends():
     manager.cleanup()
 
 
-def _shared_backend(nproc: int):
-    manager = Backends()
-    yield manager.start(nproc)
-    manager.cleanup()
+class SharedBackends:
+    """One backend per world size for the whole session (per pytest-xdist worker), started when a test
+    first asks for it and started again when a test left it dead. Tests that kill, stop, idle or restart
+    a backend, or start one with options or environment of their own, take private ones from ``backends``."""
+
+    def __init__(self):
+        self.manager = Backends()
+        self.clients: dict[int, Client] = {}
+
+    def get(self, world: int) -> Client:
+        client = self.clients.get(world)
+        if client is None or not self.serving(client, world):
+            self.clients[world] = client = self.manager.start(world)
+        return client
+
+    @staticmethod
+    def serving(client: Client, world: int) -> bool:
+        try:
+            return len(client.status()["ranks"]) == world
+        except Exception:  # gone, or not answering: a later test gets a new one
+            return False
 
 
-@pytest.fixture(scope="module")
-def backend1():
-    """One world-1 backend shared by a module's tests."""
-    yield from _shared_backend(1)
+@pytest.fixture(scope="session")
+def shared_backends():
+    shared = SharedBackends()
+    yield shared
+    shared.manager.cleanup()
 
 
-@pytest.fixture(scope="module")
-def backend2():
-    """One world-2 backend shared by a module's tests."""
-    yield from _shared_backend(2)
+@pytest.fixture
+def backend(shared_backends):
+    """``backend(world)``: the session's backend of that world size, alive."""
+    return shared_backends.get
 
 
-@pytest.fixture(scope="module")
-def backend4():
-    """One world-4 backend shared by a module's tests (4 processes on however many cores)."""
-    yield from _shared_backend(4)
+@pytest.fixture
+def backend1(shared_backends):
+    return shared_backends.get(1)
+
+
+@pytest.fixture
+def backend2(shared_backends):
+    return shared_backends.get(2)
+
+
+@pytest.fixture
+def backend3(shared_backends):
+    return shared_backends.get(3)
+
+
+@pytest.fixture
+def backend4(shared_backends):
+    """4 processes on however many cores."""
+    return shared_backends.get(4)
+
+
+FOLDERS = ("unit", "ranks", "backend", "host")  # by cost: in-process, spawned gloo worlds, a backend, the real ComfyUI
+WORLDS = {f"backend{world}": world for world in (1, 2, 3, 4)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's loadgroup reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Each test marked with its folder; a test on a shared backend grouped with that world's other tests,
+    so that under ``--dist loadgroup`` each world starts once per worker that runs it."""
+    root = Path(__file__).resolve().parent
+    for item in items:
+        folder = item.path.resolve().relative_to(root).parts[0]
+        if folder in FOLDERS:
+            item.add_marker(folder)
+        worlds = sorted(WORLDS[name] for name in item.fixturenames if name in WORLDS)
+        if worlds and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(f"world{worlds[-1]}"))
+
+
+class GroupIds:
+    """pytest-xdist 3.8 groups a test by adding ``@group`` to its node id through ``item._nodeid``, which pytest 9
+    no longer reads (a node's id is ``item._id``): without this, ``--dist loadgroup`` spreads every group."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's own attempt
+    def pytest_collection_modifyitems(self, config, items):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                             for m in item.iter_markers("xdist_group")})
+            if groups and "@" not in item.nodeid:
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadgroup", False) and int(pytest.__version__.split(".")[0]) >= 9:
+        config.pluginmanager.register(GroupIds())

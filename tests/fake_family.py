@@ -1,5 +1,5 @@
 """A fake family spec that declares every kind of conditioning the new families need, for the request
-and translation tests (tests/test_conditioning_request.py, tests/test_translate.py)."""
+and translation tests (tests/unit/test_conditioning_request.py, tests/unit/test_translate.py)."""
 
 from dataclasses import dataclass
 

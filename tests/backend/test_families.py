@@ -1,0 +1,32 @@
+"""The families through a backend beyond the parity table (test_parity.py): step ranges over the socket, and an
+edit model's reference latent."""
+
+from parity import TOLERANCE, bound, family
+
+from xdit_backend.models import registry
+from xdit_backend.service.reference import serial_latent
+
+def test_step_ranges_through_the_backend(backend2):
+    """The same split over the socket, under a parallel layout."""
+    base = {**family("wan-tiny", steps=4), "parallel": {"ulysses": 2}}
+    whole, _ = backend2.sample(base)
+    first, _ = backend2.sample({**base, "end_step": 2, "return_with_leftover_noise": True})
+    second, _ = backend2.sample({**base, "start_step": 2, "add_noise": False}, {"latent": first["samples"]})
+    assert (second["samples"] - whole["samples"]).abs().max() <= TOLERANCE
+
+
+def test_a_reference_latent_through_the_backend_changes_qwen_image_and_stays_exact_under_ulysses_2(backend2):
+    """An edit request end to end: the reference latent (reference_0, as --reference-latent and the nodes send
+    it) moves the result well beyond the tolerance, and ulysses=2 gives the serial latent. 10 × 6 latent cells
+    of reference: 15 reference tokens with the 32 image tokens, which 2 does not divide (padded shares)."""
+    message = family("qwen-image-tiny")
+    spec = registry.spec("qwen-image-tiny")
+    positive, negative = registry.random_conditioning("qwen-image-tiny", 1, 7, spec, references=((6, 10),))
+    tensors = {**positive, **{f"negative_{key}": value for key, value in negative.items()}}
+    serial = serial_latent(message, tensors)
+    result, _ = backend2.sample({**message, "parallel": {"ulysses": 2}}, tensors)
+    difference = (result["samples"] - serial).abs().max().item()
+    assert difference <= bound(serial), f"ulysses=2 with a reference: max |parallel − serial| = {difference:.3g}"
+    without, _ = backend2.sample({**message, "parallel": {"ulysses": 2}},
+                                 {k: v for k, v in tensors.items() if "reference" not in k})
+    assert (without["samples"] - serial).abs().max() > 10 * bound(serial)  # 0.09: 50 × the bound (random weights)

@@ -1,0 +1,422 @@
+"""The pack in the real ComfyUI, driven headless the way a studio drives it: POST /prompt with the
+API-format workflows, websocket progress, /history, /interrupt.
+
+Runs when COMFYUI_DIR points at a ComfyUI checkout whose requirements are importable by this
+Python (on machines without torchvision, put the host's import shim on PYTHONPATH; it is passed
+on to ComfyUI). ComfyUI runs on the CPU from a private base directory with the pack linked into
+its custom_nodes, and the pack's backend uses a private socket.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = ROOT / "workflows"
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+
+pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkout: set COMFYUI_DIR "
+                                "(and run with a Python that has ComfyUI's requirements) to test the pack in ComfyUI")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Host:
+    """A running ComfyUI: the HTTP API and its websocket, as a client of POST /prompt sees them."""
+
+    def __init__(self, base: Path, port: int, process: subprocess.Popen):
+        self.base, self.port, self.process = base, port, process
+        self.url = f"http://127.0.0.1:{port}"
+        self.client_id = uuid.uuid4().hex
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: dict):
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                text = response.read()
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"POST {path}: {exc.code} {exc.read().decode()}") from None
+        return json.loads(text) if text else None
+
+    def queue(self, prompt: dict) -> str:
+        return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
+
+    def follow(self, prompt_id: str, timeout: float = 300, on_progress=None) -> tuple[str, list]:
+        """Websocket messages for the prompt until it ends: ("success" | "error" | "interrupted", progress)."""
+        import websocket
+
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
+        progress, deadline, finished = [], time.monotonic() + timeout, False
+        try:
+            while time.monotonic() < deadline:
+                if not finished and self.history(prompt_id):
+                    # Finished, perhaps before we listened: read what is still queued, then stop when the
+                    # socket goes quiet (breaking at once lost the last progress events under load).
+                    finished = True
+                    ws.settimeout(2.0)
+                try:
+                    message = ws.recv()
+                except websocket.WebSocketTimeoutException:
+                    break
+                if not isinstance(message, str):
+                    continue  # previews are binary
+                event = json.loads(message)
+                data = event.get("data", {})
+                if data.get("prompt_id") not in (None, prompt_id):
+                    continue
+                if event["type"] == "progress":
+                    progress.append((data["value"], data["max"]))
+                    if on_progress:
+                        on_progress(data)
+                elif event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                    break
+        finally:
+            ws.close()
+        for _ in range(100):
+            record = self.history(prompt_id)
+            if record and record.get("status", {}).get("completed") is not None:
+                break
+            time.sleep(0.1)
+        status = record["status"]
+        messages = [kind for kind, _ in status.get("messages", [])]
+        outcome = ("success" if status["status_str"] == "success" else
+                   "interrupted" if "execution_interrupted" in messages else "error")
+        return outcome, progress
+
+    def history(self, prompt_id: str) -> dict | None:
+        return self.get(f"/history/{prompt_id}").get(prompt_id)
+
+    def why(self, prompt_id: str) -> str:
+        """The execution error of a prompt, for assertion messages."""
+        for kind, data in self.history(prompt_id)["status"]["messages"]:
+            if kind == "execution_error":
+                return f"{data['node_type']}: {data['exception_message']}"
+        return str(self.history(prompt_id)["status"])
+
+    def error_of(self, prompt_id: str) -> dict:
+        for kind, data in self.history(prompt_id)["status"]["messages"]:
+            if kind == "execution_error":
+                return data
+        raise AssertionError("no execution_error recorded")
+
+    def latest_latent(self, prefix: str) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        files = sorted((self.base / "output").rglob(f"{prefix}*.latent"), key=lambda p: p.stat().st_mtime)
+        return load_file(str(files[-1]))["latent_tensor"]
+
+
+def tiny_sd3_file(path: Path) -> None:
+    """An SD3-medium-style model small enough for the CPU, in the original key layout, that
+    ComfyUI's own loader detects (its rule: width = 64 × depth)."""
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import save_file
+    from unit.test_sd3_checkpoint import original_state_dict
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+                                  attention_head_dim=64, num_attention_heads=2, joint_attention_dim=64,
+                                  caption_projection_dim=128, pooled_projection_dim=32, pos_embed_max_size=32)
+    save_file(original_state_dict(model), str(path))
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfyui-base")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "comfyui-xdit").symlink_to(ROOT)
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    tiny_sd3_file(base / "models" / "diffusion_models" / "tiny-sd3.safetensors")
+    sock_dir = Path(f"/tmp/xdit-host-{uuid.uuid4().hex[:8]}")
+    port = free_port()
+    env = {**os.environ, "XDIT_SOCKET": str(sock_dir / "backend.sock")}
+    log = open(base / "comfyui.log", "w")
+    process = subprocess.Popen(
+        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1",
+         "--port", str(port), "--base-directory", str(base), "--database-url", "sqlite:///:memory:"],
+        cwd=COMFYUI_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    host = Host(base, port, process)
+    host.socket = sock_dir / "backend.sock"  # the backend the pack's nodes start and use
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            host.get("/system_stats")
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("ComfyUI did not start:\n" + (base / "comfyui.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield host
+    process.terminate()
+    process.wait(timeout=30)
+    from xdit_backend.launch import launcher
+
+    launcher.stop(sock_dir / "backend.sock", timeout=15)
+    log.close()
+
+
+def load_api(name: str) -> dict:
+    return json.loads((WORKFLOWS / name).read_text())
+
+
+def nodes_of(prompt: dict, class_type: str) -> list[str]:
+    return [key for key, node in prompt.items() if node["class_type"] == class_type]
+
+
+def test_the_pack_registers_its_nodes_in_comfyui(host):
+    info = host.get("/object_info")
+    for node in ("XDiTLoadDiffusionModel", "XDiTLoraLoader", "XDiTStepCache", "XDiTParallelConfig", "XDiTSampler",
+                 "XDiTSamplerAdvanced", "XDiTBackend", "XDiTStandInConditioning"):
+        assert node in info, node
+    sampler = info["XDiTSampler"]["input"]
+    assert list(sampler["required"]) == ["model", "seed", "steps", "cfg", "sampler_name", "scheduler",
+                                         "latent_image", "denoise"]
+    assert "[test] flux-tiny" in info["XDiTLoadDiffusionModel"]["input"]["required"]["model_name"][1]["options"]
+    lines = [line for line in (host.base / "comfyui.log").read_text().splitlines() if "comfyui-xdit" in line]
+    assert lines and not any("IMPORT FAILED" in line for line in lines), lines
+
+
+# The saved latent's frame axes, as KSampler gives them: Qwen-Image's latent format is Wan 2.1's,
+# a video format (latent_dimensions 3), so ComfyUI samples an EmptySD3LatentImage as one frame,
+# [B, 16, 1, h, w] (comfy/sample.py fix_empty_latent_channels; comfy/latent_formats.py Wan21).
+TINY_WORKFLOWS = {"xdit-tiny": (), "qwen-image-tiny": (1,)}
+
+
+@pytest.mark.parametrize("name", TINY_WORKFLOWS)
+def test_the_tiny_workflow_runs_with_progress_and_a_latent(host, name):
+    prompt = load_api(f"{name}.api.json")
+    prompt_id = host.queue(prompt)
+    outcome, progress = host.follow(prompt_id)
+    assert outcome == "success", host.why(prompt_id)
+    steps = prompt[nodes_of(prompt, "XDiTSampler")[0]]["inputs"]["steps"]
+    assert (steps, steps) in progress and len(progress) >= steps  # the bar moved every step
+    latent = host.latest_latent(name)
+    empty = prompt[nodes_of(prompt, "EmptySD3LatentImage")[0]]["inputs"]
+    frames = TINY_WORKFLOWS[name]
+    assert latent.shape == (empty["batch_size"], 16, *frames, empty["height"] // 8, empty["width"] // 8)
+    assert torch.isfinite(latent).all() and latent.abs().max() > 0
+
+
+def test_a_bad_parallel_config_reaches_history_readably(host):
+    prompt = load_api("xdit-tiny.api.json")
+    config = nodes_of(prompt, "XDiTParallelConfig")[0]
+    prompt[config]["inputs"].update({"auto": False, "ulysses": 3})
+    prompt_id = host.queue(prompt)
+    outcome, _ = host.follow(prompt_id)
+    assert outcome == "error"
+    error = host.error_of(prompt_id)
+    assert error["node_type"] == "XDiTSampler"
+    assert "ulysses" in error["exception_message"] and "Traceback" not in error["exception_message"]
+    # ComfyUI and the backend both keep going: the same workflow, fixed, runs
+    assert host.follow(host.queue(load_api("xdit-tiny.api.json")))[0] == "success"
+
+
+def test_interrupt_stops_a_long_run_and_the_backend_keeps_serving(host):
+    prompt = load_api("xdit-tiny.api.json")
+    sampler = nodes_of(prompt, "XDiTSampler")[0]
+    prompt[sampler]["inputs"]["steps"] = 2000
+    seen = []
+
+    def interrupt_once(data):
+        if not seen:
+            seen.append(data)
+            host.post("/interrupt", {})
+
+    started = time.monotonic()
+    outcome, progress = host.follow(host.queue(prompt), on_progress=interrupt_once)
+    assert outcome == "interrupted" and progress[-1][0] < 2000
+    assert time.monotonic() - started < 120
+    assert host.follow(host.queue(load_api("xdit-tiny.api.json")))[0] == "success"
+
+
+def test_xdit_sampler_gives_ksamplers_latent_on_the_same_file(host):
+    """The tiny SD3-layout file through ComfyUI's own loader and KSampler, and through the xDiT
+    loader and sampler (ulysses=2): the same latent. Times from POST to success are printed."""
+    common = {
+        "cond": {"class_type": "XDiTStandInConditioning",
+                 "inputs": {"seed": 5, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "uncond": {"class_type": "XDiTStandInConditioning",
+                   "inputs": {"seed": 6, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}},
+    }
+    sampling = {"seed": 11, "steps": 8, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+                "positive": ["cond", 0], "negative": ["uncond", 0], "latent_image": ["empty", 0]}
+    comfy = {**common,
+             "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-sd3.safetensors",
+                                                             "weight_dtype": "default"}},
+             "ksampler": {"class_type": "KSampler", "inputs": {"model": ["unet", 0], **sampling}},
+             "save": {"class_type": "SaveLatent", "inputs": {"samples": ["ksampler", 0],
+                                                             "filename_prefix": "latents/ksampler"}}}
+    xdit = {**common,
+            "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "tiny-sd3.safetensors",
+                                                                        "weight_dtype": "fp32"}},
+            "parallel": {"class_type": "XDiTParallelConfig",
+                         "inputs": {"gpus": "", "auto": False, "ulysses": 2, "ring": 1, "pipefusion": 1,
+                                    "num_pipeline_patch": 0, "warmup_steps": 1, "cfg_parallel": False, "dp": 1}},
+            "xsampler": {"class_type": "XDiTSampler", "inputs": {"model": ["load", 0], "parallel": ["parallel", 0],
+                                                                 **sampling}},
+            "save": {"class_type": "SaveLatent", "inputs": {"samples": ["xsampler", 0],
+                                                            "filename_prefix": "latents/xdit"}}}
+    times = {}
+    for name, prompt in (("ksampler", comfy), ("xdit", xdit), ("ksampler", comfy), ("xdit", xdit)):
+        prompt = json.loads(json.dumps(prompt))
+        prompt["cond"]["inputs"]["seed"] += len(times.get(name, []))  # not cached: a new run each time
+        started = time.monotonic()
+        outcome, _ = host.follow(host.queue(prompt))
+        assert outcome == "success", name
+        times.setdefault(name, []).append(time.monotonic() - started)
+    difference = (host.latest_latent("ksampler") - host.latest_latent("xdit")).abs().max().item()
+    print(f"\nPOST /prompt → success, tiny SD3 128², 8 steps (first, second run): KSampler "
+          f"{times['ksampler'][0]:.2f} s, {times['ksampler'][1]:.2f} s; xDiT Sampler (ulysses=2) "
+          f"{times['xdit'][0]:.2f} s, {times['xdit'][1]:.2f} s; max |KSampler − xDiT| = {difference:.3g}")
+    assert difference <= 1e-4
+
+
+def test_the_step_cache_node_offers_the_schemas_methods_and_defaults(host):
+    from xdit_backend import schema
+
+    inputs = host.get("/object_info/XDiTStepCache")["XDiTStepCache"]["input"]["required"]
+    assert list(inputs) == ["model", "cache", "threshold", "start", "end"]
+    assert inputs["cache"][1]["options"] == [m for m in schema.CACHE_METHODS if m != "none"]
+    for name, field in (("start", "cache_start"), ("end", "cache_end")):
+        assert inputs[name][1]["default"] == schema.FIELDS[field].default
+    threshold = schema.FIELDS["cache_threshold"]
+    assert (inputs["threshold"][1]["min"], inputs["threshold"][1]["max"]) == (threshold.low, threshold.high)
+    assert all(str(value) in inputs["threshold"][1]["tooltip"] for value in schema.CACHE_THRESHOLDS.values())
+
+
+def test_the_step_cache_node_reaches_the_backend(host):
+    """Through ComfyUI: a cache that reuses steps changes the latent; the same cache with every step
+    computed (start = steps) gives the uncached latent, so the sampler re-ran for a changed setting."""
+    steps = 6
+
+    def latent(prefix: str, cache: dict | None) -> torch.Tensor:
+        prompt = xdit_on_tiny_sd3(seed=31)
+        prompt["sampler"]["inputs"]["steps"] = steps
+        prompt["save"]["inputs"]["filename_prefix"] = f"latents/{prefix}"
+        if cache is not None:
+            prompt["cache"] = {"class_type": "XDiTStepCache", "inputs": {"model": ["load", 0], **cache}}
+            prompt["sampler"]["inputs"]["model"] = ["cache", 0]
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.latest_latent(prefix)
+
+    uncached = latent("step-cache-none", None)
+    reusing = latent("step-cache-reusing", {"cache": "fbcache", "threshold": 10.0, "start": 1, "end": 1})
+    computing = latent("step-cache-computing", {"cache": "fbcache", "threshold": 10.0, "start": steps, "end": 1})
+    assert (reusing - uncached).abs().max() > 1e-3  # steps 2..5 reused
+    assert torch.allclose(computing, uncached, rtol=0, atol=1e-6)
+
+
+def xdit_on_tiny_sd3(seed: int = 1) -> dict:
+    return {
+        "cond": {"class_type": "XDiTStandInConditioning",
+                 "inputs": {"seed": 5, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "tiny-sd3.safetensors",
+                                                                    "weight_dtype": "default"}},
+        "sampler": {"class_type": "XDiTSampler",
+                    "inputs": {"model": ["load", 0], "seed": seed, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                               "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
+                               "latent_image": ["empty", 0]}},
+        "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0], "filename_prefix": "latents/cache"}},
+    }
+
+
+def executed_nodes(host: Host, prompt_id: str) -> set[str]:
+    """Nodes that ran (not taken from ComfyUI's cache) for a prompt."""
+    cached = set()
+    for kind, data in host.history(prompt_id)["status"]["messages"]:
+        if kind == "execution_cached":
+            cached |= set(data["nodes"])
+    return {"cond", "empty", "load", "sampler", "save"} - cached
+
+
+def test_caching_reruns_the_sampler_exactly_when_an_input_or_the_model_file_changes(host):
+    model_file = host.base / "models" / "diffusion_models" / "tiny-sd3.safetensors"
+    first = host.queue(xdit_on_tiny_sd3(seed=21))
+    assert host.follow(first)[0] == "success"
+    again = host.queue(xdit_on_tiny_sd3(seed=21))
+    assert host.follow(again)[0] == "success" and "sampler" not in executed_nodes(host, again)
+    new_seed = host.queue(xdit_on_tiny_sd3(seed=22))
+    assert host.follow(new_seed)[0] == "success" and "sampler" in executed_nodes(host, new_seed)
+    os.utime(model_file, ns=(time.time_ns(), time.time_ns()))  # the file was replaced (same name)
+    replaced = host.queue(xdit_on_tiny_sd3(seed=22))
+    assert host.follow(replaced)[0] == "success" and {"load", "sampler"} <= executed_nodes(host, replaced)
+
+
+def test_the_backend_node_shows_status_unloads_and_stops(host):
+    def run(action: str) -> str:
+        prompt = {"backend": {"class_type": "XDiTBackend", "inputs": {"action": action}}}
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.history(prompt_id)["outputs"]["backend"]["text"][0]
+
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=31)))[0] == "success"  # a backend with a model loaded
+    status = run("status")
+    assert "world size 2" in status and "tiny-sd3.safetensors" in status
+    assert "tiny-sd3.safetensors" in run("unload models")
+    assert "stopped" in run("stop backend")
+    assert "no backend" in run("status")
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=32)))[0] == "success"  # the next run starts it again
+
+
+def test_comfyuis_unload_models_also_unloads_the_backends(host):
+    """POST /free {"unload_models": true}, as the page's "Unload Models" sends it: the backend started by
+    the nodes (with their idle times: 30 minutes, 4 hours) shows no models loaded."""
+    from xdit_backend.client import Client
+
+    assert host.follow(host.queue(xdit_on_tiny_sd3(seed=41)))[0] == "success"
+    client = Client(host.socket)
+    status = client.status()
+    assert any("tiny-sd3.safetensors" in str(model) for model in status["models"]), status["models"]
+    assert (status["idle"]["unload_after_s"], status["idle"]["stop_after_s"]) == (1800.0, 14400.0)
+    host.post("/api/free", {"unload_models": True})
+    deadline = time.monotonic() + 60
+    while client.status()["models"]:
+        assert time.monotonic() < deadline, "the backend kept its models after POST /free"
+        time.sleep(0.2)
+    assert client.hello_or_none() is not None, "unloading must leave the backend running"
+
+
+def test_flux_guidance_from_comfyuis_node_reaches_the_model(host):
+    """FluxGuidance on the conditioning sets the Flux guidance embedding: 1.5 and 5.0 differ."""
+    def run(guidance: float) -> torch.Tensor:
+        prompt = {
+            "cond": {"class_type": "XDiTStandInConditioning",
+                     "inputs": {"seed": 2, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+            "guided": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["cond", 0], "guidance": guidance}},
+            "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+            "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "[test] flux-tiny",
+                                                                        "weight_dtype": "default"}},
+            "sampler": {"class_type": "XDiTSampler",
+                        "inputs": {"model": ["load", 0], "seed": 3, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
+                                   "scheduler": "simple", "denoise": 1.0, "positive": ["guided", 0],
+                                   "latent_image": ["empty", 0]}},
+            "save": {"class_type": "SaveLatent", "inputs": {"samples": ["sampler", 0],
+                                                            "filename_prefix": f"latents/guidance-{guidance}"}},
+        }
+        prompt_id = host.queue(prompt)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        return host.latest_latent(f"guidance-{guidance}")
+
+    assert (run(1.5) - run(5.0)).abs().max() > 1e-3

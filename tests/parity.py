@@ -1,0 +1,71 @@
+"""Serial references for the parity tests, computed once per (request fields, conditioning) in a session.
+
+A request's conditioning is named here (tensors are not hashable): None is the conditioning rank 0 makes up
+from the seed for a request without tensors; the others are prompts the tests send."""
+
+import json
+from functools import cache
+
+import torch
+from conftest import flux_tiny_conditioning
+
+from xdit_backend.models import registry
+from xdit_backend.service.reference import serial_latent
+
+TOLERANCE = 1e-4  # float32: of the latent's largest value, absolute below 1 (tests/backend/test_parity.py)
+
+
+def uneven_cogvideox() -> dict:
+    """7 text tokens (5B takes any length): with 30 video tokens (2 frames × 3 × 5), neither divides by 4."""
+    generator = torch.Generator().manual_seed(3)
+    return {"context": torch.randn(1, 7, 64, generator=generator),
+            "negative_context": torch.randn(1, 7, 64, generator=generator)}
+
+
+# Each family at a size whose token count (32) every degree below divides; cfg 3.5 with the built-in's seeded
+# negative, so cfg=2 has two passes to split
+SIZES = {
+    "sd3-tiny": {"width": 128, "height": 64},
+    "pixart-tiny": {"width": 128, "height": 64},
+    "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
+    "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
+    "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
+    "hunyuan-dit-tiny": {"width": 128, "height": 64},
+    "flux2-tiny": {"width": 128, "height": 64},  # latent [1, 128, 4, 8]: 32 tokens (and 512 of text)
+    "qwen-image-tiny": {"width": 128, "height": 64},  # 4 × 8 = 32 image tokens, 8 text tokens
+    "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]: 32 tokens, text 8
+}
+
+
+def family(model: str, **extra) -> dict:
+    return {"model": model, **SIZES[model], "steps": 3, "seed": 7, "cfg": 3.5, **extra}
+
+
+PIPELINED = [model for model in SIZES if "pipefusion" in registry.spec(model).parallel_methods]
+
+
+def bound(reference: torch.Tensor) -> float:
+    return TOLERANCE * max(1.0, reference.abs().max().item())
+
+
+CONDITIONING = {
+    "flux": flux_tiny_conditioning,  # a batch of 2, 8 text tokens, positive and negative
+    "flux-7-tokens": lambda: flux_tiny_conditioning(seed=11, batch=1, text_tokens=7),  # no degree divides 7
+    "cogvideox-7-tokens": uneven_cogvideox,
+}
+
+
+@cache
+def conditioning(name: str | None) -> dict:
+    return {} if name is None else CONDITIONING[name]()
+
+
+def serial(fields: dict, name: str | None = None) -> torch.Tensor:
+    """The serial latent of the request ``fields`` with the conditioning ``name`` (computed once)."""
+    return _serial(json.dumps(fields, sort_keys=True), name)
+
+
+@cache
+def _serial(fields: str, name: str | None) -> torch.Tensor:
+    return serial_latent(json.loads(fields), conditioning(name))

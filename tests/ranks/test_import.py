@@ -1,0 +1,50 @@
+"""Importing the pack does nothing: no process, thread, socket, CUDA or environment change."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = r"""
+import importlib.util, json, os, sys, threading
+before_env = dict(os.environ)
+before_threads = threading.active_count()
+before_children = set(os.listdir("/proc/self/task"))
+spec = importlib.util.spec_from_file_location("comfyui_xdit", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec)
+sys.modules["comfyui_xdit"] = pack
+spec.loader.exec_module(pack)
+fds = os.listdir("/proc/self/fd")
+print(json.dumps({
+    "entrypoint": callable(pack.comfy_entrypoint) and not hasattr(pack, "NODE_CLASS_MAPPINGS"),
+    "env_changed": dict(os.environ) != before_env,
+    "threads": threading.active_count() - before_threads,
+    "heavy": sorted(m for m in ("torch", "diffusers", "yunchang", "xdit_backend.service.worker") if m in sys.modules),
+    "sockets": [os.readlink(f"/proc/self/fd/{fd}") for fd in fds
+                if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")],
+}))
+"""
+
+
+def test_pack_root_loads_as_comfyui_loads_it_without_side_effects():
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report == {"entrypoint": True, "env_changed": False, "threads": 0, "heavy": [], "sockets": []}
+
+
+def test_nodes_is_not_installed_as_a_top_level_package(tmp_path):
+    """ComfyUI owns the top-level name `nodes`; installing this project must not shadow it."""
+    code = "import importlib.util; print(importlib.util.find_spec('nodes') is None, " \
+           "importlib.util.find_spec('xdit_backend') is not None)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_backend_modules_import_without_starting_anything():
+    code = ("import threading, xdit_backend.cli, xdit_backend.client, xdit_backend.launch.launcher; "
+            "print(threading.active_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

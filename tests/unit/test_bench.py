@@ -1,0 +1,50 @@
+"""The benchmark harness in-process: method names, the scaling model, the formulas' inputs, the cache bench's
+command line (the benches themselves run backends: tests/backend/test_bench.py)."""
+
+import pytest
+
+from xdit_backend.bench.layouts import flux_dims, method_of
+
+FIELDS = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "batch": 1, "cfg": 3.5, "seed": 1,
+          "dtype": "auto"}
+def test_methods_are_named_without_their_degrees():
+    assert [method_of(t) for t in ("serial", "ulysses=4", "cfg=2,ring=2", "pipefusion=2,patches=4", "cfg=2,shard")] == [
+        "serial", "ulysses", "cfg×ring", "pipefusion", "cfg+shard"]
+
+
+def test_the_scaling_model_is_labelled_and_follows_its_formulas(capsys):
+    from xdit_backend.bench.scaling import run_scaling_model
+    from xdit_backend.distributed.cost import NVLINK, PCIE, predict
+
+    t1 = 0.24
+    assert predict(t1, {}, NVLINK) == t1
+    for degrees in ({"ulysses": 2}, {"ulysses": 4}, {"ring": 4}, {"ulysses": 2, "ring": 2}):
+        world = degrees.get("ulysses", 1) * degrees.get("ring", 1)
+        fast, slow = predict(t1, degrees, NVLINK), predict(t1, degrees, PCIE)
+        assert t1 / world < fast < slow  # never better than the ideal share; PCIe never beats NVLink
+    assert predict(t1, {"ulysses": 4}, NVLINK) < predict(t1, {"ulysses": 2}, NVLINK)
+    run_scaling_model()
+    assert "MODELED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["flux-tiny", "flux-dev-random"])
+def test_the_formula_takes_the_text_tokens_of_the_prompt_the_model_gets(model):
+    from xdit_backend.models import registry
+
+    positive, _ = registry.random_conditioning(model, 1, 1, registry.spec(model))  # what a bench request gets
+    assert flux_dims(model)["text_tokens"] == positive["context"].shape[1]
+
+
+def test_the_cli_passes_the_cache_bench_its_request(monkeypatch):
+    import xdit_backend.bench.layouts as bench
+    from xdit_backend import cli
+
+    calls = []
+    monkeypatch.setattr(bench, "run_cache_bench", lambda *args: calls.append(args) or 0)
+    assert cli.main(["bench", "cache", "--model", "wan-tiny", "--width", "256", "--height", "128", "--frames", "9",
+                     "--steps", "12", "--methods", "teacache", "--thresholds", "0.1", "0.4",
+                     "--layout", "ulysses=2"]) == 0
+    (fields, methods, thresholds, layout, device), = calls
+    assert fields == {"model": "wan-tiny", "width": 256, "height": 128, "steps": 12, "batch": 1, "cfg": 1.0,
+                      "seed": 1, "dtype": "auto", "frames": 9}
+    assert (methods, thresholds, layout, device) == (["teacache"], [0.1, 0.4], "ulysses=2", "cpu")
