@@ -30,7 +30,7 @@ CACHE_METHODS = ("none", "fbcache", "teacache")  # parallel/step_cache.py
 # A cache method's threshold when the request gives none (here, not in step_cache.py, for the nodes, which
 # import no torch): ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
 CACHE_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: device.compute_dtype
 WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)
 
@@ -68,7 +68,7 @@ class Field:
 
 SAMPLE: tuple[Field, ...] = (
     Field("model", str, "text", required="a sample request needs a 'model' (a built-in name such as flux-tiny)",
-          help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder"),
+          help="a built-in model (each family has a tiny one: flux-tiny, wan-tiny, …), a model file or a folder"),
     Field("width", int, "int", 1024, 16, MAX_SIDE, help="pixels"),
     Field("height", int, "int", 1024, 16, MAX_SIDE, help="pixels"),
     Field("batch", int, "int", 1, 1, MAX_BATCH, help="images (or videos) generated together"),
