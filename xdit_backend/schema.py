@@ -2,7 +2,8 @@
 
 Everything else is derived from ``SAMPLE``:
 - the JSON types the wire accepts (``protocol.REQUEST_FIELDS["sample"]``, checked before anything else);
-- the request object, its reading and range checks (``request.SampleRequest`` and ``parse``);
+- the request object's reading and range checks (``request.SampleRequest.parse``; its attributes are
+  written out there, in this order, and tests/test_schema.py holds them to it);
 - what rank 0 broadcasts to the other ranks (``SampleRequest.to_fields``, read back by ``parse``);
 - the ``xdit-backend sample`` flags (``add_flags`` / ``flag_fields``);
 - the nodes' names, defaults and ranges (``fields``, the constants below).
@@ -29,7 +30,7 @@ CACHE_METHODS = ("none", "fbcache", "teacache")  # parallel/step_cache.py
 # A cache method's threshold when the request gives none (here, not in step_cache.py, for the nodes, which
 # import no torch): ParaAttention's recommended first-block threshold for Flux; TeaCache's 1.5× setting for Flux.
 CACHE_THRESHOLDS = {"fbcache": 0.08, "teacache": 0.25}
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: request.compute_dtype
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: device.compute_dtype
 WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoader choices (models/storage.py)
 NUMBER = (int, float)
 
@@ -44,7 +45,6 @@ class Field:
     name: str  # on the wire (JSON), and ``--name-with-dashes`` on the command line
     wire: type | tuple  # the JSON types accepted
     kind: str  # one of KINDS
-    type: str  # the request attribute's annotation
     default: object = None  # the value when the field is absent; None: absent means "not given"
     low: float | None = None  # a number's inclusive range
     high: float | None = None
@@ -67,55 +67,55 @@ class Field:
 
 
 SAMPLE: tuple[Field, ...] = (
-    Field("model", str, "text", "str", required="a sample request needs a 'model' (a built-in name such as flux-tiny)",
-          help="a built-in model (flux-tiny, sd3-tiny, pixart-tiny, wan-tiny), a model file or a folder"),
-    Field("width", int, "int", "int", 1024, 16, MAX_SIDE, help="pixels"),
-    Field("height", int, "int", "int", 1024, 16, MAX_SIDE, help="pixels"),
-    Field("batch", int, "int", "int", 1, 1, MAX_BATCH, help="images (or videos) generated together"),
-    Field("steps", int, "int", "int", 20, 1, MAX_STEPS, help="steps of the schedule"),
-    Field("seed", int, "int", "int", 0, *SEED_RANGE, help="the noise seed (ComfyUI's: the same seed, the same noise)"),
-    Field("cfg", NUMBER, "float", "float", 1.0, 0.0, 100.0, help="true CFG scale (uses the negative when > 1)"),
-    Field("guidance", NUMBER, "float", "float | None", None, 0.0, 100.0,
+    Field("model", str, "text", required="a sample request needs a 'model' (a built-in name such as flux-tiny)",
+          help="a built-in model (each family has a tiny one: flux-tiny, wan-tiny, …), a model file or a folder"),
+    Field("width", int, "int", 1024, 16, MAX_SIDE, help="pixels"),
+    Field("height", int, "int", 1024, 16, MAX_SIDE, help="pixels"),
+    Field("batch", int, "int", 1, 1, MAX_BATCH, help="images (or videos) generated together"),
+    Field("steps", int, "int", 20, 1, MAX_STEPS, help="steps of the schedule"),
+    Field("seed", int, "int", 0, *SEED_RANGE, help="the noise seed (ComfyUI's: the same seed, the same noise)"),
+    Field("cfg", NUMBER, "float", 1.0, 0.0, 100.0, help="true CFG scale (uses the negative when > 1)"),
+    Field("guidance", NUMBER, "float", None, 0.0, 100.0,
           help="Flux guidance embedding (default: the model's, 3.5; only Flux.1-dev-style models take one)"),
-    Field("shift", NUMBER, "float", "float | None", None, 1e-3, 100.0,
+    Field("shift", NUMBER, "float", None, 1e-3, 100.0,
           help="flow shift (default: the model's, Flux 1.15)"),
-    Field("parallel", (dict, str), "layout", "ParallelConfig | None", "auto", cli=False,
+    Field("parallel", (dict, str), "layout", "auto", cli=False,
           help='the layout: degrees such as {"ulysses": 2}, or "auto" (the backend picks one for its world size)'),
-    Field("profile", bool, "bool", "bool", False,
+    Field("profile", bool, "bool", False,
           help="report step times, traffic, memory and the request each rank ran (the bench asks for it)"),
-    Field("dtype", str, "dtype", "str", "auto", choices=DTYPE_NAMES,
+    Field("dtype", str, "dtype", "auto", choices=DTYPE_NAMES,
           help="weights and compute (auto: float32 on the CPU; bfloat16 on CUDA from sm 8.0, float16 before)"),
-    Field("weight_dtype", str, "dtype", "str", "default", choices=WEIGHT_DTYPE_NAMES,
+    Field("weight_dtype", str, "dtype", "default", choices=WEIGHT_DTYPE_NAMES,
           help="how Linear weights are stored on the device: default keeps the file's precision (an fp8 "
                "or GGUF file stays so, upcast one layer at a time); fp8_e4m3fn / fp8_e5m2 store a 16/32-bit "
                "file's in that float8 (half a bf16 model's memory)"),
-    Field("loras", list, "loras", "tuple", [], flag="--lora",
+    Field("loras", list, "loras", [], flag="--lora",
           help="LoRA files patched onto the loaded model (no copy), in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),
-    Field("frames", int, "int", "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
-    Field("start_step", int, "int", "int", 0, 0, MAX_STEPS,
+    Field("frames", int, "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
+    Field("start_step", int, "int", 0, 0, MAX_STEPS,
           help="first step of the --steps schedule to run (KSamplerAdvanced; Wan 2.2's two experts are two runs)"),
-    Field("end_step", int, "int", "int | None", None, 0, MAX_STEPS, help="step to stop at (default: the last)"),
-    Field("add_noise", bool, "bool", "bool", True,
+    Field("end_step", int, "int", None, 0, MAX_STEPS, help="step to stop at (default: the last)"),
+    Field("add_noise", bool, "bool", True,
           help="False / --no-add-noise: the input latent already holds its noise (a second expert's run)"),
-    Field("return_with_leftover_noise", bool, "bool", "bool", False, attr="leftover_noise", flag="--leftover-noise",
+    Field("return_with_leftover_noise", bool, "bool", False, attr="leftover_noise", flag="--leftover-noise",
           help="stop at --end-step's noise level instead of denoising fully (for a second run)"),
-    Field("sampler", str, "choice", "str", "euler", choices="samplers", help="ComfyUI's sampler names"),
-    Field("scheduler", str, "choice", "str", "simple", choices="schedulers",
+    Field("sampler", str, "choice", "euler", choices="samplers", help="ComfyUI's sampler names"),
+    Field("scheduler", str, "choice", "simple", choices="schedulers",
           help='ComfyUI\'s scheduler names; a "sigmas" tensor overrides it'),
-    Field("denoise", NUMBER, "float", "float", 1.0, 0.0, 1.0,
+    Field("denoise", NUMBER, "float", 1.0, 0.0, 1.0,
           help="< 1: img2img, the tail of a longer schedule, as KSampler does it"),
-    Field("compile", bool, "bool", "bool", False,
+    Field("compile", bool, "bool", False,
           help="torch.compile the transformer's blocks (the first request compiles; the backend keeps the "
                "compiled model for later requests, at any size)"),
-    Field("cache", str, "choice", "str", "none", choices=CACHE_METHODS,
+    Field("cache", str, "choice", "none", choices=CACHE_METHODS,
           help="step cache: reuse the blocks after the first on steps where they barely change (fbcache: the "
                "first block's residual decides; teacache: the time embedding's change, rescaled per family)"),
-    Field("cache_threshold", NUMBER, "float", "float | None", None, 0.0, 10.0,
+    Field("cache_threshold", NUMBER, "float", None, 0.0, 10.0,
           help="higher reuses more steps, further from the uncached result (default: "
                + ", ".join(f"{method} {threshold}" for method, threshold in CACHE_THRESHOLDS.items()) + ")"),
-    Field("cache_start", int, "int", "int", 2, 0, MAX_STEPS, help="steps always computed at the start"),
-    Field("cache_end", int, "int", "int", 1, 0, MAX_STEPS, help="steps always computed at the end"),
+    Field("cache_start", int, "int", 2, 0, MAX_STEPS, help="steps always computed at the start"),
+    Field("cache_end", int, "int", 1, 0, MAX_STEPS, help="steps always computed at the end"),
 )
 FIELDS = {field.name: field for field in SAMPLE}
 

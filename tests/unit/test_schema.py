@@ -45,7 +45,9 @@ def test_the_wire_accepts_exactly_the_schema():
 
 
 def test_the_request_object_has_the_schema_attributes():
+    """SampleRequest writes its fields out: they are SAMPLE's attributes in SAMPLE's order, then the tensors."""
     assert [f.name for f in dataclasses.fields(SampleRequest)] == [f.attribute for f in schema.SAMPLE] + ["tensors"]
+    assert SampleRequest.__dataclass_params__.frozen
 
 
 def test_every_field_survives_parse_broadcast_parse(every_field):

@@ -24,7 +24,7 @@ class Generation:
     latent: torch.Tensor  # [B, C, h, w] or [B, C, T, h, w], raw VAE space (zeros: an empty latent)
     seed: int
     sigmas: torch.Tensor  # [steps + 1] the noise levels this generation walks (schedulers.py, then ``cut``)
-    sampling: object  # model_sampling.FlowSampling or EpsSampling
+    sampling: object  # spec.model_sampling(shift): model_sampling.Flow/Eps/VSampling, v_prediction.ZeroSNRVSampling
     cfg: float
     guidance: float | None
     positive: dict[str, torch.Tensor]

@@ -1,8 +1,9 @@
 """KSampler's schedulers: the [steps + 1] noise levels a generation walks, as ComfyUI computes them
 (comfy/samplers.py calculate_sigmas and KSampler.set_steps), in the same float32 arithmetic.
 
-``sampling`` is a model_sampling.FlowSampling or EpsSampling; the schedulers read its table
-(``table()``), ``sigma_min``/``sigma_max``, ``timestep(σ)`` and ``sigma(timestep)``.
+``sampling`` is the model's (``spec.model_sampling``): a model_sampling.FlowSampling, EpsSampling or
+VSampling, or a v_prediction.ZeroSNRVSampling; the schedulers read its table (``table()``),
+``sigma_min``/``sigma_max``, ``timestep(σ)`` and ``sigma(timestep)``, which all of them have.
 """
 
 from __future__ import annotations

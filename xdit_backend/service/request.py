@@ -1,14 +1,15 @@
 """A ``sample`` request, checked field by field before any work is scheduled for it.
 
-Its fields are schema.SAMPLE's: the attributes below are made from that declaration, ``parse``
-reads them from a message and ``to_fields`` writes them back, which is what rank 0 broadcasts
+Its fields are schema.SAMPLE's, written out below with their types in the schema's order (the
+schema tests hold them to it); the schema alone says how each is read: ``parse`` reads them from a
+message by the schema's rows and ``to_fields`` writes them back, which is what rank 0 broadcasts
 and every other rank parses (so a field cannot reach rank 0 alone).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import make_dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -34,15 +35,39 @@ class RequestError(UserError):
     """A request the backend will not run; the message names the field, the value and the rule."""
 
 
-# The attributes, in schema order: each field under its attribute name (return_with_leftover_noise
-# is ``leftover_noise``), then the message's tensors by name.
-_Fields = make_dataclass("_Fields", [*((f.attribute, f.type) for f in schema.SAMPLE),
-                                     ("tensors", "dict[str, torch.Tensor]")], frozen=True)
+@dataclass(frozen=True)
+class SampleRequest:
+    """A checked ``sample`` request: each schema field under its attribute name, in schema.SAMPLE's
+    order, then the message's tensors by name."""
 
-
-class SampleRequest(_Fields):
-    """A checked ``sample`` request. ``parallel`` None: pick a layout for the backend's world size
-    (auto); ``loras``: lora.LoraSpec, in order; ``end_step`` None: to the end of the schedule."""
+    model: str
+    width: int
+    height: int
+    batch: int
+    steps: int
+    seed: int
+    cfg: float
+    guidance: float | None  # None: the model's
+    shift: float | None  # None: the model's
+    parallel: ParallelConfig | None  # None: pick a layout for the backend's world size (auto)
+    profile: bool
+    dtype: str
+    weight_dtype: str
+    loras: tuple[lora.LoraSpec, ...]  # in order
+    frames: int
+    start_step: int
+    end_step: int | None  # None: to the end of the schedule
+    add_noise: bool
+    leftover_noise: bool  # return_with_leftover_noise on the wire
+    sampler: str
+    scheduler: str
+    denoise: float
+    compile: bool
+    cache: str
+    cache_threshold: float | None  # None: the method's, schema.CACHE_THRESHOLDS
+    cache_start: int
+    cache_end: int
+    tensors: dict[str, torch.Tensor]
 
     def latent_shape(self, spec) -> tuple[int, ...]:
         return spec.latent_shape(self.batch, self.width, self.height, self.frames)
