@@ -3,7 +3,7 @@
 Everything else is derived from ``SAMPLE``:
 - the JSON types the wire accepts (``protocol.REQUEST_FIELDS["sample"]``, checked before anything else);
 - the request object's reading and range checks (``request.SampleRequest.parse``; its attributes are
-  written out there, in this order, and tests/test_schema.py holds them to it);
+  written out there, in this order, and tests/unit/test_schema.py holds them to it);
 - what rank 0 broadcasts to the other ranks (``SampleRequest.to_fields``, read back by ``parse``);
 - the ``xdit-backend sample`` flags (``add_flags`` / ``flag_fields``);
 - the nodes' names, defaults and ranges (``fields``, the constants below).

@@ -23,7 +23,7 @@ The choice is a few comparisons, made on every call (inside a compiled block: on
 time); a cache keyed by (dtype, D) would be state a compiled block guards on. What costs
 something (the capability query, the flash-attn import) is cached per process.
 yunchang's own torch paths are not used: its TORCH_MATH returns a zero log-sum-exp, which makes
-ring merges wrong (measured on this project's machines; tests/test_parallel.py holds every ring
+ring merges wrong (measured on this project's machines; tests/backend/test_parallel.py holds every ring
 layout to the serial result).
 """
 

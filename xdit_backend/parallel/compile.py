@@ -37,7 +37,7 @@ What compiles nothing: a new prompt length (the processors read it from a dynami
 attention processors sequence parallelism attaches anew for each request, a profiled
 request (its traffic is not counted for a compiled model: parallel/traffic.py says why), and the
 step cache's decisions (parallel/step_cache.py: a Python branch around the blocks' forwards, so
-another threshold or another reused step runs the same graphs; tests/test_compile.py).
+another threshold or another reused step runs the same graphs; tests/backend/test_compile.py).
 """
 
 from __future__ import annotations

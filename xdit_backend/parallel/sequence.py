@@ -92,7 +92,7 @@ class PaddedKeys:
     its end to the share length. After the all-to-all a ring rank's block is its U ranks' shares side by
     side, in ulysses order. yunchang's ring (``ring_flash_attn_forward``, 0.6.4) calls the kernel once
     per step, step s on the block of ring rank (r − s) mod R (it sends to r + 1 and receives from
-    r − 1); the parity tests (tests/test_padding.py) hold every padded layout to the serial result,
+    r − 1); the parity tests (tests/backend/test_parity.py) hold every padded layout to the serial result,
     so a change of that order fails there.
     """
 

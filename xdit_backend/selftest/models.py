@@ -100,7 +100,7 @@ def syncs(ctx: Context, checks: Checks) -> None:
     6-step bf16 generation with every sampler's branches; the first step holds the generation's
     one-off copies, every later one should have none: the CPU runs ahead of the GPU."""
     if ctx.device.type != "cuda":
-        raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/test_host_syncs.py counts them "
+        raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/unit/test_host_syncs.py counts them "
                    "on the meta device)")
     for name, sampler in (("flux-tiny", "euler"), ("pixart-tiny", "euler"), ("flux-tiny", "uni_pc"),
                           ("flux-tiny", "euler_ancestral"), ("wan-tiny", "dpmpp_2m")):

@@ -33,7 +33,7 @@ def compiled(ctx: Context, checks: Checks) -> None:
     """flux-tiny in bf16, eager then compiled: a first request (compiles), the same again and a new
     resolution (neither may compile again), the compiled latent against the eager one."""
     if ctx.device.type != "cuda":
-        raise Skip("Inductor on the CPU takes minutes here; tests/test_compile.py covers compile on the CPU")
+        raise Skip("Inductor on the CPU takes minutes here; tests/backend/test_compile.py covers compile on the CPU")
     request = {"model": "flux-tiny", "width": 512, "height": 512, "steps": 8, "seed": 4, "cfg": 3.5}
     model = registry.build("flux-tiny", ctx.device, torch.bfloat16)
     _timed_generation(model, request)  # warm-up: kernels loaded, allocator primed
