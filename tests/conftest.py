@@ -94,14 +94,20 @@ class SharedBackends:
     first asks for it and started again when a test left it dead. Tests that kill, stop, idle or restart
     a backend, or start one with options or environment of their own, take private ones from ``backends``."""
 
+    KEEP = 2  # backends alive per worker at once: a worker's files use a world or two in a row (4 GB at world 4)
+
     def __init__(self):
         self.manager = Backends()
-        self.clients: dict[int, Client] = {}
+        self.clients: dict[int, Client] = {}  # least recently used first
 
     def get(self, world: int) -> Client:
-        client = self.clients.get(world)
+        client = self.clients.pop(world, None)
         if client is None or not self.serving(client, world):
-            self.clients[world] = client = self.manager.start(world)
+            while len(self.clients) >= self.KEEP:  # stop the least recently used world's backend first
+                oldest = next(iter(self.clients))
+                launcher.stop(self.clients.pop(oldest).socket_path, timeout=15)
+            client = self.manager.start(world)
+        self.clients[world] = client
         return client
 
     @staticmethod
