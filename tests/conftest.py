@@ -153,38 +153,12 @@ def backend4(shared_backends):
 
 
 FOLDERS = ("unit", "ranks", "backend", "host")  # by cost: in-process, spawned gloo worlds, a backend, the real ComfyUI
-WORLDS = {f"backend{world}": world for world in (1, 2, 3, 4)}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's loadgroup reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Each test marked with its folder; a test on a shared backend grouped with that world's other tests,
-    so that under ``--dist loadgroup`` each world starts once per worker that runs it."""
+    """Each test marked with its folder (``pytest -m unit`` is the loop while working)."""
     root = Path(__file__).resolve().parent
     for item in items:
         folder = item.path.resolve().relative_to(root).parts[0]
         if folder in FOLDERS:
             item.add_marker(folder)
-        worlds = sorted(WORLDS[name] for name in item.fixturenames if name in WORLDS)
-        if worlds and not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(f"world{worlds[-1]}"))
-
-
-class GroupIds:
-    """pytest-xdist 3.8 groups a test by adding ``@group`` to its node id through ``item._nodeid``, which pytest 9
-    no longer reads (a node's id is ``item._id``): without this, ``--dist loadgroup`` spreads every group."""
-
-    @pytest.hookimpl(trylast=True)  # after pytest-xdist's own attempt
-    def pytest_collection_modifyitems(self, config, items):
-        from _pytest.nodeid import NodeId
-
-        for item in items:
-            groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                             for m in item.iter_markers("xdist_group")})
-            if groups and "@" not in item.nodeid:
-                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
-
-
-def pytest_configure(config):
-    if getattr(config.option, "loadgroup", False) and int(pytest.__version__.split(".")[0]) >= 9:
-        config.pluginmanager.register(GroupIds())

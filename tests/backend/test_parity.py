@@ -136,8 +136,7 @@ def assert_sharded_residency(info: dict, model: str, ranks: int) -> None:
         assert record["resident_parameter_bytes"] < whole
 
 
-@pytest.mark.parametrize("row", [pytest.param(row, id=row.id, marks=pytest.mark.xdist_group(f"world{row.world}"))
-                                 for row in ROWS])
+@pytest.mark.parametrize("row", [pytest.param(row, id=row.id) for row in ROWS])
 def test_layout_equals_serial(row, backend):
     expected = serial(row.fields, row.conditioning)
     result, info = backend(row.world).sample({**row.fields, **row.options, "parallel": row.degrees},
