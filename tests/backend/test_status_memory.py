@@ -57,10 +57,10 @@ def test_local_rank_0_gives_the_allocators_cache_back_after_each_request(monkeyp
 
 
 def test_a_gpu_ranks_memory_is_the_drivers_free_and_total_and_the_allocators_bytes(monkeypatch):
-    from xdit_backend import device_memory
+    from xdit_backend import device
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5, 24))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9)
-    assert device_memory.snapshot(torch.device("cuda", 0), parameters=6) == {
+    assert device.snapshot(torch.device("cuda", 0), parameters=6) == {
         "total": 24, "free": 5, "allocated": 7, "peak": 9, "parameters": 6}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "xdit_backend"
+PACKAGE = Path(__file__).resolve().parents[2] / "xdit_backend"
 CORE = {"errors", "schema", "device"}  # the few modules everything may need: they import only each other
 
 # A package → the packages its modules may import (a lazy import inside a function counts too). The direction:
