@@ -48,3 +48,30 @@ def test_backend_modules_import_without_starting_anything():
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+CUDA_PROBE = r"""
+import json, sys
+import torch
+asked = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "get_device_capability", "current_device"):
+    setattr(torch.cuda, name, lambda *a, _name=name, **k: asked.append(_name) or False)
+from xdit_backend.launch.launcher import rank_preload
+for module in rank_preload({}):
+    __import__(module)
+print(json.dumps({"asked": asked, "initialized": torch.cuda.is_initialized()}))
+"""
+
+
+def test_what_the_ranks_fork_server_imports_asks_nothing_of_cuda():
+    """The launcher's fork server imports RANK_PRELOAD before forking the ranks: had one of those modules started
+    CUDA there, no rank could use its GPU (CUDA cannot be used in a forked child of a process that started it)."""
+    out = subprocess.run([sys.executable, "-c", CUDA_PROBE], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"asked": [], "initialized": False}
+
+
+def test_diffusers_is_left_to_the_ranks_when_it_would_ask_cuda_at_import():
+    from xdit_backend.launch.launcher import RANK_MODULE, RANK_PRELOAD, rank_preload
+
+    assert rank_preload({}) == list(RANK_PRELOAD) and any(m.startswith("diffusers") for m in RANK_PRELOAD)
+    assert rank_preload({"DIFFUSERS_GGUF_CUDA_KERNELS": "true"}) == [RANK_MODULE]

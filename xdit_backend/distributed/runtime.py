@@ -44,6 +44,11 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     peer, nccl_note = None, None
     if options.device == "cuda":
+        if torch.cuda._is_in_bad_fork():  # the launcher's fork server started CUDA before forking this rank
+            raise StartupError(
+                "CUDA was initialised in the process this rank was forked from (a module the launcher preloads "
+                "touched the GPU at import); unset DIFFUSERS_GGUF_CUDA_KERNELS or report the module"
+            )
         if not torch.cuda.is_available():
             raise StartupError(
                 f"--device cuda, but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}; "
@@ -81,17 +86,17 @@ def describe_rank(rt: Runtime) -> dict:
 
 
 def leave_together(rt: Runtime) -> None:
-    """End a clean shutdown: no rank exits before every rank has finished, then exit at once.
+    """End a clean shutdown: no rank leaves before every rank has finished.
 
-    No destroy_process_group, and no interpreter teardown: measured here, a gloo rank that
+    No destroy_process_group, and no interpreter teardown after it: measured here, a gloo rank that
     destroys its group while a peer is still connected aborts at exit ("terminate called without
     an active exception"), and so, under load, did a rank whose interpreter teardown ran while a
     peer was closing its connections (a SIGABRT, seen in a full test run on a loaded machine). Both turned clean shutdowns
-    into failures. ``os._exit`` after the barrier skips the C++ destructors; the OS releases the
-    connections.
+    into failures. A rank the launcher forked returns to multiprocessing, which hands the agent its
+    result and ends the process with ``os._exit`` (no C++ destructors; the OS releases the connections);
+    run as a script, the worker's ``__main__`` does the same.
     """
     barrier(rt.control)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)

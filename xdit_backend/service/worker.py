@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +44,18 @@ def parse_args(argv: list[str] | None = None) -> LaunchOptions:
     return LaunchOptions.from_args(parser.parse_args(argv))
 
 
+# The launcher's agent reports the first rank it finds ended (it looks every 0.2 s) and ends the others: a rank
+# that ends because another did waits this long first, so the agent finds the cause (say, a rank killed by
+# SIGKILL) and names it, rather than the ranks that lost contact with it.
+EFFECT_EXIT_DELAY_S = 3.0
+
+
+def exit_after_the_cause() -> None:
+    logging.shutdown()
+    time.sleep(EFFECT_EXIT_DELAY_S)
+    os._exit(EXIT_PEER_LOST)
+
+
 @record
 def run(options: LaunchOptions) -> None:
     rt = start_runtime(options)
@@ -54,11 +67,11 @@ def run(options: LaunchOptions) -> None:
             leave_together(rt)
         except PeerLost as exc:
             log.error("rank %d lost contact with rank 0: %s", rt.rank, exc)
-            os._exit(EXIT_PEER_LOST)
+            exit_after_the_cause()
         except Exception as exc:  # e.g. inside the model: record why, then leave at once
             if is_peer_failure(exc):  # an effect of another rank's end, not a cause
                 log.error("rank %d lost contact with another rank: %s", rt.rank, exc)
-                os._exit(EXIT_PEER_LOST)
+                exit_after_the_cause()
             log.exception("rank %d failed", rt.rank)
             ErrorHandler().record_exception(exc)  # the launcher reads it: the failure names this rank and error
             os._exit(1)  # not a normal exit: a live gloo group can abort interpreter shutdown
@@ -78,7 +91,7 @@ def run(options: LaunchOptions) -> None:
         log.error(message)
         server.fail_all("rank_failed", message, "the next request restarts the backend", rank=0)
         server.close()
-        os._exit(EXIT_PEER_LOST)
+        exit_after_the_cause()
     server.close()
     leave_together(rt)
 
@@ -91,5 +104,6 @@ def main(argv: list[str] | None = None) -> None:
     run(options)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank by hand; the launcher forks ranks and calls main itself (launcher.rank_main)
     main()
+    os._exit(0)  # without interpreter teardown (runtime.leave_together)
