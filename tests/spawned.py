@@ -1,4 +1,8 @@
-"""Run a function on every rank of a gloo world of spawned processes, and collect what each returns."""
+"""Run a function on every rank of a gloo world of spawned processes, and collect what each returns.
+
+The ranks fork from one fork server per test process, which imports torch and diffusers' transformer classes
+once (as the launcher's does for a backend's ranks): each rank starts in a fraction of a second instead of
+importing them again (~7 s of CPU)."""
 
 import os
 import socket
@@ -15,7 +19,8 @@ def on_ranks(target, world: int, *args, timeout: float = 180) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch.distributed", "diffusers.models.transformers", "xdit_backend.models.registry"])
     results = context.Queue()
     processes = [context.Process(target=_rank, args=(target, rank, world, port, results, args))
                  for rank in range(world)]
