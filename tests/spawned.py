@@ -20,7 +20,8 @@ def on_ranks(target, world: int, *args, timeout: float = 180) -> list:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch.distributed", "diffusers.models.transformers", "xdit_backend.models.registry"])
+    context.set_forkserver_preload(["torch.distributed", "diffusers.models.transformers",
+                                    "xdit_backend.models.registry"])
     results = context.Queue()
     processes = [context.Process(target=_rank, args=(target, rank, world, port, results, args))
                  for rank in range(world)]

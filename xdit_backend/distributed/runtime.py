@@ -46,8 +46,8 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     if options.device == "cuda":
         if torch.cuda._is_in_bad_fork():  # the launcher's fork server started CUDA before forking this rank
             raise StartupError(
-                "CUDA was initialised in the process this rank was forked from (a module the launcher preloads "
-                "touched the GPU at import); unset DIFFUSERS_GGUF_CUDA_KERNELS or report the module"
+                "CUDA was initialised in the process this rank was forked from: a module in the launcher's "
+                "RANK_PRELOAD touched the GPU at import; report it with the backend's log"
             )
         if not torch.cuda.is_available():
             raise StartupError(

@@ -4,7 +4,8 @@
 imported the rank's modules (torch, torch.distributed, diffusers' transformer classes) once: a rank
 starts in a fraction of a second with the imports shared copy-on-write, instead of each of N ranks
 importing them again (about 7 s of CPU each, see RANK_PRELOAD). The fork server is a fresh process that
-touches no GPU, so CUDA starts in each rank as before. The rendezvous is c10d on port 0, so the OS picks a free port (never a fixed 29500).
+touches no GPU, so CUDA starts in each rank as before. The rendezvous is c10d on port 0, so the OS picks a
+free port (never a fixed 29500).
 The ranks' environment is built by worker_env.py from this process's (GPUs, allocator, NCCL, threads).
 The launcher keeps a state file beside the socket (options, pid, status, and the ranks that
 failed, with their messages), which is how ``start`` and the client can say which rank died.

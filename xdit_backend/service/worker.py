@@ -1,7 +1,7 @@
 """Every rank of the backend: join the process group, then rank 0 leads and the others follow.
 
-Started by launcher.py through torch.distributed.run as ``python -m xdit_backend.service.worker``, with
-the launch options as flags (LaunchOptions.to_argv). The parts:
+Started by launcher.py through torch.distributed.run: each rank is forked from the launcher's fork server
+and runs ``main`` with the launch options as flags (LaunchOptions.to_argv). The parts:
 
 - runtime.py: the process group, this rank's device, and leaving together at a clean shutdown;
 - executor.py: what every rank holds (models, meshes per layout) and one generation;
