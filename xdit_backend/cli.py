@@ -22,6 +22,7 @@ from .launch import status_text
 from .launch.options import LaunchError, LaunchOptions, int_list
 from .selftest.command import Selftest
 from .wire import paths
+from .wire.endpoint import BackendError
 
 
 class Command(Protocol):
@@ -277,8 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .wire.endpoint import BackendError  # after parsing: the wire's torch only for a command that runs
-
     try:
         return named(COMMANDS, args.command).run(args)
     except (BackendError, LaunchError, paths.UnsafeDirectoryError) as exc:

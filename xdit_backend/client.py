@@ -1,7 +1,8 @@
 """The client: talk to a backend over its socket, start one when asked, stream progress, cancel.
 
 Used by the CLI and by the ComfyUI nodes. It starts no process group and imports no module that
-does (control, worker and the rest of the ranks' side): torch is loaded for its tensors only.
+does (control, worker and the rest of the ranks' side): torch is loaded for tensors only, when a
+message carries some.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .launch import launcher
 from .launch.options import LaunchOptions, tcp_address
 from .wire import endpoint, paths, protocol
 from .wire.endpoint import BackendDied, BackendError, Cancelled, NoBackend  # noqa: F401  (the client's errors)
 from .wire.protocol import Connection, Message
+
+if TYPE_CHECKING:
+    import torch
 
 POLL_S = 0.1  # how often a waiting client checks its cancel callback
 DEATH_REPORT_WAIT_S = 15.0  # how long to wait for the launcher to record which rank failed

@@ -50,6 +50,17 @@ def test_backend_modules_import_without_starting_anything():
     assert out.stdout.strip() == "1"
 
 
+def test_status_and_stop_load_no_torch(tmp_path):
+    """The commands that only talk to a backend (and the client's frames without tensors) leave torch
+    unloaded: `xdit-backend status` answers at once, and a ComfyUI-less script can poll it cheaply."""
+    code = ("import sys; from xdit_backend import cli; "
+            "codes = [cli.main([c, '--socket', sys.argv[1]]) for c in ('status', 'stop')]; "
+            "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "none.sock")], capture_output=True,
+                         text=True, check=False)
+    assert out.stdout.split("]")[-1].strip() == "False", out.stdout + out.stderr
+
+
 CUDA_PROBE = r"""
 import json, sys
 import torch

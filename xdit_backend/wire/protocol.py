@@ -6,7 +6,8 @@ One frame on the socket::
 
 all integers big-endian. The JSON header is an object with a ``type`` (the message type) and an
 ``id``; the payload is empty or a safetensors blob holding the message's tensors by name.
-Nothing here unpickles anything, and nothing here knows about torch.distributed.
+Nothing here unpickles anything, and nothing here knows about torch.distributed. torch itself is loaded
+(by tensor_payload.py) only for a frame that carries tensors, so ``status`` and ``stop`` start in a blink.
 
 Every size, dtype and shape is checked before a tensor is built. A frame that breaks the
 framing (wrong magic or version, a length over the limit, a truncated frame) raises
@@ -23,11 +24,12 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .. import schema
-from . import tensor_payload
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"XDIT"
 PROTOCOL_VERSION = 1
@@ -112,7 +114,7 @@ def error_message(kind: str, message: str, hint: str = "", *, id: str = "", **ex
 def encode(message: Message) -> list[bytes | memoryview]:
     """Serialise a message into the parts of one frame (send them in order)."""
     header = json.dumps({"type": message.type, **message.fields}, separators=(",", ":")).encode()
-    payload = tensor_payload.encode(message.tensors)
+    payload = _tensor_payload().encode(message.tensors) if message.tensors else []
     prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, len(header))
     return [prelude, header, _PAYLOAD_LENGTH.pack(sum(len(p) for p in payload)), *payload]
 
@@ -193,11 +195,21 @@ def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction
             kind="bad_request",
         )
     _check_fields(msg_type, fields, schemas[msg_type], limits)
+    if not payload:
+        return Message(msg_type, fields)
+    tensor_payload = _tensor_payload()
     try:
         tensors = tensor_payload.decode(payload, limits.max_header_bytes, limits.max_tensors, limits.max_tensor_dims)
     except tensor_payload.PayloadError as exc:
         raise FrameError(exc.message, exc.hint, fatal=False) from None
     return Message(msg_type, fields, tensors)
+
+
+def _tensor_payload():
+    """tensor_payload.py, imported (with torch) at the first frame that carries tensors."""
+    from . import tensor_payload
+
+    return tensor_payload
 
 
 def _refuse_constant(name: str):
