@@ -7,11 +7,13 @@ this, not --durations (wall times inflated by whatever else runs), says which te
 
     python tools/suite_cpu.py                      # python -m pytest
     python tools/suite_cpu.py -- python -m pytest tests/backend -q
+    python tools/suite_cpu.py --json /tmp/cpu.json   # also every process: kind, test, CPU seconds
 
 A process's figure is its last sample, so up to half a second of a short-lived process is missed.
 """
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +61,7 @@ def sample(root: int, seen: dict, done: threading.Event) -> None:
 
 def main(argv: list[str]) -> int:
     command = argv[argv.index("--") + 1:] if "--" in argv else [sys.executable, "-m", "pytest"]
+    dump = argv[argv.index("--json") + 1] if "--json" in argv[:argv.index("--") if "--" in argv else None] else None
     seen, done = {}, threading.Event()
     began = time.monotonic()
     run = subprocess.Popen(command)
@@ -84,6 +87,9 @@ def main(argv: list[str]) -> int:
     print("CPU of the processes each test file started (a shared backend counts for the file that started it):")
     for name, cpu in by_file.most_common(25):
         print(f"  {cpu:8.1f} s  {name}")
+    if dump:
+        Path(dump).write_text(json.dumps([{"kind": kind_of(c), "test": t, "cpu": cpu, "command": c}
+                                          for c, t, cpu in processes], indent=0))
     return code
 
 
