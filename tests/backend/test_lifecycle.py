@@ -59,14 +59,15 @@ def test_start_status_stop(sock):
 
 
 def test_a_rank_that_cannot_start_fails_start_with_its_number(sock):
-    """Asking for one more CUDA rank than there are GPUs: that rank fails, start says which and why."""
+    """Asking for one more CUDA rank than there are GPUs: that rank fails, start says which and why.
+
+    A start that waited for the failed rank instead would end on its own --timeout, saying the backend
+    did not become ready: the message checks below tell the two apart without timing anything."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    began = time.monotonic()
-    result = cli("start", "--socket", sock, "--nproc", gpus + 1, "--device", "cuda", timeout=120)
+    result = cli("start", "--socket", sock, "--nproc", gpus + 1, "--device", "cuda", "--timeout", 150, timeout=200)
     assert result.returncode == 1
     assert f"rank {gpus} exited with code 1" in result.stderr
     assert "StartupError" in result.stderr and ("no CUDA device" in result.stderr or "visible" in result.stderr)
-    assert time.monotonic() - began < 60, "a failed rank must fail start, not hang it"
 
 
 def test_sample_world_1_and_2_seeds(sock, tmp_path):
