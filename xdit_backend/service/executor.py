@@ -89,7 +89,7 @@ class Executor:
         blocks = None if key.stage is None else keep_stage(built.transformer, built.spec.stage_plan, *key.stage)
         if shard_mesh is not None:
             shard.shard_blocks(built, shard_mesh, self.rt.device)
-        return Entry(built, blocks)
+        return Entry(built, resident_bytes(built), blocks)
 
     def loaded(self) -> list[str]:
         """One line per loaded model, least recently used first, with the LoRAs it carries and whether
@@ -106,12 +106,12 @@ class Executor:
                  "loras": [{"path": report["file"], "strength": report["strength"]}
                            for report in entry.model.lora_reports],
                  "compiled": _compiled(entry.model),
-                 "bytes": resident_bytes(entry.model)}
+                 "bytes": entry.bytes}
                 for key, entry in self.cache.entries.items()]
 
     def held_bytes(self) -> int:
         """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry."""
-        return sum(resident_bytes(entry.model) for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+        return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
 
     def memory_record(self) -> dict:
         """What ``status`` shows of this rank: its device's memory and its loaded models."""
@@ -157,7 +157,7 @@ class Executor:
             estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
                                          config, tokens, rows)
             free = memory_fit.available(self.rt.device, self.held_bytes())
-            loaded = [(k, resident_bytes(e.model)) for k, e in self.cache.entries.items()]
+            loaded = [(k, e.bytes) for k, e in self.cache.entries.items()]
             plan = memory_fit.eviction_plan(estimate.total, free, loaded)
             if plan is None:
                 verdict = {"rank": self.rt.rank, "model": model.name, "device": str(self.rt.device),
