@@ -33,55 +33,35 @@ def test_links_form_one_ring_per_pipeline(shape):
     assert sorted(s for s, _ in links) == sorted(r for _, r in links) == list(range(ranks.numel()))
 
 
-class _FakeMesh:
-    """Stands in for init_device_mesh's result: records the options each group is given."""
-
-    def __init__(self, shape, given):
-        self.mesh, self.given = torch.arange(torch.Size(shape).numel()).view(shape), given
-
-    def get_group(self, axis=None):
-        return object()
-
-    def __getitem__(self, axes):
-        return self
-
-    def _flatten(self, name, backend_override=None):
-        self.given.append(backend_override)
-        return self
-
-
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_every_group_gets_its_own_options_with_the_timeout(device_type, monkeypatch):
     """Torch writes a group's name and ranks into the options it is given: no two groups (mesh axes,
-    the flattened sequence group, the links) may share one object, and each carries the timeout."""
+    the flattened sequence group, the links) may share one object, and each carries the timeout. Every
+    rank creates every group (world 8: pipefusion 2 × ring 2 × ulysses 2)."""
     given = []
 
-    def init_device_mesh(device_type, shape, mesh_dim_names, backend_override):
-        given.extend(backend_override[axis] for axis in mesh_dim_names)
-        return _FakeMesh(shape, given)
-
     def new_group(ranks, timeout, backend, pg_options, group_desc):
-        given.append((backend, pg_options))
+        given.append((backend, pg_options, tuple(ranks)))
         return object()
 
     class Options:
         _timeout = None
 
-    monkeypatch.setattr(mesh, "init_device_mesh", init_device_mesh)
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
     MeshCache(device_type, TIMEOUT).get(ParallelConfig(pipefusion=2, ring=2, ulysses=2))
     options = [entry[1] for entry in given]
-    assert len(options) == len(AXES) + 1 + 8  # 5 axes, the flattened group, 4 pipelines × 2 links
+    assert len(options) == 3 * 4 + 2 + 8  # 3 axes of 4 groups each, 2 sequence groups, 4 pipelines × 2 links
     assert len({id(o) for o in options}) == len(options), "two groups share one options object"
     assert all(o._timeout == TIMEOUT for o in options)
     assert {entry[0] for entry in given} == {"nccl" if device_type == "cuda" else "gloo"}
+    assert ((0, 1, 2, 3) in {entry[2] for entry in given}) and ((0, 4) in {entry[2] for entry in given})
 
 
 def _groups_of(layout) -> list:
     links = [layout.links.incoming.group, layout.links.outgoing.group] if layout.links else []
-    return [*(layout.mesh.get_group(axis) for axis in AXES), layout.sequence_group, *links]
+    return [*(layout.group(axis) for axis in AXES), layout.sequence_group, *links]
 
 
 def _build_clear_rebuild(rank: int) -> dict:

@@ -1,20 +1,24 @@
-"""One DeviceMesh per layout, with named axes, and the groups each method uses.
+"""The process groups of each layout, with named axes, built by this module from ``dist.new_group``.
 
 Axis order, outermost to innermost: ``dp, cfg, pipefusion, ring, ulysses``. Ulysses is innermost
 because it talks most (an all-to-all per attention layer), so its ranks are adjacent (same node,
 fastest links). Rank r sits at mesh coordinates given by that order in row-major layout, e.g.
 world 4 with cfg=2 × ulysses=2: ranks (0, 1) are the cond half, (2, 3) the uncond half.
 
-Besides the mesh's axes, a layout has the flattened ring × ulysses group (when both are > 1),
-with PipeFusion one 2-rank group per pipeline link (``link_ranks``; why: parallel/pipefusion.py),
-and with ``shard_weights`` the 1-D shard mesh FSDP2 shards the blocks over: every axis but
-pipefusion, flattened (the ranks that run the same blocks; parallel/shard.py). It is built on the
-first request of its shape that shards, by every rank (that request reaches them all).
-Every rank creates all of them when a layout shape is first used, in the same order, members or
-not (torch's rule for new groups; NCCL splits them off the world communicator, a collective). Each
-group gets its own options object carrying the timeout (torch writes the group's name and ranks
-into the options it is given, so one object shared by every group would end up describing one of
-them).
+A layout has one group per axis of degree above 1 (the ranks that differ only along it), the
+flattened ring × ulysses group when both are > 1, with PipeFusion one 2-rank group per pipeline link
+(``link_ranks``; why: parallel/pipefusion.py), and with ``shard_weights`` (or the step cache) the ranks
+that run the same blocks: every axis but pipefusion, flattened, as the 1-D DeviceMesh FSDP2 shards the
+blocks over (parallel/shard.py). That mesh is built on the first request of its shape that asks, by every
+rank (that request reaches them all). Every rank creates every group of a shape, in the same order,
+members or not (torch's rule for new groups; on NCCL, a split of the world communicator). Each group
+gets its own options object carrying the timeout (torch writes the group's name and ranks into the
+options it is given, so one object shared by every group would end up describing one of them).
+
+Why not ``init_device_mesh`` and ``DeviceMesh._flatten``: the timeout per group needs their
+``backend_override`` (torch 2.9 on), ``_flatten`` is private and was rewritten twice between 2.8 and
+2.13, and the layout needs only groups and coordinates. ``DeviceMesh.from_group`` (1-D, public, the
+same from 2.7 to 2.13) wraps the shard group for FSDP2.
 
 Meshes live in a MeshCache owned by each rank's Executor (executor.py); nothing here keeps a group
 in a module global. ``MeshCache.clear`` destroys every group the cache created (after a failed
@@ -23,12 +27,13 @@ request, see ``release``); the next request builds its layout again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from .config import DEGREES, ParallelConfig
 
@@ -58,18 +63,20 @@ class Layout:
     """The groups of one layout, as this rank sees them. A group is None when its degree is 1."""
 
     config: ParallelConfig
-    mesh: DeviceMesh
+    ranks: torch.Tensor  # [dp, cfg, pipefusion, ring, ulysses]: the global rank at each coordinate
+    coordinates: tuple[int, ...]  # this rank's, in AXES order
+    groups: dict[str, object]  # axis → this rank's group along it, for each axis of degree > 1
     sequence_group: object = None  # ring × ulysses: the ranks that hold slices of one sequence (None without SP)
     links: Links | None = None  # PipeFusion's links (None without PipeFusion)
     shard_mesh: DeviceMesh | None = None  # the ranks sharing each block's weights (None without shard_weights)
     step_group: object = None  # the ranks that run the same blocks, for the step cache's decision (None unless asked)
 
     def group(self, axis: str):
-        return self.mesh.get_group(axis) if getattr(self.config, axis) > 1 else None
+        return self.groups.get(axis)
 
     def index(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.mesh.get_local_rank(axis)
+        return self.coordinates[AXES.index(axis)]
 
     @property
     def sequence_index(self) -> int:
@@ -81,11 +88,20 @@ class Layout:
 class _Built:
     """The groups of one mesh shape, and every group this rank created for it (to destroy them)."""
 
-    mesh: DeviceMesh
+    ranks: torch.Tensor
+    coordinates: tuple[int, ...]
+    groups: dict[str, object]
     sequence_group: object
     links: Links | None
     created: list = field(default_factory=list)
     shard_mesh: DeviceMesh | None = None  # built on first use (MeshCache.get)
+
+
+def slices(ranks: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
+    """The rank lists that differ only along ``axes`` (flattened in the order given, the last fastest),
+    in row-major order of the other axes. ``ranks``: [dp, cfg, pipefusion, ring, ulysses]."""
+    moved = ranks.movedim([AXES.index(axis) for axis in axes], list(range(-len(axes), 0)))
+    return moved.reshape(-1, math.prod(ranks.shape[AXES.index(axis)] for axis in axes)).tolist()  # [groups, size]
 
 
 class MeshCache:
@@ -97,17 +113,15 @@ class MeshCache:
         self._built: dict[tuple[int, ...], _Built] = {}
 
     def get(self, config: ParallelConfig, step_cache: bool = False) -> Layout:
-        """This request's layout: its own config (patches, warm-up…) over the cached mesh of its degrees;
+        """This request's layout: its own config (patches, warm-up…) over the cached groups of its degrees;
         with ``step_cache``, the group of the ranks that run the same blocks too (the step cache agrees over it)."""
         shape = tuple(getattr(config, axis) for axis in AXES)
         if shape not in self._built:
             self._built[shape] = self._build(config, shape)
         built = self._built[shape]
         if (config.shard_weights or step_cache) and built.shard_mesh is None:
-            built.shard_mesh = self._shard_mesh(built.mesh)
-            if built.shard_mesh.get_group() is not dist.group.WORLD:
-                built.created.append(built.shard_mesh.get_group())
-        return Layout(config, built.mesh, built.sequence_group, built.links,
+            built.shard_mesh = self._shard_mesh(built)
+        return Layout(config, built.ranks, built.coordinates, built.groups, built.sequence_group, built.links,
                       built.shard_mesh if config.shard_weights else None,
                       built.shard_mesh.get_group() if step_cache else None)
 
@@ -118,45 +132,58 @@ class MeshCache:
         self._built.clear()
         release(created, self.device_type)
 
-    def override(self) -> tuple | None:
-        """A fresh (backend, options) carrying the timeout, for one group (None: torch's defaults)."""
-        return _with_timeout(self.device_type, self.timeout) if self.timeout else None
-
     def _build(self, config: ParallelConfig, shape: tuple[int, ...]) -> _Built:
-        overrides = {axis: self.override() for axis in AXES} if self.timeout else None
-        mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=AXES, backend_override=overrides)
-        created = [mesh.get_group(axis) for axis in AXES]
-        sequence = None
+        ranks = torch.arange(math.prod(shape)).view(shape)  # [dp, cfg, pipefusion, ring, ulysses]
+        coordinates = tuple(int(c) for c in (ranks == dist.get_rank()).nonzero()[0])
+        built = _Built(ranks, coordinates, {}, None, None)
+        for axis in AXES:
+            if getattr(config, axis) > 1:
+                built.groups[axis] = self._own_group(built, slices(ranks, (axis,)), f"mesh_{axis}")
         if config.ring > 1 and config.ulysses > 1:
-            sequence = mesh["ring", "ulysses"]._flatten("sequence", backend_override=self.override()).get_group()
-            created.append(sequence)
+            built.sequence_group = self._own_group(built, slices(ranks, ("ring", "ulysses")), "sequence")
         elif config.sequence > 1:
-            sequence = mesh.get_group("ring" if config.ring > 1 else "ulysses")
-        links = self._links(mesh) if config.pipefusion > 1 else None
-        if links:
-            created += [links.incoming.group, links.outgoing.group]
-        world = dist.group.WORLD  # a full-world axis without an override is the default group: never ours
-        created = [group for group in created if group is not world]
-        return _Built(mesh, sequence, links, created)
+            built.sequence_group = built.groups["ring" if config.ring > 1 else "ulysses"]
+        if config.pipefusion > 1:
+            built.links = self._links(built)
+        return built
 
-    def _shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+    def _own_group(self, built: _Built, members: list[list[int]], name: str):
+        """Create a group for each rank list of ``members`` (every rank, in order) and return the one
+        this rank is in."""
+        me, own = dist.get_rank(), None
+        for ranks in members:
+            group = self._new_group(ranks, f"{name}_{'_'.join(map(str, ranks))}")
+            if me in ranks:
+                own = group
+                built.created.append(group)
+        return own
+
+    def _new_group(self, ranks: list[int], name: str):
+        """A group of ``ranks`` with the cache's timeout, on options of its own (torch's defaults without one)."""
+        if self.timeout is None:
+            return dist.new_group(ranks, group_desc=name)
+        backend, options = _with_timeout(self.device_type, self.timeout)
+        return dist.new_group(ranks, timeout=self.timeout, backend=backend, pg_options=options, group_desc=name)
+
+    def _shard_mesh(self, built: _Built) -> DeviceMesh:
         """The 1-D mesh of the ranks that run the same blocks: [dp, cfg, ring, ulysses] flattened
         (world 4, pipefusion=2 × ulysses=2: [0, 1] hold stage 0, [2, 3] stage 1; without PipeFusion, all)."""
         same_blocks = tuple(axis for axis in AXES if axis != "pipefusion")
-        return mesh[same_blocks]._flatten("shard", backend_override=self.override())
+        group = self._own_group(built, slices(built.ranks, same_blocks), "shard")
+        return DeviceMesh.from_group(group, self.device_type, mesh_dim_names=("shard",))
 
-    def _links(self, mesh: DeviceMesh) -> Links:
+    def _links(self, built: _Built) -> Links:
         """Every rank creates every link group, in ``link_ranks`` order, and keeps its own two (it is
         the sender of one link and the receiver of one)."""
         me, incoming, outgoing = dist.get_rank(), None, None
-        for sender, receiver in link_ranks(mesh.mesh):
-            backend, options = self.override() or (None, None)
-            group = dist.new_group([sender, receiver], timeout=self.timeout, backend=backend, pg_options=options,
-                                   group_desc=f"pipefusion_link_{sender}_to_{receiver}")
+        for sender, receiver in link_ranks(built.ranks):
+            group = self._new_group([sender, receiver], f"pipefusion_link_{sender}_to_{receiver}")
             if me == sender:
                 outgoing = Link(group, receiver)
+                built.created.append(group)
             if me == receiver:
                 incoming = Link(group, sender)
+                built.created.append(group)
         return Links(incoming, outgoing)
 
 
