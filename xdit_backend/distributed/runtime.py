@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..launch import gpus
 from ..launch.options import LaunchOptions
+from . import compat
 from .control import barrier
 from .topology import Topology, prepare_nccl, probe
 
@@ -43,6 +44,9 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     the links (NCCL_P2P_DISABLE is decided before the group exists: topology.py)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     peer, nccl_note = None, None
+    too_old = compat.unsupported()
+    if too_old:
+        raise StartupError(too_old)
     if options.device == "cuda":
         if torch.cuda._is_in_bad_fork():  # the launcher's fork server started CUDA before forking this rank
             raise StartupError(

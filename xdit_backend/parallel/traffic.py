@@ -3,8 +3,9 @@
 Opt-in, per request: while counting, the torch.distributed entry points that the data plane
 uses are wrapped, so yunchang's all-to-all and ring traffic is counted as well as our own.
 "Sent" is the algorithmic volume each rank must put on the wire:
-all_gather: its piece to every other rank, (W−1)·n; all_gather_single (FSDP2's gather of a sharded
-block's weights, parallel/shard.py; counted as ``shard_all_gather``): the same, (W−1)·n; all_to_all_single: all but its own share,
+all_gather: its piece to every other rank, (W−1)·n; the single-tensor all-gather (FSDP2's gather of a
+sharded block's weights, parallel/shard.py; ``all_gather_single`` from torch 2.13, ``all_gather_into_tensor``
+before: distributed/compat.py; counted as ``shard_all_gather``): the same, (W−1)·n; all_to_all_single: all but its own share,
 (W−1)/W·n; isend: n (point-to-point goes through batch_isend_irecv, ours as yunchang's).
 Broadcasts, and any collective on the ``control`` group (the step gate, the model cache's memory
 agreement), are the control plane and counted apart, as ``control``.
@@ -23,6 +24,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from ..distributed import compat
+
 
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -37,7 +40,8 @@ def counting(compiled: bool, control=None):
         yield None
         return
     sent: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in ("all_gather", "all_gather_single", "all_to_all_single",
+    gathers = compat.single_tensor_all_gathers()
+    originals = {name: getattr(dist, name) for name in ("all_gather", *gathers, "all_to_all_single",
                                                         "batch_isend_irecv", "broadcast")}
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -45,9 +49,12 @@ def counting(compiled: bool, control=None):
         sent[kind] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
         return originals["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
 
-    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-        sent["shard_all_gather"] += _nbytes(input_tensor) * (dist.get_world_size(group) - 1)
-        return originals["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op)
+    def single_tensor_all_gather(name: str):
+        def gather(output_tensor, input_tensor, group=None, async_op=False):
+            sent["shard_all_gather"] += _nbytes(input_tensor) * (dist.get_world_size(group) - 1)
+            return originals[name](output_tensor, input_tensor, group=group, async_op=async_op)
+
+        return gather
 
     def all_to_all_single(output, input, *args, group=None, **kwargs):
         world = dist.get_world_size(group)
@@ -63,8 +70,8 @@ def counting(compiled: bool, control=None):
             sent["control"] += _nbytes(tensor) * (dist.get_world_size(group) - 1)
         return originals["broadcast"](tensor, src=src, group=group, async_op=async_op)
 
-    wrappers = {"all_gather": all_gather, "all_gather_single": all_gather_single, "all_to_all_single": all_to_all_single,
-                "batch_isend_irecv": batch_isend_irecv, "broadcast": broadcast}
+    wrappers = {"all_gather": all_gather, **{name: single_tensor_all_gather(name) for name in gathers},
+                "all_to_all_single": all_to_all_single, "batch_isend_irecv": batch_isend_irecv, "broadcast": broadcast}
     for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)
     try:

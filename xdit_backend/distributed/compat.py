@@ -1,0 +1,54 @@
+"""What differs between the torch releases the project runs on: the oldest it supports, and each newer
+API it uses with what stands in for it on an older torch. Everything version-dependent is here; the
+rest of the package calls these and never tests torch's version or attributes itself.
+
+Why 2.7: ComfyUI's portable build and its install guide moved to torch 2.7 (CUDA 12.8) for the
+RTX 50 series in 2025, and its users since run 2.7 to 2.15. Below 2.7, ``fully_shard`` has no
+``ignored_params`` (parallel/shard.py keeps the non-block layers whole with it) and dynamo's
+``recompile_limit`` (parallel/compile.py) is still ``cache_size_limit``.
+
+What is newer than 2.7 and how it is bridged:
+- ``dist.all_gather_single`` (2.13; before it, ``all_gather_into_tensor``, which 2.13 keeps as a
+  deprecated alias): FSDP2 gathers a sharded block's weights with whichever its release has; the
+  bench's traffic count wraps both names where they exist (parallel/traffic.py).
+- ``init_device_mesh(backend_override=)`` and ``DeviceMesh._flatten`` (2.9; private): not used.
+  distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
+  ``DeviceMesh.from_group``, both the same from 2.7 on.
+
+tests/unit/test_compat.py runs each fallback on the pinned torch with the newer name removed;
+tools/torch-range.sh runs a compatibility subset of the suite on the oldest and the newest torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+MIN_TORCH = (2, 7)
+
+# torch.distributed's single-tensor all-gather under each name it has had, newest first
+SINGLE_TENSOR_ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")
+
+
+def version(text: str | None = None) -> tuple[int, int]:
+    """(major, minor) of torch's version string (this torch's by default): "2.11.0+cu130" → (2, 11)."""
+    major, minor = (text or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def single_tensor_all_gathers() -> tuple[str, ...]:
+    """The names under which torch.distributed's single-tensor all-gather can be called here (2.13 has
+    both: FSDP2 calls the new one, and the old one calls torch's own, not the attribute, so wrapping
+    both counts each gather once)."""
+    return tuple(name for name in SINGLE_TENSOR_ALL_GATHER if hasattr(dist, name))
+
+
+def unsupported(text: str | None = None) -> str | None:
+    """Why this torch is too old for the backend, with the fix; None when it is supported."""
+    found = text or torch.__version__
+    if version(found) >= MIN_TORCH:
+        return None
+    oldest = ".".join(map(str, MIN_TORCH))
+    return (f"torch {found} is older than {oldest}, the oldest the backend runs on (FSDP2's ignored_params, "
+            f"dynamo's recompile_limit); install torch>={oldest} built for your CUDA, e.g. "
+            f"pip install 'torch>={oldest}' --index-url https://download.pytorch.org/whl/cu128")
