@@ -20,7 +20,7 @@ failed=()
 for version in "${versions[@]}"; do
   venv="$root/torch-$version"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  if ! "$venv/bin/python" -c "import torch, xdit_backend" 2>/dev/null; then
+  if ! "$venv/bin/python" -c "import torch, diffusers, pytest, xdist" 2>/dev/null; then
     began=$SECONDS
     "$venv/bin/python" -m pip install --quiet "torch==$version"  # first and pinned: nothing below may move it
     "$venv/bin/python" -m pip install --quiet -e ".[test,gguf]"

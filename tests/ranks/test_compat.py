@@ -1,10 +1,10 @@
 """The torch range (distributed/compat.py): every API newer than the oldest supported torch has its
 fallback, and each fallback runs here, on the pinned torch, with the newer name taken away."""
 
+import re
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 import torch.distributed as dist
 from spawned import on_ranks
@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_claims_the_oldest_torch_the_code_supports():
-    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    [claim] = [r for r in requirements if r.startswith("torch>=")]
-    assert compat.version(claim.removeprefix("torch>=")) == compat.MIN_TORCH
+    [claim] = re.findall(r'^\s*"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert compat.version(claim) == compat.MIN_TORCH
 
 
 def test_an_older_torch_is_refused_with_the_version_and_the_fix():
@@ -90,3 +89,14 @@ def test_the_mesh_builds_every_layout_without_init_device_mesh_or_flatten():
         assert seen["pipeline"]["sequence sum"] == 2 and seen["pipeline"]["step group size"] == 2, seen
         assert seen["pipeline"]["shard ranks"] == [2 * stage, 2 * stage + 1], seen
         assert seen["pipeline"]["coordinates"] == [stage, 0, rank % 2], seen
+
+
+def test_a_rank_on_an_older_torch_stops_at_start_with_that_reason(monkeypatch, tmp_path):
+    """The check comes first in start_runtime: nothing joins a process group on a torch it cannot run."""
+    from xdit_backend.distributed.runtime import StartupError, start_runtime
+    from xdit_backend.launch.options import LaunchOptions
+
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    with pytest.raises(StartupError, match=r"torch 2\.6\.0\+cu124 is older than 2\.7"):
+        start_runtime(LaunchOptions(socket=tmp_path / "b.sock", nproc=1, device="cpu"))
+    assert not dist.is_initialized()
