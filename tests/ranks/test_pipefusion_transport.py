@@ -1,6 +1,9 @@
 """PipeFusion's point-to-point traffic cannot deadlock on NCCL: each rank's real sequence of posts,
-waits and step gates (recorded on gloo) replayed under NCCL's ordering, where every op of one group
-runs on one stream in posting order and a send and a receive complete together."""
+waits and step gates (recorded on gloo) replayed under NCCL's rules: every op of one group runs on one
+stream in posting order, a send and a receive complete together, and the first op between two ranks
+on a group blocks the posting rank until the other posts its own (NCCL connects the pair lazily, then:
+review gpu-paths-2 B2). The recording starts before the request builds its layout, so the mesh's
+link connection walk (distributed/mesh.py) is replayed too."""
 
 import time
 from collections import defaultdict, deque
@@ -66,12 +69,19 @@ def replay(programs: list[list]) -> None:
     at = [0] * len(programs)
     streams = defaultdict(deque)  # (rank, group) → its posted ops, oldest first
     done, arrived = set(), defaultdict(set)
+    connected, connecting = set(), defaultdict(set)  # (group, pair): connected; ranks waiting to connect it
     while True:
         moved = False
         for rank, program in enumerate(programs):
             while at[rank] < len(program):
                 event = program[at[rank]]
                 if event[0] == "post":
+                    pair = (event[2], frozenset((rank, event[4])))
+                    if pair not in connected:
+                        connecting[pair].add(rank)
+                        if len(connecting[pair]) < 2:
+                            break  # blocked on the host until the peer posts on this group too
+                        connected.add(pair)
                     streams[rank, event[2]].append((rank, *event[1:]))
                 elif event[0] == "wait" and (rank, event[1]) not in done:
                     break
@@ -121,12 +131,19 @@ def test_pipefusion_traffic_completes_under_nccl_stream_order(parallel):
 def test_the_replay_finds_the_cycle_of_one_group_for_both_directions():
     """The check itself: stage 0 posting the receive of its return before its send, and stage 1
     receiving before it returns, is a deadlock on one group (what PipeFusion posted before it had
-    links), and completes with one group per direction."""
-    def programs(forward, back):
+    links); with one group per direction it is still one while the links are not connected (each
+    rank's first post blocks it until its peer posts on that group), and completes once the
+    connection walk has run first."""
+    def programs(forward, back, connect_first=False):
+        walk0 = [("post", 10, forward, "send", 1, (1,)), ("wait", 10), ("post", 11, back, "recv", 1, (1,)), ("wait", 11)]
+        walk1 = [("post", 10, forward, "recv", 0, (1,)), ("wait", 10), ("post", 11, back, "send", 0, (1,)), ("wait", 11)]
         stage0 = [("post", 0, back, "recv", 1, (4,)), ("post", 1, forward, "send", 1, (4,)), ("wait", 0)]
         stage1 = [("post", 0, forward, "recv", 0, (4,)), ("wait", 0), ("post", 1, back, "send", 0, (4,))]
-        return [stage0, stage1]
+        return [walk0 + stage0, walk1 + stage1] if connect_first else [stage0, stage1]
 
+    one, forward, back = ("both", (0, 1)), ("0 to 1", (0, 1)), ("1 to 0", (0, 1))
     with pytest.raises(AssertionError, match="deadlock"):
-        replay(programs(("both", (0, 1)), ("both", (0, 1))))
-    replay(programs(("0 to 1", (0, 1)), ("1 to 0", (0, 1))))
+        replay(programs(one, one, connect_first=True))
+    with pytest.raises(AssertionError, match="deadlock"):
+        replay(programs(forward, back))
+    replay(programs(forward, back, connect_first=True))

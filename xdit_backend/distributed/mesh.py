@@ -174,17 +174,34 @@ class MeshCache:
 
     def _links(self, built: _Built) -> Links:
         """Every rank creates every link group, in ``link_ranks`` order, and keeps its own two (it is
-        the sender of one link and the receiver of one)."""
-        me, incoming, outgoing = dist.get_rank(), None, None
+        the sender of one link and the receiver of one); then the links are connected (``_connect``)."""
+        me, incoming, outgoing, walk = dist.get_rank(), None, None, []
         for sender, receiver in link_ranks(built.ranks):
             group = self._new_group([sender, receiver], f"pipefusion_link_{sender}_to_{receiver}")
             if me == sender:
                 outgoing = Link(group, receiver)
                 built.created.append(group)
+                walk.append((dist.isend, group, receiver))
             if me == receiver:
                 incoming = Link(group, sender)
                 built.created.append(group)
+                walk.append((dist.irecv, group, sender))
+        self._connect(walk)
         return Links(incoming, outgoing)
+
+    def _connect(self, walk: list) -> None:
+        """One element over each of this rank's links, in ``link_ranks`` order, waiting for each.
+
+        NCCL connects two ranks of a group at their first send/receive, and the first rank there
+        blocks on the host until the other arrives (NVIDIA/nccl#783). PipeFusion's first ops are
+        receives posted ahead (stage 0's from the last stage, which sends only once it has received):
+        left to them, the first request on two GPUs would hang with no timeout. Walked in one global
+        order, each link's two ranks meet before either goes on, so the walk cannot deadlock (gloo
+        connects at group creation: on the CPU it only costs the messages)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+        for op, group, peer in walk:
+            for work in dist.batch_isend_irecv([dist.P2POp(op, torch.zeros(1, device=device), peer, group)]):
+                work.wait()
 
 
 def link_ranks(ranks: torch.Tensor) -> list[tuple[int, int]]:
