@@ -115,6 +115,7 @@ def test_an_allocator_setting_without_the_async_backend_is_untouched():
 def test_nccl_errors_abort_the_communicator_and_dump_unless_the_user_chose():
     env = ranks_env({})
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # its heartbeat monitor would end a backend that survived
     env = ranks_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
 

@@ -10,7 +10,8 @@ starts the backend) by one pure function, so what the ranks inherit is decided h
 - NCCL: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly: a timed-out collective aborts its
   communicator, not the process; torch.distributed.elastic would otherwise pass on 1, which ends
   the process) and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with a flight-recorder buffer, dumped beside
-  the socket (which collective hung, on which rank).
+  the socket (which collective hung, on which rank); ``TORCH_NCCL_ENABLE_MONITORING=0`` (NCCL's
+  heartbeat monitor would end every rank minutes after a timeout that the backend survived).
 - CPU threads: the machine's cores shared between the ranks of this node, for PyTorch's intra-op
   pool (``OMP_NUM_THREADS``) and Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``),
   on GPUs too: every rank casts weights, reads LoRAs and compiles on the CPU.
@@ -37,6 +38,10 @@ EXPANDABLE = "expandable_segments:True"
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: a timeout aborts the communicator, not the process
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the flight recorder's dump when the watchdog sees a timeout
+    # No heartbeat monitor: after any watchdog event it ends every rank TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC
+    # (8 min) later, CleanUpOnly or not, so a backend that reported a failed request and kept serving would
+    # die idle minutes later (review gpu-paths-2 B3). The backend watches its ranks itself (heartbeat, gate).
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
 }
 TRACE_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the newer name and the older one
 TRACE_BUFFER = "2000"  # collectives the flight recorder keeps per rank (without any, nothing is dumped)
