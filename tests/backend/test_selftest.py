@@ -102,3 +102,21 @@ def test_a_lora_patch_that_adds_nothing_fails_the_memory_section(tmp_path, monke
     assert runner.run_selftest(tmp_path, ("memory",), cpu=True) == 1
     reason = json.loads((tmp_path / "selftest.json").read_text())[0]["reason"]
     assert "lora_0.5: patched" in reason and "the LoRA moved the latent" in reason
+
+
+def test_the_samplers_section_draws_the_device_runs_noise_from_the_cpu_generator(monkeypatch):
+    """Review B6: a CUDA generator draws other ancestral noise than the CPU reference's for the same seed,
+    so the device run of every sampler draws from the CPU generator (the run on the device's own
+    generator is only recorded)."""
+    from xdit_backend.selftest import models
+
+    calls = []
+
+    def run(name, device, dtype, request, loras=(), after_step=None, cpu_noise=False):
+        calls.append(cpu_noise)
+        return torch.zeros(1)
+
+    monkeypatch.setattr(models, "run", run)
+    models.samplers(runner.Context(torch.device("cpu"), None, quick=True), runner.Checks())
+    references, device_runs = calls[0::2], calls[1::2]
+    assert len(device_runs) == len(models.SAMPLERS) and all(device_runs) and not any(references)

@@ -35,15 +35,16 @@ def fields(name: str, ctx: Context, **more) -> dict:
 
 
 def run(name: str, device: torch.device, dtype: torch.dtype, request_fields: dict, loras=(),
-        after_step=lambda done, steps: True) -> torch.Tensor:
+        after_step=lambda done, steps: True, cpu_noise: bool = False) -> torch.Tensor:
     """One generation of a built-in model in this process: the latent, float32, on the CPU."""
-    return generation(registry.build(name, device, dtype, loras), name, request_fields, after_step)
+    return generation(registry.build(name, device, dtype, loras), name, request_fields, after_step, cpu_noise)
 
 
-def generation(model, builtin: str, request_fields: dict, after_step=lambda done, steps: True) -> torch.Tensor:
+def generation(model, builtin: str, request_fields: dict, after_step=lambda done, steps: True,
+               cpu_noise: bool = False) -> torch.Tensor:
     """One generation with a built ``model`` (a built-in, or a file written from the built-in ``builtin``,
     whose random conditioning it takes): the latent, float32, on the CPU."""
-    return serial_latent({**request_fields, "model": builtin}, model=model, after_step=after_step)
+    return serial_latent({**request_fields, "model": builtin}, model=model, after_step=after_step, cpu_noise=cpu_noise)
 
 
 @contextmanager
@@ -86,13 +87,19 @@ def families(ctx: Context, checks: Checks) -> None:
 
 
 def samplers(ctx: Context, checks: Checks) -> None:
+    """Each sampler on the device against the CPU, its ancestral noise drawn from the CPU generator on
+    both (a CUDA generator draws other numbers for the same seed); an ancestral sampler's run with the
+    device's own generator is recorded beside, unbounded (``<sampler>_device_noise``)."""
     with exact_float32():
         for sampler in SAMPLERS:
             request = fields("flux-tiny", ctx, sampler=sampler)
             reference = run("flux-tiny", torch.device("cpu"), torch.float32, request)
-            scaled, _ = distance(run("flux-tiny", ctx.device, torch.float32, request), reference)
+            scaled, _ = distance(run("flux-tiny", ctx.device, torch.float32, request, cpu_noise=True), reference)
             checks.record(**{sampler: scaled})
             checks.expect(scaled <= SAMPLER_TOLERANCE, f"{sampler}: {scaled:.2e} from the CPU (≤ {SAMPLER_TOLERANCE:g})")
+            if ctx.device.type == "cuda" and ("ancestral" in sampler or "sde" in sampler):
+                own, _ = distance(run("flux-tiny", ctx.device, torch.float32, request), reference)
+                checks.record(**{f"{sampler}_device_noise": own})
 
 
 def syncs(ctx: Context, checks: Checks) -> None:

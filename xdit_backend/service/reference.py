@@ -7,6 +7,7 @@ model on one device, ComfyUI's sampling loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -19,14 +20,17 @@ from .request import SampleRequest
 
 
 def serial_latent(fields: dict, tensors: dict | None = None, model=None,
-                  after_step: Callable[[int, int], bool] = lambda done, steps: True) -> torch.Tensor:
+                  after_step: Callable[[int, int], bool] = lambda done, steps: True,
+                  cpu_noise: bool = False) -> torch.Tensor:
     """The latent a world-1 backend returns for the request ``fields`` (+ ``tensors``): float32, on the CPU.
 
     ``model``: an already built model to run (another device or dtype, a file written from the built-in
-    ``fields["model"]`` names); by default the named model is built whole on the CPU in float32."""
+    ``fields["model"]`` names); by default the named model is built whole on the CPU in float32.
+    ``cpu_noise``: ancestral samplers draw their noise from the CPU generator whatever the model's
+    device (as ranks on mixed GPUs do), so a GPU run can be compared with a CPU one."""
     request = SampleRequest.parse(Message("sample", fields, tensors or {}))
     model = model if model is not None else registry.build(request.model, torch.device("cpu"))
     request.check_model(model.spec)
     with torch.no_grad():
-        generation = request.generation(model.spec, *request.sides(model.spec))
+        generation = replace(request.generation(model.spec, *request.sides(model.spec)), cpu_noise=cpu_noise)
         return generate(Denoiser(model), generation, after_step)
