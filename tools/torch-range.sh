@@ -20,12 +20,10 @@ failed=()
 for version in "${versions[@]}"; do
   venv="$root/torch-$version"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  if ! "$venv/bin/python" -c "import torch, diffusers, pytest, xdist" 2>/dev/null; then
-    began=$SECONDS
-    "$venv/bin/python" -m pip install --quiet "torch==$version"  # first and pinned: nothing below may move it
-    "$venv/bin/python" -m pip install --quiet -e ".[test,gguf]"
-    echo "torch $version: installed in $((SECONDS - began)) s"
-  fi
+  began=$SECONDS
+  "$venv/bin/python" -m pip install --quiet "torch==$version"  # first and pinned: nothing below may move it
+  "$venv/bin/python" -m pip install --quiet -e ".[test,gguf]"
+  echo "torch $version: installed in $((SECONDS - began)) s"
   "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$version', torch.__version__"
   echo "== torch $version"
   "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${subset[@]}" -k "not test_layout_equals_serial or (flux-tiny and world2)" \
