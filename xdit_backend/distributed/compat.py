@@ -11,6 +11,10 @@ What is newer than 2.7 and how it is bridged:
 - ``dist.all_gather_single`` (2.13; before it, ``all_gather_into_tensor``, which 2.13 keeps as a
   deprecated alias): FSDP2 gathers a sharded block's weights with whichever its release has; the
   bench's traffic count wraps both names where they exist (parallel/traffic.py).
+- FSDP2 over a block whose frozen parameters have several dtypes (an fp8 file's float8 matrices beside
+  bf16 norms and float32 biases): 2.8 on (pytorch#154103); 2.7 asserts one dtype per block.
+  parallel/shard.py then keeps the block's parameters of its minor dtypes whole on every rank (its
+  biases and norms: a small share) and shards the rest (``fsdp_shards_mixed_dtypes``).
 - ``init_device_mesh(backend_override=)`` and ``DeviceMesh._flatten`` (2.9; private): not used.
   distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
   ``DeviceMesh.from_group``, both the same from 2.7 on.
@@ -41,6 +45,11 @@ def single_tensor_all_gathers() -> tuple[str, ...]:
     both: FSDP2 calls the new one, and the old one calls torch's own, not the attribute, so wrapping
     both counts each gather once)."""
     return tuple(name for name in SINGLE_TENSOR_ALL_GATHER if hasattr(dist, name))
+
+
+def fsdp_shards_mixed_dtypes() -> bool:
+    """Whether ``fully_shard`` takes a module whose frozen parameters have several dtypes (torch 2.8 on)."""
+    return version() >= (2, 8)
 
 
 def unsupported(text: str | None = None) -> str | None:

@@ -33,6 +33,8 @@ block.
 
 Storage precision: parameters of several dtypes in one block (an fp8 file's float8 matrices next to
 its bf16 norms) are all-gathered as bytes in the same single collective (FSDP2 views them as uint8).
+Torch 2.7's FSDP2 takes one dtype per block: there the parameters of the block's other dtypes (by
+bytes, the minor ones: biases, norms) stay whole on every rank (distributed/compat.py).
 
 Traffic: per call of a block, each rank sends its shard to the S − 1 others and receives theirs:
 (S − 1) · ⌈rows/S⌉ · (bytes per row), summed over the block's parameters, ≈ (S − 1)/S of the
@@ -49,6 +51,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..distributed import compat
+
 
 def blocks_of(model) -> list[nn.Module]:
     """The transformer's blocks in execution order (its family's StagePlan block lists, concatenated)."""
@@ -62,7 +66,8 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     transformer = model.transformer
     blocks = blocks_of(model)
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)  # moves the block to the mesh's device
+        apart = None if compat.fsdp_shards_mixed_dtypes() else minor_dtype_parameters(block)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=apart)  # moves the block to the mesh's device
     replicated = {p for p in transformer.parameters() if not isinstance(p, DTensor)}
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
     for block, following in zip(blocks, blocks[1:]):
@@ -73,16 +78,26 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     return model
 
 
+def minor_dtype_parameters(block: nn.Module) -> set[nn.Parameter]:
+    """The parameters of ``block`` whose dtype is not the one holding most of its bytes."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for param in block.parameters():
+        by_dtype[param.dtype] = by_dtype.get(param.dtype, 0) + param.numel() * param.element_size()
+    major = max(by_dtype, key=by_dtype.get, default=None)
+    return {param for param in block.parameters() if param.dtype != major}
+
+
 def _place_outside(transformer: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
-    """Move the parameters and buffers outside the blocks (ignored by FSDP: it leaves them where they are) to ``device``."""
+    """Move the parameters FSDP ignored (it leaves them where they are: the layers outside the blocks, and
+    on torch 2.7 a block's minor-dtype ones) and the buffers outside the blocks to ``device``."""
     inside = {id(module) for block in blocks for module in block.modules()}
     with torch.no_grad():
         for module in transformer.modules():
+            for name, param in module._parameters.items():
+                if param is not None and not isinstance(param, DTensor) and param.device != device:
+                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
             if id(module) in inside:
                 continue
-            for name, param in module._parameters.items():
-                if param is not None and param.device != device:
-                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != device:
                     module._buffers[name] = buffer.to(device)
