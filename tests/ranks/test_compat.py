@@ -48,23 +48,21 @@ def test_the_traffic_count_works_on_a_torch_without_all_gather_single():
         assert seen["gathered"] == [0.0] * 3 + [1.0] * 3 and seen["restored"], (rank, seen)
 
 
-def test_where_both_names_exist_each_gather_is_counted_once(monkeypatch):
+def _every_name_counted_once(rank: int) -> dict:
+    names = compat.single_tensor_all_gathers()
+    with traffic.counting(compiled=False) as sent:
+        for name in names:
+            getattr(dist, name)(torch.empty(4), torch.full((2,), float(rank)))
+    return {"names": names, "sent": dict(sent)}
+
+
+def test_where_both_names_exist_each_gather_is_counted_once():
     """torch ≥ 2.13: FSDP2 calls all_gather_single and the deprecated all_gather_into_tensor calls torch's
     own function, not the wrapped attribute; every name there is is wrapped, and a gather through any
-    of them counts once."""
-    names = compat.single_tensor_all_gathers()
-    assert names == tuple(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)), names
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        calls = []
-        with traffic.counting(compiled=False) as sent:
-            for name in names:
-                wrapped = getattr(dist, name)
-                monkeypatch.setitem(traffic.__dict__, "_nbytes", lambda t, name=name: calls.append(name) or 0)
-                wrapped(torch.empty(2), torch.ones(2))
-        assert calls == list(names) and sent == {"shard_all_gather": 0}  # each counted once (world 1: 0 bytes)
-    finally:
-        dist.destroy_process_group()
+    of them counts once: 2 float32 to the one other rank, per name."""
+    for seen in on_ranks(_every_name_counted_once, 2):
+        names = tuple(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n))
+        assert seen["names"] == names and seen["sent"] == {"shard_all_gather": 8 * len(names)}, seen
 
 
 def _layouts_without_the_new_mesh_api(rank: int) -> dict:
