@@ -6,6 +6,7 @@
 #
 #   tools/torch-range.sh              # the oldest supported (2.7.1) and the newest release (2.15.0)
 #   tools/torch-range.sh 2.11.0       # the GPU machines' torch
+#   tools/torch-range.sh 2.7.1 2.14.1 # where a pip constraint caps torch (this project's CI machines: 2.14.1)
 #
 # Here (no index but PyPI) these are CUDA builds, which run on the CPU: about 3 GB each with their
 # nvidia packages; docs/benchmarks.md has the measured install time. CI runs the pinned CPU build only.
