@@ -125,5 +125,31 @@ def test_on_cuda_the_groups_are_aborted_together_then_the_device_synchronised(mo
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda g: calls.append(f"abort {g.name}"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda g: calls.append(f"destroy {g.name}"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
-    mesh.release([Group("a"), Group("b")], "cuda")
-    assert calls == ["group start", "abort a", "abort b", "group end", "synchronize"]
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo" if g.name == "step" else "nccl")
+    mesh.release([Group("a"), Group("step"), Group("b")], "cuda")  # the step cache's group is on gloo
+    assert calls == ["group start", "abort a", "abort b", "group end", "synchronize", "destroy step"]
+
+
+def test_on_cuda_the_step_cache_decides_over_a_gloo_group(monkeypatch):
+    """Review B3: the step cache's sums are read on the host every step; over NCCL a failed peer would
+    block that read until the watchdog, over gloo it is the group's timeout. Its group has the shard
+    mesh's ranks (world 4, pipefusion 2 × ulysses 2: [0, 1] and [2, 3]), on gloo with the timeout."""
+    given = []
+
+    def new_group(ranks, timeout, backend, pg_options, group_desc):
+        given.append((tuple(ranks), backend, group_desc))
+        return SimpleNamespace(name=group_desc)
+
+    class Options:
+        _timeout = None
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.setattr(MeshCache, "_connect", lambda self, walk: None)
+    monkeypatch.setattr(mesh.DeviceMesh, "from_group", staticmethod(lambda group, device_type, mesh_dim_names: group))
+    layout = MeshCache("cuda", TIMEOUT).get(ParallelConfig(pipefusion=2, ulysses=2), step_cache=True)
+    steps = [entry for entry in given if entry[2].startswith("step_cache")]
+    assert [(ranks, backend) for ranks, backend, _ in steps] == [((0, 1), "gloo"), ((2, 3), "gloo")]
+    assert layout.step_group.name == steps[1][2]  # rank 2's
+    assert all(backend == "nccl" for _, backend, name in given if not name.startswith("step_cache"))

@@ -69,7 +69,8 @@ class Layout:
     sequence_group: object = None  # ring × ulysses: the ranks that hold slices of one sequence (None without SP)
     links: Links | None = None  # PipeFusion's links (None without PipeFusion)
     shard_mesh: DeviceMesh | None = None  # the ranks sharing each block's weights (None without shard_weights)
-    step_group: object = None  # the ranks that run the same blocks, for the step cache's decision (None unless asked)
+    step_group: object = None  # the ranks that run the same blocks, for the step cache's decision (None unless asked):
+    # a gloo group, also on CUDA, so no rank waits on the host for an NCCL result (review gpu-paths-2 B3)
 
     def group(self, axis: str):
         return self.groups.get(axis)
@@ -95,6 +96,7 @@ class _Built:
     links: Links | None
     created: list = field(default_factory=list)
     shard_mesh: DeviceMesh | None = None  # built on first use (MeshCache.get)
+    step_group: object = None  # the shard mesh's ranks on gloo, built on first use
 
 
 def slices(ranks: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
@@ -121,9 +123,10 @@ class MeshCache:
         built = self._built[shape]
         if (config.shard_weights or step_cache) and built.shard_mesh is None:
             built.shard_mesh = self._shard_mesh(built)
+        if step_cache and built.step_group is None:
+            built.step_group = self._step_group(built)
         return Layout(config, built.ranks, built.coordinates, built.groups, built.sequence_group, built.links,
-                      built.shard_mesh if config.shard_weights else None,
-                      built.shard_mesh.get_group() if step_cache else None)
+                      built.shard_mesh if config.shard_weights else None, built.step_group if step_cache else None)
 
     def clear(self) -> None:
         """Destroy every group the cache created and forget the meshes (after a failed request: a group
@@ -147,23 +150,34 @@ class MeshCache:
             built.links = self._links(built)
         return built
 
-    def _own_group(self, built: _Built, members: list[list[int]], name: str):
+    def _own_group(self, built: _Built, members: list[list[int]], name: str, device_type: str | None = None):
         """Create a group for each rank list of ``members`` (every rank, in order) and return the one
         this rank is in."""
         me, own = dist.get_rank(), None
         for ranks in members:
-            group = self._new_group(ranks, f"{name}_{'_'.join(map(str, ranks))}")
+            group = self._new_group(ranks, f"{name}_{'_'.join(map(str, ranks))}", device_type)
             if me in ranks:
                 own = group
                 built.created.append(group)
         return own
 
-    def _new_group(self, ranks: list[int], name: str):
-        """A group of ``ranks`` with the cache's timeout, on options of its own (torch's defaults without one)."""
+    def _new_group(self, ranks: list[int], name: str, device_type: str | None = None):
+        """A group of ``ranks`` with the cache's timeout, on options of its own (torch's defaults without one),
+        for ``device_type``'s backend (the cache's device by default; "cpu": gloo)."""
+        device_type = device_type or self.device_type
         if self.timeout is None:
-            return dist.new_group(ranks, group_desc=name)
-        backend, options = _with_timeout(self.device_type, self.timeout)
+            return dist.new_group(ranks, backend="gloo" if device_type == "cpu" else None, group_desc=name)
+        backend, options = _with_timeout(device_type, self.timeout)
         return dist.new_group(ranks, timeout=self.timeout, backend=backend, pg_options=options, group_desc=name)
+
+    def _step_group(self, built: _Built):
+        """The step cache's group: the shard mesh's ranks, on gloo. Its decision is two float64 sums each
+        step that every rank reads on the host; over NCCL a failed peer would leave the others blocked in
+        that read until the watchdog (review gpu-paths-2 B3), over gloo it is the group's timeout."""
+        if self.device_type != "cuda":
+            return built.shard_mesh.get_group()  # gloo already
+        same_blocks = tuple(axis for axis in AXES if axis != "pipefusion")
+        return self._own_group(built, slices(built.ranks, same_blocks), "step_cache", device_type="cpu")
 
     def _shard_mesh(self, built: _Built) -> DeviceMesh:
         """The 1-D mesh of the ranks that run the same blocks: [dp, cfg, ring, ulysses] flattened
@@ -222,20 +236,20 @@ def release(groups: list, device_type: str) -> None:
     communicators ends them (otherwise the next request's first synchronisation waits behind them
     until the watchdog kills the rank). The aborts go inside one NCCL group call, as torch does when
     it aborts every group: an abort must not wait for another communicator's stuck kernels. Torch's
-    ``_abort_process_group`` also unregisters the group, so nothing is destroyed twice. On the CPU
-    (gloo) destroying the group is enough: a peer stuck in a collective has already timed out.
+    ``_abort_process_group`` also unregisters the group, so nothing is destroyed twice. A gloo group
+    (on the CPU, and the step cache's on CUDA) is destroyed: a peer stuck in a collective has already
+    timed out.
     """
-    if not groups:
-        return
-    if device_type == "cuda":
-        backend = groups[0]._get_backend(torch.device("cuda"))
+    on_gloo = [group for group in groups if device_type != "cuda" or dist.get_backend(group) == "gloo"]
+    nccl = [group for group in groups if all(group is not g for g in on_gloo)]
+    if nccl:
+        backend = nccl[0]._get_backend(torch.device("cuda"))
         backend._group_start()
-        for group in groups:
+        for group in nccl:
             dist.distributed_c10d._abort_process_group(group)
         backend._group_end()
         torch.cuda.synchronize()
-        return
-    for group in groups:
+    for group in on_gloo:
         dist.destroy_process_group(group)
 
 

@@ -200,7 +200,8 @@ class StepCache:
             if real is not None:
                 change, reference = change[:, real], reference[:, real]  # [b, real tokens, D]
             sums = torch.stack([change.abs().sum(dtype=torch.float64), reference.abs().sum(dtype=torch.float64)])
-        if self.group is not None:
+        if self.group is not None:  # a gloo group (mesh.py): the sums go through the host, as they would anyway
+            sums = sums.cpu()
             dist.all_reduce(sums, group=self.group)  # [Σ|change|, Σ|reference|] of the serial run's cond rows
         change_sum, reference_sum = sums.tolist()
         return change_sum / reference_sum if reference_sum > 0 else math.inf
