@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from xdit_backend.parallel import attention
@@ -23,6 +24,7 @@ def test_without_cuda_it_skips_and_says_why(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
+@pytest.mark.timeout(660)  # its own bound is the subprocess's 600 s: ~60 s alone, 190–300 s under the suite's load
 def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
     done = subprocess.run([sys.executable, "-m", "xdit_backend.cli", "selftest", "--cpu", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
