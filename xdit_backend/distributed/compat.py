@@ -19,7 +19,7 @@ What is newer than 2.7 and how it is bridged:
   distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
   ``DeviceMesh.from_group``, both the same from 2.7 on.
 
-tests/unit/test_compat.py runs each fallback on the pinned torch with the newer name removed;
+tests/ranks/test_compat.py runs each fallback on the pinned torch with the newer name removed;
 tools/torch-range.sh runs a compatibility subset of the suite on the oldest and the newest torch.
 """
 

@@ -72,7 +72,7 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
-    _place_outside(transformer, blocks, device)
+    _place_unsharded(transformer, blocks, device)
     fully_shard.state(transformer)._lazy_init()  # the root now, not the first block PipeFusion calls
     model.shard_mesh = mesh
     return model
@@ -87,7 +87,7 @@ def minor_dtype_parameters(block: nn.Module) -> set[nn.Parameter]:
     return {param for param in block.parameters() if param.dtype != major}
 
 
-def _place_outside(transformer: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
+def _place_unsharded(transformer: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
     """Move the parameters FSDP ignored (it leaves them where they are: the layers outside the blocks, and
     on torch 2.7 a block's minor-dtype ones) and the buffers outside the blocks to ``device``."""
     inside = {id(module) for block in blocks for module in block.modules()}
