@@ -13,6 +13,7 @@ import torch
 
 from xdit_backend.client import Client
 from xdit_backend.launch import launcher
+from xdit_backend.launch.worker_env import FAULT_ENV
 
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
@@ -51,6 +52,16 @@ def short_socket_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="xdit-test-", dir="/tmp"))
 
 
+def fault_file(sock: Path) -> Path:
+    return sock.parent / "fault"
+
+
+def arm_fault(client: Client, rank: int, call: int) -> None:
+    """Rank ``rank``'s ``call``-th model call of ``client``'s backend's next request raises a simulated
+    out-of-memory (the executor's FAULT_ENV; the backend must come from ``Backends.start``)."""
+    fault_file(client.socket_path).write_text(f"{rank}:{call}")
+
+
 class Backends:
     """Starts backends for a test and makes sure every one is gone afterwards."""
 
@@ -59,10 +70,16 @@ class Backends:
 
     def start(self, nproc: int, **options) -> Client:
         """A CPU backend; without timing its links at start (a test that reads them passes topology_probe="on"),
-        so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load."""
+        so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load.
+        Its ranks look for an armed fault beside its socket (``arm_fault``)."""
         options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
-        status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options))
+        saved = os.environ.get(FAULT_ENV)
+        os.environ[FAULT_ENV] = str(fault_file(sock))  # the launcher's process and its ranks inherit it
+        try:
+            status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options))
+        finally:
+            os.environ.pop(FAULT_ENV) if saved is None else os.environ.update({FAULT_ENV: saved})
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
         return Client(sock)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import LONG, SMALL, serial_of
+from conftest import LONG, SMALL, Backends, arm_fault, fault_file, serial_of
 
 from xdit_backend.client import BackendDied, BackendError, Client
 
@@ -116,16 +116,24 @@ def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_time
     assert torch.isfinite(result["samples"]).all()
 
 
+@pytest.fixture(scope="module")
+def short_timeouts():
+    """One world-2 backend for the tests that fail a request with an armed fault (conftest.arm_fault) and
+    go on with the same backend: data collectives wait half of --collective-timeout, 5 s here."""
+    manager = Backends()
+    yield manager.start(2, collective_timeout=10.0, heartbeat=4.0)
+    manager.cleanup()
+
+
 @pytest.mark.parametrize("failing_rank", [1, 0])
-def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_serving(backends, monkeypatch,
-                                                                                       failing_rank):
+def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_serving(short_timeouts, failing_rank):
     """A simulated out-of-memory in one rank's 3rd model call under ulysses=2: the error names that
-    rank and its exception, the other rank leaves its collective (data collectives wait half of
-    --collective-timeout: 5 s here), and the same backend (no restart) serves the next request correctly."""
-    monkeypatch.setenv("XDIT_TEST_FAULT", f"{failing_rank}:3")
-    client = backends.start(2, collective_timeout=10.0, heartbeat=4.0)
+    rank and its exception, the other rank leaves its collective (5 s), and the same backend (no
+    restart) serves the next request correctly."""
+    client = short_timeouts
     before = client.status()
     fields = {**SMALL, "steps": 4, "parallel": {"ulysses": 2}}
+    arm_fault(client, failing_rank, 3)
     started = time.monotonic()
     with pytest.raises(BackendError) as info:
         client.sample(fields)
@@ -135,7 +143,8 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
     assert "keeps serving" in info.value.hint and took < 10 + 20, f"took {took:.1f} s"
-    result, _ = client.sample(fields)  # the fault fires once: this one runs whole
+    assert not fault_file(client.socket_path).exists()  # the failing rank took the fault: this one runs whole
+    result, _ = client.sample(fields)
     assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
     reference = Client(client.socket_path)  # and its answer is the right one
     again, _ = reference.sample({**fields, "parallel": {"ring": 2}})
@@ -144,14 +153,14 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backend_keeps_serving(
-        backends, monkeypatch, failing_rank):
+        short_timeouts, failing_rank):
     """A simulated out-of-memory in one PipeFusion stage mid-pipeline (a patch of step 1, with sends
     and receives posted ahead): the error names that rank, and the same backend serves the next
     request, whose latent equals the serial one."""
-    monkeypatch.setenv("XDIT_TEST_FAULT", f"{failing_rank}:4")
-    client = backends.start(2, collective_timeout=10.0, heartbeat=4.0)
+    client = short_timeouts
     before = client.status()
     fields = {**SMALL, "steps": 4, "parallel": {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 1}}
+    arm_fault(client, failing_rank, 4)
     started = time.monotonic()
     with pytest.raises(BackendError) as info:
         client.sample(fields)  # calls: step 0 whole (warm-up), then 4 patches a step: the 4th is step 1's 3rd
@@ -161,8 +170,25 @@ def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backen
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
     assert took < 10 + 20, f"took {took:.1f} s"
-    fields["parallel"]["warmup_steps"] = 4  # the fault fires once; warm-up over every step: exact
+    fields["parallel"]["warmup_steps"] = 4  # warm-up over every step: exact
     result, _ = client.sample(fields)
     assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
     serial = serial_of({k: v for k, v in fields.items() if k != "parallel"}, {})  # in this process: no fault
     assert (result["samples"] - serial).abs().max() <= 1e-4
+
+
+def test_after_a_failed_request_the_sharded_model_is_sharded_again_over_the_new_groups(short_timeouts):
+    """A simulated out-of-memory in rank 1's 3rd model call: the failure destroys the layout's groups,
+    the shard group with them, so the next request shards the model anew over the rebuilt mesh and
+    gives the unsharded latent. (On gloo a destroyed group's object still runs collectives, so this
+    checks the path and the result; what the re-sharding prevents is NCCL's: aborted communicators.)"""
+    client = short_timeouts
+    fields = {**SMALL, "steps": 4, "parallel": {"ulysses": 2, "shard_weights": True}}
+    arm_fault(client, 1, 3)
+    with pytest.raises(BackendError, match="simulated"):
+        client.sample(fields)
+    result, info = client.sample(fields)
+    assert "weights sharded 2 ways" in info["layout"]
+    whole, _ = client.sample({**fields, "parallel": {"ulysses": 2}})
+    assert (result["samples"] - whole["samples"]).abs().max() <= 1e-4
+

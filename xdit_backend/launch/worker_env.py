@@ -46,6 +46,9 @@ NCCL_DEFAULTS = {
 TRACE_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the newer name and the older one
 TRACE_BUFFER = "2000"  # collectives the flight recorder keeps per rank (without any, nothing is dumped)
 TRACE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # the dump's path prefix; the rank's number is appended
+# Tests and the selftest only: a file; "RANK:N" written there makes rank RANK's N-th model call of the next
+# request raise a simulated out-of-memory (service/executor.py)
+FAULT_ENV = "XDIT_TEST_FAULT"
 THREAD_ENVS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 
 

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class Context:
     device: torch.device
     out: Path
     quick: bool  # the CPU dry run: the smallest sizes, so the test suite can afford it
+    shared: dict = field(default_factory=dict)  # what sections share (service.world_one's backend), by name
+    held: ExitStack = field(default_factory=ExitStack)  # releases what they share when the selftest ends
 
 
 @dataclass
@@ -127,12 +130,13 @@ def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False) -> in
     out.mkdir(parents=True, exist_ok=True)
     print(f"xDiT selftest on {ctx.device}{' (dry run)' if cpu else ''}; figures in {out / 'selftest.json'}", flush=True)
     results, started = [], time.perf_counter()
-    for name in NAMES:
-        if only and name not in only:
-            continue
-        results.append(run_section(name, ctx))
-        print(_line(results[-1]), flush=True)
-        (out / "selftest.json").write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
+    with ctx.held:
+        for name in NAMES:
+            if only and name not in only:
+                continue
+            results.append(run_section(name, ctx))
+            print(_line(results[-1]), flush=True)
+            (out / "selftest.json").write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
     failed = [r.section for r in results if r.verdict == "FAIL"]
     print(f"\n{len(results) - len(failed)} of {len(results)} sections did not fail "
           f"({time.perf_counter() - started:.0f} s){'; FAILED: ' + ', '.join(failed) if failed else ''}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,32 +17,36 @@ from ..bench.layouts import relative_distance
 from ..client import BackendError, Client
 from ..launch import launcher
 from ..launch.options import LaunchOptions
-from ..service.executor import FAULT_ENV
+from ..launch.worker_env import FAULT_ENV
 from .runner import Checks, Context
 
 REQUEST = {"model": "flux-tiny", "steps": 4, "seed": 2, "cfg": 3.5}
 
 
-@contextmanager
-def world_one(ctx: Context, **environment):
-    """A started one-rank backend on the selftest's device, stopped after; ``environment`` for its ranks."""
-    saved = {key: os.environ.get(key) for key in environment}
-    os.environ.update(environment)
-    try:
-        with tempfile.TemporaryDirectory(prefix="xdit-selftest-") as tmp:
-            options = LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=1, device=ctx.device.type,
-                                    collective_timeout=60.0)
+@dataclass
+class Backend:
+    client: Client
+    status: dict  # as the start returned it
+    fault: Path  # "RANK:N" written here fails that rank's N-th model call of the next request (FAULT_ENV)
+
+
+def world_one(ctx: Context) -> Backend:
+    """The sections' one-rank backend on the selftest's device: started by the first section that asks
+    and stopped when the selftest ends (one start, not one per section: each costs the ranks' imports
+    and, on a GPU, a CUDA context)."""
+    if "backend" not in ctx.shared:
+        folder = Path(ctx.held.enter_context(tempfile.TemporaryDirectory(prefix="xdit-selftest-")))
+        options = LaunchOptions(socket=folder / "backend.sock", nproc=1, device=ctx.device.type,
+                                collective_timeout=60.0)
+        saved = os.environ.get(FAULT_ENV)
+        os.environ[FAULT_ENV] = str(folder / "fault")  # the launcher and its rank inherit it
+        try:
             status = launcher.start(options)
-            try:
-                yield Client(options.socket), status
-            finally:
-                launcher.stop(options.socket)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        finally:
+            os.environ.pop(FAULT_ENV) if saved is None else os.environ.update({FAULT_ENV: saved})
+        ctx.held.callback(launcher.stop, options.socket)  # before the folder goes: the stack unwinds in reverse
+        ctx.shared["backend"] = Backend(Client(options.socket), status, folder / "fault")
+    return ctx.shared["backend"]
 
 
 def _rank_memory(client: Client) -> dict:
@@ -57,41 +61,44 @@ def backend(ctx: Context, checks: Checks) -> None:
     cuDNN workspaces and lazily loaded kernels, tens of MB no unload frees, against 1.4 MB of
     flux-tiny in bf16 (review B7)."""
     size = 128 if ctx.quick else 512
-    with world_one(ctx) as (client, status):
-        checks.record(rank=status["ranks"][0],
-                      attention_kernel=status.get("attention_kernel"), topology=status.get("topology"))
-        _, info = client.sample({**REQUEST, "width": size, "height": size, "profile": True})
-        record = info["profile"][0]
-        steps = record["step_s"][1:]
-        checks.record(step_ms_median=1e3 * sorted(steps)[len(steps) // 2], peak_memory_mib=record["peak_memory_bytes"] / 2**20,
-                      memory_kind=record["memory_kind"], layout=str(info.get("layout")))
-        checks.expect(len(record["step_s"]) == REQUEST["steps"], f"{len(record['step_s'])} step times for {REQUEST['steps']} steps")
-        loaded = _rank_memory(client)
-        unloaded = client.unload()
-        after = _rank_memory(client)
-        checks.expect(bool(unloaded), "unload reported no model")
-        checks.record(model_bytes=loaded["parameters"], model_bytes_after_unload=after["parameters"])
-        checks.expect(loaded["parameters"] > 0 and after["parameters"] == 0,
-                      f"the rank held {loaded['parameters']} model bytes, {after['parameters']} after unload")
-        if ctx.device.type == "cuda":  # the CPU's figure is the process's resident size, which malloc keeps
-            released = loaded["allocated"] - after["allocated"]
-            checks.record(released_by_unload_mib=released / 2**20)
-            checks.expect(released >= 0.9 * loaded["parameters"], f"unload released {released / 2**20:.2f} MiB "
-                          f"of the model's {loaded['parameters'] / 2**20:.2f} MiB")
+    backend = world_one(ctx)
+    client, status = backend.client, backend.status
+    checks.record(rank=status["ranks"][0],
+                  attention_kernel=status.get("attention_kernel"), topology=status.get("topology"))
+    _, info = client.sample({**REQUEST, "width": size, "height": size, "profile": True})
+    record = info["profile"][0]
+    steps = record["step_s"][1:]
+    checks.record(step_ms_median=1e3 * sorted(steps)[len(steps) // 2], peak_memory_mib=record["peak_memory_bytes"] / 2**20,
+                  memory_kind=record["memory_kind"], layout=str(info.get("layout")))
+    checks.expect(len(record["step_s"]) == REQUEST["steps"], f"{len(record['step_s'])} step times for {REQUEST['steps']} steps")
+    loaded = _rank_memory(client)
+    unloaded = client.unload()
+    after = _rank_memory(client)
+    checks.expect(bool(unloaded), "unload reported no model")
+    checks.record(model_bytes=loaded["parameters"], model_bytes_after_unload=after["parameters"])
+    checks.expect(loaded["parameters"] > 0 and after["parameters"] == 0,
+                  f"the rank held {loaded['parameters']} model bytes, {after['parameters']} after unload")
+    if ctx.device.type == "cuda":  # the CPU's figure is the process's resident size, which malloc keeps
+        released = loaded["allocated"] - after["allocated"]
+        checks.record(released_by_unload_mib=released / 2**20)
+        checks.expect(released >= 0.9 * loaded["parameters"], f"unload released {released / 2**20:.2f} MiB "
+                      f"of the model's {loaded['parameters'] / 2**20:.2f} MiB")
 
 
 def fault(ctx: Context, checks: Checks) -> None:
-    """XDIT_TEST_FAULT=0:3: the first request fails with model_error at its 3rd model call, the same
+    """A fault armed at rank 0's 3rd model call (FAULT_ENV): the request fails with model_error, the same
     backend serves the next one (world 1: the NCCL error agreement between ranks needs two GPUs)."""
-    with world_one(ctx, **{FAULT_ENV: "0:3"}) as (client, _):
-        try:
-            client.sample({**REQUEST, "width": 128, "height": 128})
-            checks.expect(False, "the request with the injected fault did not fail")
-        except BackendError as exc:
-            checks.record(error_kind=exc.kind, error=exc.message[:200])
-            checks.expect(exc.kind == "model_error", f"failed with {exc.kind}, not model_error")
-        result, _ = client.sample({**REQUEST, "width": 128, "height": 128})
-        checks.expect(bool(torch.isfinite(result["samples"]).all()), "the request after the fault is not finite")
+    backend = world_one(ctx)
+    client = backend.client
+    backend.fault.write_text("0:3")
+    try:
+        client.sample({**REQUEST, "width": 128, "height": 128})
+        checks.expect(False, "the request with the injected fault did not fail")
+    except BackendError as exc:
+        checks.record(error_kind=exc.kind, error=exc.message[:200])
+        checks.expect(exc.kind == "model_error", f"failed with {exc.kind}, not model_error")
+    result, _ = client.sample({**REQUEST, "width": 128, "height": 128})
+    checks.expect(bool(torch.isfinite(result["samples"]).all()), "the request after the fault is not finite")
 
 
 # The step cache on the Flux.1-dev architecture (random bf16 weights), 1024², 28 steps, at the thresholds
@@ -106,22 +113,22 @@ def step_cache(ctx: Context, checks: Checks) -> None:
     """Uncached, another seed, then each method at its published threshold: steps reused, denoise time
     and speed-up, and the distance to the uncached latent beside two seeds' (bench.run_cache_bench's figures)."""
     request = CACHE_QUICK if ctx.quick else CACHE_REQUEST
-    with world_one(ctx) as (client, _):
-        client.sample({**request, "profile": False})  # warm-up: the model, first-touch allocations, kernels
-        uncached, info = client.sample(request)
-        baseline = info["profile"][0]["denoise_s"]
-        other, _ = client.sample({**request, "seed": request["seed"] + 1})
-        checks.record(model=request["model"], uncached_denoise_s=baseline,
-                      seeds_relative_l2=relative_distance(other["samples"], uncached["samples"]))
-        for method, threshold in CACHE_RUNS:
-            result, info = client.sample({**request, "cache": method, "cache_threshold": threshold})
-            counts, seconds = info["cache"], info["profile"][0]["denoise_s"]
-            checks.record(**{f"{method}_{threshold}_reused": counts["reused"], f"{method}_{threshold}_denoise_s": seconds,
-                             f"{method}_{threshold}_speed_up": baseline / seconds,
-                             f"{method}_{threshold}_relative_l2": relative_distance(result["samples"], uncached["samples"])})
-            checks.expect(counts["computed"] + counts["reused"] == request["steps"], f"{method}: counts {counts} "
-                          f"for {request['steps']} steps")
-            checks.expect(bool(torch.isfinite(result["samples"]).all()), f"{method}: the latent is not finite")
+    client = world_one(ctx).client
+    client.sample({**request, "profile": False})  # warm-up: the model, first-touch allocations, kernels
+    uncached, info = client.sample(request)
+    baseline = info["profile"][0]["denoise_s"]
+    other, _ = client.sample({**request, "seed": request["seed"] + 1})
+    checks.record(model=request["model"], uncached_denoise_s=baseline,
+                  seeds_relative_l2=relative_distance(other["samples"], uncached["samples"]))
+    for method, threshold in CACHE_RUNS:
+        result, info = client.sample({**request, "cache": method, "cache_threshold": threshold})
+        counts, seconds = info["cache"], info["profile"][0]["denoise_s"]
+        checks.record(**{f"{method}_{threshold}_reused": counts["reused"], f"{method}_{threshold}_denoise_s": seconds,
+                         f"{method}_{threshold}_speed_up": baseline / seconds,
+                         f"{method}_{threshold}_relative_l2": relative_distance(result["samples"], uncached["samples"])})
+        checks.expect(counts["computed"] + counts["reused"] == request["steps"], f"{method}: counts {counts} "
+                      f"for {request['steps']} steps")
+        checks.expect(bool(torch.isfinite(result["samples"]).all()), f"{method}: the latent is not finite")
 
 
 def demo(ctx: Context, checks: Checks) -> None:

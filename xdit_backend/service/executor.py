@@ -7,6 +7,7 @@ import os
 import resource
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ..device import compute_dtype
 from ..distributed.control import gather_json
 from ..distributed.mesh import MeshCache
 from ..distributed.runtime import Runtime
+from ..launch.worker_env import FAULT_ENV
 from ..memory import fit as memory_fit
 from ..models import lora, registry
 from ..models.resolved import ResolvedModel, resolve_model
@@ -30,7 +32,6 @@ from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
 from .request import SampleRequest
 from .step_clock import StepClock
 
-FAULT_ENV = "XDIT_TEST_FAULT"  # tests only: "RANK:N" makes rank RANK's N-th model call raise MemoryError
 
 
 class Executor:
@@ -204,19 +205,20 @@ class Executor:
                            shard_mesh, stage)
         self.computing = entry.model
         if stage is None:
-            _inject_fault(self.computing, self.rt.rank)
             denoiser = Denoiser(self.computing, layout)
+            first_block = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
             try:
-                return generate(denoiser, gen, after_step)
+                with _armed_fault(first_block, self.rt.rank):
+                    return generate(denoiser, gen, after_step)
             finally:
                 self.last_cache = denoiser.cache
-        _inject_fault(self.computing, self.rt.rank, entry.blocks[0])
         denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
         decides = gen.cache is not None and stage[0] <= model.cache_head < stage[1]
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
         self.last_trace = pipeline.trace
         try:
-            latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
+            with _armed_fault(entry.blocks[0], self.rt.rank):
+                latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
         finally:
             self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
         return denoiser.gather_rows(latent).cpu()
@@ -272,24 +274,34 @@ def _compiled(model) -> bool:
     return model.compiled_blocks is not None and model.compiled_blocks["on"]
 
 
-def _inject_fault(model, rank: int, first_block=None) -> None:
-    """With XDIT_TEST_FAULT=RANK:N set (tests only), rank RANK's N-th model call raises MemoryError,
-    as an out-of-memory inside the model would. A model call is a pass through the first block this
-    rank holds: once per forward on the normal path, once per patch and step in a PipeFusion stage."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or getattr(model, "fault_injected", False) or int(spec.split(":")[0]) != rank:
+@contextmanager
+def _armed_fault(first_block: torch.nn.Module, rank: int):
+    """With XDIT_TEST_FAULT=PATH set (tests only) and "RANK:N" written to PATH, rank RANK's N-th model call
+    of this request raises MemoryError, as an out-of-memory inside the model would. That rank removes the
+    file, so the fault fires once and a running backend can be armed again for another request. A model
+    call is a pass through the first block this rank holds: once per forward on the normal path, once per
+    patch and step in a PipeFusion stage."""
+    path = os.environ.get(FAULT_ENV)
+    try:
+        armed_rank, target = (int(part) for part in Path(path).read_text().split(":")) if path else (None, 0)
+    except FileNotFoundError:
+        armed_rank, target = None, 0
+    if armed_rank != rank:
+        yield
         return
-    calls, target = [0], int(spec.split(":")[1])
-    if first_block is None:  # the whole model: its first block
-        first_block = getattr(model.transformer, model.spec.stage_plan.block_lists[0])[0]
+    Path(path).unlink(missing_ok=True)
+    calls = [0]
 
     def hook(module, args):
         calls[0] += 1
         if calls[0] == target:
             raise MemoryError(f"CUDA out of memory (simulated by {FAULT_ENV} on rank {rank})")
 
-    first_block.register_forward_pre_hook(hook)
-    model.fault_injected = True
+    handle = first_block.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _process_groups() -> int:
