@@ -1,5 +1,6 @@
 """The layout and cache benchmarks in smoke mode (tiny model, 2 steps, world 1 and 2): every figure is reported, in the
-table, the JSON and the plot, and the counted bytes equal the formulas. No timing is asserted: timings live in the bench."""
+table, the JSON and the plot, and the counted bytes equal the formulas. No timing is asserted: timings live in the bench.
+The layout benches run on the session's backends; the cache bench starts and stops its own, as the CLI does."""
 
 import json
 
@@ -13,9 +14,9 @@ SUMMARY_FIELDS = {"layout", "method", "world", "described", "step_median_s", "st
                   "gathered_bytes_per_rank_per_step", "gathered_formula_bytes", "largest_rank_parameter_bytes"}
 
 
-def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys):
+def test_bench_reports_every_figure_as_table_json_and_plot(tmp_path, capsys, backend):
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert run_layout_bench(["serial", "ulysses=2", "cfg=2"], FIELDS, json_path, plot_path) == 0
+    assert run_layout_bench(["serial", "ulysses=2", "cfg=2"], FIELDS, json_path, plot_path, running=backend) == 0
     table = capsys.readouterr().out
     assert table.count("\n| ") == 4 and "| ulysses=2 | 2 |" in table  # header + three layouts
     report = json.loads(json_path.read_text())
@@ -44,12 +45,12 @@ def table_rows(table: str) -> dict[str, dict[str, str]]:
     return {row["layout"]: row for row in rows}
 
 
-def test_the_formula_counts_bytes_in_the_request_dtype(capsys):
+def test_the_formula_counts_bytes_in_the_request_dtype(capsys, backend):
     """In bfloat16 the model's traffic (all-to-all, ring, velocity) is 2 bytes a value and CFG's x0
     stays float32: the counted bytes equal the formula's, layout by layout; so do weight sharding's
     gathers (bf16 weights), in their own columns."""
     fields = {**FIELDS, "dtype": "bfloat16"}
-    assert run_layout_bench(["ulysses=2", "ring=2", "cfg=2", "ulysses=2,shard"], fields) == 0
+    assert run_layout_bench(["ulysses=2", "ring=2", "cfg=2", "ulysses=2,shard"], fields, running=backend) == 0
     rows = table_rows(capsys.readouterr().out)
     assert set(rows) == {"ulysses=2", "ring=2", "cfg=2", "ulysses=2,shard"}
     for layout, row in rows.items():
@@ -67,7 +68,7 @@ def test_the_cache_bench_reports_consistent_counts_and_distances(capsys):
     a reused step moves the latent, by less than another seed does."""
     steps, start, end = 6, 2, 1
     fields = {**FIELDS, "steps": steps, "cfg": 1.0, "cache_start": start, "cache_end": end}
-    assert run_cache_bench(fields, ["fbcache", "teacache"], [0.0, 0.5]) == 0
+    assert run_cache_bench(fields, ["fbcache", "teacache"], [0.0, 0.5]) == 0  # on a backend it starts and stops
     out = capsys.readouterr().out
     seeds = float(out.split("(a different picture): relative L2 ")[1].split()[0])
     lines = [line for line in out.splitlines() if line.startswith("| ")]

@@ -6,6 +6,8 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -154,10 +156,28 @@ def summarise(record: dict, fields: dict, serial_step: float | None) -> dict:
     }
 
 
+@contextmanager
+def _backend(world: int, device: str, running: Callable[[int], Client] | None):
+    """A client of a backend of ``world`` ranks: ``running(world)``'s, or one started here and stopped after."""
+    if running is not None:
+        yield running(world)
+        return
+    with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
+        options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device=device)
+        launcher.start(options)
+        try:
+            yield Client(options.socket)
+        finally:
+            launcher.stop(options.socket)
+
+
 def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = None,
-                     plot_path: Path | None = None, device: str = "cpu") -> int:
+                     plot_path: Path | None = None, device: str = "cpu",
+                     running: Callable[[int], Client] | None = None) -> int:
     """Each layout on a backend of its world size: per-step time (first step excluded), denoising
-    time end to end, bytes sent per rank per step, peak memory, speed-up and efficiency vs serial."""
+    time end to end, bytes sent per rank per step, peak memory, speed-up and efficiency vs serial.
+    ``running(world)``: a running backend of that size to use (the tests' shared ones); without it each
+    world's backend is started for the bench and stopped after."""
     import json
 
     wanted = [(text, parse_layout(text)) for text in layouts]
@@ -168,18 +188,12 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
     for text, degrees in wanted:
         by_world.setdefault(world_of(degrees), []).append((text, degrees))
     for world, group in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
-            options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world, device=device)
-            launcher.start(options)
-            try:
-                client = Client(options.socket)
-                for text, degrees in group:
-                    request = {**fields, "parallel": degrees or {}}
-                    client.sample({**request, "steps": 2})  # warm-up: model, mesh, first-touch allocations
-                    _, info = client.sample({**request, "profile": True})
-                    records.append({**info, "layout": text, "world": world, "described": info["layout"]})
-            finally:
-                launcher.stop(options.socket)
+        with _backend(world, device, running) as client:
+            for text, degrees in group:
+                request = {**fields, "parallel": degrees or {}}
+                client.sample({**request, "steps": 2})  # warm-up: model, mesh, first-touch allocations
+                _, info = client.sample({**request, "profile": True})
+                records.append({**info, "layout": text, "world": world, "described": info["layout"]})
     serial = next((statistics.median(r["profile"][0]["step_s"][1:] or r["profile"][0]["step_s"])
                    for r in records if r["world"] == 1), None)
     summaries = [summarise(record, fields, serial) for record in records]
@@ -306,24 +320,19 @@ def _denoise_s(info: dict) -> float:
 
 
 def run_cache_bench(fields: dict, methods: list[str], thresholds: list[float], layout: str = "serial",
-                    device: str = "cpu") -> int:
+                    device: str = "cpu", running: Callable[[int], Client] | None = None) -> int:
     """Each method × threshold against the uncached request, same layout and seed: steps computed and
     reused, denoising time and speed-up, and the relative L2 distance of the latent to the uncached
-    one, printed beside the distance between two seeds (the scale of a different picture)."""
+    one, printed beside the distance between two seeds (the scale of a different picture).
+    ``running``: as run_layout_bench's."""
     degrees = parse_layout(layout)
     request = {**fields, "parallel": degrees, "profile": True}
-    with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
-        options = launcher.LaunchOptions(socket=Path(tmp) / "backend.sock", nproc=world_of(degrees), device=device)
-        launcher.start(options)
-        try:
-            client = Client(options.socket)
-            client.sample({**request, "steps": 2, "profile": False})  # warm-up: model, mesh, first-touch allocations
-            uncached, uncached_info = client.sample(request)
-            other_seed, _ = client.sample({**request, "seed": request["seed"] + 1})
-            runs = [(method, threshold, *client.sample({**request, "cache": method, "cache_threshold": threshold}))
-                    for method in methods for threshold in thresholds]
-        finally:
-            launcher.stop(options.socket)
+    with _backend(world_of(degrees), device, running) as client:
+        client.sample({**request, "steps": 2, "profile": False})  # warm-up: model, mesh, first-touch allocations
+        uncached, uncached_info = client.sample(request)
+        other_seed, _ = client.sample({**request, "seed": request["seed"] + 1})
+        runs = [(method, threshold, *client.sample({**request, "cache": method, "cache_threshold": threshold}))
+                for method in methods for threshold in thresholds]
     reference, baseline_s = uncached["samples"], _denoise_s(uncached_info)
     frames = f" × {fields['frames']} frames" if fields.get("frames", 1) != 1 else ""
     print(f"{fields['model']}, {fields['width']}×{fields['height']}{frames}, batch {fields['batch']}, "
