@@ -29,6 +29,17 @@ def sock():
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def started2():
+    """The socket of a 2-rank backend started with ``xdit-backend start``, for the tests that sample on one."""
+    path = short_socket_dir() / "backend.sock"
+    started = cli("start", "--socket", path, "--nproc", 2, "--device", "cpu")
+    assert started.returncode == 0, started.stderr
+    yield path
+    launcher.stop(path, timeout=15)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
 def test_start_status_stop(sock):
     started = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
     assert started.returncode == 0, started.stderr
@@ -70,19 +81,20 @@ def test_a_rank_that_cannot_start_fails_start_with_its_number(sock):
     assert "StartupError" in result.stderr and ("no CUDA device" in result.stderr or "visible" in result.stderr)
 
 
-def test_sample_world_1_and_2_seeds(sock, tmp_path):
-    """Through the socket: world 1 and world 2 agree; the same seed repeats, another seed differs."""
-    common = ["--model", "flux-tiny", "--width", 128, "--height", 64, "--steps", 3, "--socket", sock]
+def test_sample_world_1_and_2_seeds(sock, started2, tmp_path):
+    """Through the socket: world 1 (a backend started for the one request) and world 2 agree; the same
+    seed repeats, another seed differs."""
+    common = ["--model", "flux-tiny", "--width", 128, "--height", 64, "--steps", 3]
     out = {}
-    ephemeral = cli("sample", *common, "--seed", 5, "--nproc", 1, "--device", "cpu", "--out", tmp_path / "w1.st")
+    ephemeral = cli("sample", *common, "--socket", sock, "--seed", 5, "--nproc", 1, "--device", "cpu",
+                    "--out", tmp_path / "w1.st")
     assert ephemeral.returncode == 0, ephemeral.stderr
     assert "starting one for this request" in ephemeral.stderr
     assert Client(sock).hello_or_none() is None, "the ephemeral backend must be stopped after the request"
     out["w1"] = load_file(tmp_path / "w1.st")["samples"]
 
-    assert cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu").returncode == 0
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        result = cli("sample", *common, "--seed", seed, "--out", tmp_path / f"{name}.st")
+        result = cli("sample", *common, "--socket", started2, "--seed", seed, "--out", tmp_path / f"{name}.st")
         assert result.returncode == 0, result.stderr
         assert "step 3/3" in result.stderr
         out[name] = load_file(tmp_path / f"{name}.st")["samples"]
@@ -93,14 +105,13 @@ def test_sample_world_1_and_2_seeds(sock, tmp_path):
     assert (out["a"] - out["c"]).abs().max() > 0.1
 
 
-def test_sample_with_embeds_file_and_batch(sock, tmp_path):
+def test_sample_with_embeds_file_and_batch(started2, tmp_path):
     """--embeds supplies the conditioning; --batch 2 gives two latents, each its own noise slice."""
     from safetensors.torch import save_file
 
     embeds = {"context": torch.randn(2, 5, 64), "pooled": torch.randn(2, 32)}
     save_file(embeds, tmp_path / "embeds.st")
-    common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--seed", 3,
-              "--socket", sock, "--nproc", 1, "--device", "cpu"]
+    common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--seed", 3, "--socket", started2]
     result = cli("sample", *common, "--batch", 2, "--embeds", tmp_path / "embeds.st", "--out", tmp_path / "o.st")
     assert result.returncode == 0, result.stderr
     samples = load_file(tmp_path / "o.st")["samples"]
@@ -151,10 +162,11 @@ def test_sample_layout_flags(sock, tmp_path):
     assert "--nproc 2" in refused.stderr
 
 
-def test_sample_pipefusion_flags(sock, tmp_path):
-    """--pipefusion 2 --patches 4 --warmup-steps 1 starts 2 ranks and runs that layout."""
-    result = cli("sample", "--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 3, "--socket", sock,
-                 "--device", "cpu", "--pipefusion", 2, "--patches", 4, "--warmup-steps", 1, "--out", tmp_path / "p.st")
+def test_sample_pipefusion_flags(started2, tmp_path):
+    """--pipefusion 2 --patches 4 --warmup-steps 1 runs that layout on a 2-rank backend (the flags that
+    start one when none runs: test_sample_layout_flags)."""
+    result = cli("sample", "--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 3, "--socket", started2,
+                 "--pipefusion", 2, "--patches", 4, "--warmup-steps", 1, "--out", tmp_path / "p.st")
     assert result.returncode == 0, result.stderr
     assert "world 2: pipefusion=2 (4 patches, warm-up 1) (as requested)" in result.stderr
     assert load_file(tmp_path / "p.st")["samples"].shape == (1, 16, 8, 8)

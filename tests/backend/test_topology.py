@@ -27,8 +27,8 @@ def test_a_world_2_gloo_backend_reports_its_one_pair_in_status(backends):
     assert re.search(r"CPU ranks over gloo at [0-9.e+-]+ GB/s", info["layout"]), info["layout"]
 
 
-def test_without_the_probe_status_has_the_pairs_but_no_figures(backends):
-    links = backends.start(2).status()["topology"]  # the tests' backends start with --topology-probe off
+def test_without_the_probe_status_has_the_pairs_but_no_figures(backend2):
+    links = backend2.status()["topology"]  # the tests' backends start with --topology-probe off
     assert links["pairs"] == [{"ranks": [0, 1], "p2p": False, "bandwidth_gbps": None}]
     assert links["compute_tflops"] is None
 
