@@ -77,9 +77,6 @@ ROWS = [
     *(Row(FLUX_SHARDED, world, {**degrees, "shard_weights": True}, relative=False, conditioning="flux",
           options={"profile": True}, layout=SHARDED) for world, degrees in [
         (2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}), (4, {"ulysses": 2, "ring": 2})]),
-    # compile.py's compiled block forward between FSDP2's eager hooks (gather, then free)
-    Row(FLUX_SHARDED, 2, {"ulysses": 2, "shard_weights": True}, relative=False, conditioning="flux",
-        options={"compile": True}),
     # every family in the sequence and CFG layouts, and with PipeFusion (full warm-up) in its hybrids
     *(Row(family(model), world, degrees) for model in SIZES for world, degrees in FAMILY_LAYOUTS),
     *(Row(family(model), world, full_warmup(family(model), degrees))
