@@ -74,12 +74,8 @@ class Backends:
         Its ranks look for an armed fault beside its socket (``arm_fault``)."""
         options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
-        saved = os.environ.get(FAULT_ENV)
-        os.environ[FAULT_ENV] = str(fault_file(sock))  # the launcher's process and its ranks inherit it
-        try:
-            status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options))
-        finally:
-            os.environ.pop(FAULT_ENV) if saved is None else os.environ.update({FAULT_ENV: saved})
+        status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options),
+                                environment={FAULT_ENV: str(fault_file(sock))})
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
         return Client(sock)
 

@@ -206,8 +206,9 @@ def _hand_down(env: dict[str, str]) -> None:
 # --------------------------------------------------------------------------- start / stop (background)
 
 
-def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
-    """Start ``serve`` in the background and return the backend's status once every rank is ready."""
+def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str, str] | None = None) -> dict:
+    """Start ``serve`` in the background and return the backend's status once every rank is ready;
+    ``environment``: variables added to this process's for the backend and its ranks."""
     options = options.resolved()
     sock = options.socket
     paths.ensure_private_dir(sock.parent)
@@ -220,6 +221,7 @@ def start(options: LaunchOptions, timeout: float = 180.0) -> dict:
         process = subprocess.Popen(
             [sys.executable, "-m", "xdit_backend.cli", "serve", *options.to_argv()],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(environment or {})},
             start_new_session=True,  # its own process group: `stop` can end it and every rank together
         )
     if options.node_rank > 0:  # the socket and the queue live on node 0: this node only runs its ranks

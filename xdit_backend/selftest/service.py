@@ -5,7 +5,6 @@ the demo."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +37,7 @@ def world_one(ctx: Context) -> Backend:
         folder = Path(ctx.held.enter_context(tempfile.TemporaryDirectory(prefix="xdit-selftest-")))
         options = LaunchOptions(socket=folder / "backend.sock", nproc=1, device=ctx.device.type,
                                 collective_timeout=60.0)
-        saved = os.environ.get(FAULT_ENV)
-        os.environ[FAULT_ENV] = str(folder / "fault")  # the launcher and its rank inherit it
-        try:
-            status = launcher.start(options)
-        finally:
-            os.environ.pop(FAULT_ENV) if saved is None else os.environ.update({FAULT_ENV: saved})
+        status = launcher.start(options, environment={FAULT_ENV: str(folder / "fault")})
         ctx.held.callback(launcher.stop, options.socket)  # before the folder goes: the stack unwinds in reverse
         ctx.shared["backend"] = Backend(Client(options.socket), status, folder / "fault")
     return ctx.shared["backend"]
