@@ -33,7 +33,6 @@ from .request import SampleRequest
 from .step_clock import StepClock
 
 
-
 class Executor:
     """What every rank holds and does: loaded models, meshes per layout, and one generation."""
 
