@@ -107,7 +107,7 @@ class SharedBackends:
     first asks for it and started again when a test left it dead. Tests that kill, stop, idle or restart
     a backend, or start one with options or environment of their own, take private ones from ``backends``."""
 
-    KEEP = 2  # backends alive per worker at once: a worker's files use a world or two in a row (4 GB at world 4)
+    KEEP_RANKS = 7  # ranks alive per worker at once (worlds 1, 2 and 4: ~4 GB); beyond, the least recently used stops
 
     def __init__(self):
         self.manager = Backends()
@@ -116,7 +116,7 @@ class SharedBackends:
     def get(self, world: int) -> Client:
         client = self.clients.pop(world, None)
         if client is None or not self.serving(client, world):
-            while len(self.clients) >= self.KEEP:  # stop the least recently used world's backend first
+            while self.clients and sum(self.clients) + world > self.KEEP_RANKS:
                 oldest = next(iter(self.clients))
                 launcher.stop(self.clients.pop(oldest).socket_path, timeout=15)
             client = self.manager.start(world)
@@ -167,11 +167,51 @@ def backend4(shared_backends):
 
 FOLDERS = ("unit", "ranks", "backend", "host")  # by cost: in-process, spawned gloo worlds, a backend, the real ComfyUI
 
+# How pytest-xdist shares the work out (the scheduler below, with --no-loadscope-reorder in pyproject.toml): a test
+# file is one unit, run whole by one worker (its module fixtures and the worker's shared backends serve all its
+# tests), except files in one of GROUPS, which run together on one worker. Units go out in the order below, the
+# costliest first, so that no long unit starts last and holds the run up while the other workers wait.
+GROUPS = {  # file: group
+    "backend/test_compile.py": "compile", "backend/test_lora_patches.py": "compile",  # the second compiles warm
+}
+COSTLIEST = (  # by the CPU seconds of a cold run (docs/benchmarks.md), heaviest first; the rest follow by folder
+    "compile", "backend/test_selftest.py", "backend/test_lifecycle.py", "backend/test_faults.py",
+    "backend/test_parity.py", "backend/test_step_cache.py", "host/test_comfyui_host.py", "backend/test_pipefusion.py",
+    "backend/test_concurrency.py", "backend/test_idle.py", "backend/test_server.py",
+)
+
+
+def unit_of(nodeid: str) -> str:
+    """A test's unit of work: its group, or its file (relative to tests/)."""
+    file = nodeid.split("::", 1)[0].removeprefix("tests/")
+    return GROUPS.get(file, file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduling with our units as the scopes (its own --dist loadgroup marks a test by
+    rewriting its node id, which pytest 9.2 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ByUnit(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
-    """Each test marked with its folder (``pytest -m unit`` is the loop while working)."""
+    """Each test marked with its folder (``pytest -m unit`` is the loop while working); the costliest units
+    first."""
     root = Path(__file__).resolve().parent
+    folders = {}
     for item in items:
-        folder = item.path.resolve().relative_to(root).parts[0]
-        if folder in FOLDERS:
-            item.add_marker(folder)
+        folders[item] = item.path.resolve().relative_to(root).parts[0]
+        if folders[item] in FOLDERS:
+            item.add_marker(folders[item])
+
+    def cost_order(item) -> tuple[int, int]:
+        unit = unit_of(item.nodeid)
+        return (COSTLIEST.index(unit) if unit in COSTLIEST else len(COSTLIEST),
+                -FOLDERS.index(folders[item]) if folders[item] in FOLDERS else 0)
+
+    items.sort(key=cost_order)  # stable: each file's tests keep their order

@@ -142,9 +142,10 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_sample_layout_flags(sock, tmp_path):
-    """--ulysses 2 with no backend starts one of 2 ranks; a backend of another size is refused by size."""
-    common = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2, "--socket", sock, "--device", "cpu"]
+def test_sample_layout_flags(sock, started2, tmp_path):
+    """--ulysses 2 with no backend starts one of 2 ranks; a running backend of another size refuses by size."""
+    request = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2]
+    common = [*request, "--socket", sock, "--device", "cpu"]
     missing = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "no" / "i.json")
     assert missing.returncode == 1 and "the folder" in missing.stderr and "does not exist" in missing.stderr
     result = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "info.json",
@@ -155,11 +156,10 @@ def test_sample_layout_flags(sock, tmp_path):
     assert info["layout"] == "ulysses=2 (as requested)" and info["world_size"] == 2 and info["elapsed_s"] > 0
     assert info["cache"]["computed"] + info["cache"]["reused"] == 2 and info["cache"]["computed"] >= 1
 
-    assert cli("start", "--socket", sock, "--nproc", 1, "--device", "cpu").returncode == 0
-    refused = cli("sample", *common, "--ring", 2, "--out", tmp_path / "r.st")
+    refused = cli("sample", *request, "--socket", started2, "--ring", 3, "--out", tmp_path / "r.st")
     assert refused.returncode == 1
-    assert "multiply to 2" in refused.stderr and "the backend runs 1 rank" in refused.stderr
-    assert "--nproc 2" in refused.stderr
+    assert "multiply to 3" in refused.stderr and "the backend runs 2 ranks" in refused.stderr
+    assert "--nproc 3" in refused.stderr
 
 
 def test_sample_pipefusion_flags(started2, tmp_path):
