@@ -133,7 +133,7 @@ def assert_sharded_residency(info: dict, model: str, ranks: int) -> None:
         assert record["resident_parameter_bytes"] < whole
 
 
-# grouped by world: the session keeps two backends per worker (conftest.SharedBackends), so rows in table
+# grouped by world: a worker keeps up to 7 ranks of shared backends (conftest.SharedBackends), so rows in table
 # order (2, 4, 3, 2, …) would stop and start the same worlds again
 @pytest.mark.parametrize("row", [pytest.param(row, id=row.id) for row in sorted(ROWS, key=lambda row: row.world)])
 def test_layout_equals_serial(row, backend):
