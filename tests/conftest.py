@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from xdit_backend.client import Client
+from xdit_backend.distributed.topology import KEPT_ENV
 from xdit_backend.launch import launcher
 from xdit_backend.launch.worker_env import FAULT_ENV
 
@@ -71,11 +72,12 @@ class Backends:
     def start(self, nproc: int, **options) -> Client:
         """A CPU backend; without timing its links at start (a test that reads them passes topology_probe="on"),
         so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load.
-        Its ranks look for an armed fault beside its socket (``arm_fault``)."""
+        Its ranks look for an armed fault beside its socket (``arm_fault``) and keep their links' figures there."""
         options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
         status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options),
-                                environment={FAULT_ENV: str(fault_file(sock))})
+                                environment={FAULT_ENV: str(fault_file(sock)),  # links timed afresh, kept beside it
+                                             KEPT_ENV: str(sock.parent / "topology.json")})
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
         return Client(sock)
 

@@ -23,8 +23,10 @@ def test_a_world_2_gloo_backend_reports_its_one_pair_in_status(backends):
     assert pair["p2p"] is False  # CPU ranks share no GPU memory
     assert pair["bandwidth_gbps"] > 0 and links["compute_tflops"] > 0
     assert links["nccl_p2p"] is None  # gloo: nothing for NCCL to decide
+    assert links["measured"] == "measured at this start"  # nothing kept yet (tests/ranks/test_kept_topology.py)
     _, info = client.sample({**SMALL, "parallel": "auto"})
-    assert re.search(r"CPU ranks over gloo at [0-9.e+-]+ GB/s", info["layout"]), info["layout"]
+    said = info["layout"]
+    assert re.search(r"CPU ranks over gloo at [0-9.e+-]+ GB/s \(measured at this start\)", said), said
 
 
 def test_without_the_probe_status_has_the_pairs_but_no_figures(backend2):

@@ -74,7 +74,7 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
-    return replace(rt, topology=probe(rt, peer, nccl_note, timed=options.topology_probe == "on"))
+    return replace(rt, topology=probe(rt, peer, nccl_note, options.topology_probe))
 
 
 def describe_rank(rt: Runtime) -> dict:

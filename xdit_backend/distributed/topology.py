@@ -11,24 +11,33 @@ Two moments, both in runtime.start_runtime:
   point-to-point runs on that group's own communicator: no communicator is created for the probe),
   and the figures are shared over the control group (gloo).
 
-``--topology-probe off`` skips the timing (multi-node, or tests that do not need it): peer access is
-still known, the bandwidths are None, and ``auto`` keeps its fixed order.
+The figures are kept per machine (``kept_file``) and a later start of the same ranks on the same devices
+reuses them instead of timing again: a probe's figure varies from start to start (0.80 against 1.53 GB/s
+between two starts of one machine), and ``auto`` deciding from a fresh one gave the same request ring=2
+before a restart and ulysses=2 after, a different latent for the same seed. ``--topology-probe again``
+times anew and replaces what was kept; ``off`` skips the timing (multi-node, or tests that do not need it):
+peer access is still known, the bandwidths are None, and ``auto`` keeps its fixed order.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..device import compute_dtype
+from ..launch import gpus
 from .control import gather_json
 
 P2P_ENV = "NCCL_P2P_DISABLE"
+KEPT_ENV = "XDIT_TOPOLOGY_FILE"  # where the measured figures are kept (kept_file)
 EXCHANGE_BYTES = {"cuda": 32 << 20, "cpu": 1 << 20}  # per direction and round: long enough to see bandwidth
 MATMUL_SIZE = {"cuda": 4096, "cpu": 384}  # square products for the compute rate
 TIMED_ROUNDS = 3  # after one warm-up round (which also connects the pair)
@@ -54,10 +63,11 @@ class Topology:
     pairs: tuple[Pair, ...] = ()
     compute_tflops: float | None = None  # the slowest rank's matmul rate in the device's default dtype
     nccl_p2p: str | None = None  # NCCL_P2P_DISABLE as the ranks run with it, and why (CUDA only)
+    measured: str | None = None  # when the figures were timed, and whether kept from an earlier start
 
     def to_json(self) -> dict:
         return {"pairs": [p.to_json() for p in self.pairs], "compute_tflops": self.compute_tflops,
-                "nccl_p2p": self.nccl_p2p}
+                "nccl_p2p": self.nccl_p2p, "measured": self.measured}
 
     def slowest(self, ranks: Iterable[tuple[int, int]]) -> Pair | None:
         """The slowest of these pairs' links; None when one of them was not probed (or there are none)."""
@@ -74,7 +84,7 @@ class Topology:
         else:
             kind = ("GPUs with peer access" if pair.p2p
                     else "GPUs without peer access (PCIe through the host, or another node)")
-        return f"{kind} at {pair.bandwidth_gbps:.3g} GB/s"
+        return f"{kind} at {pair.bandwidth_gbps:.3g} GB/s" + (f" ({self.measured})" if self.measured else "")
 
 
 # --------------------------------------------------------------------------- before init_process_group
@@ -113,29 +123,94 @@ def prepare_nccl(local_world: int) -> tuple[list[list[bool]], str]:
 
 # --------------------------------------------------------------------------- after init_process_group
 
-def probe(rt, peer: list[list[bool]] | None, nccl_note: str | None, timed: bool) -> Topology:
-    """Every rank: measure the pairs' bandwidth (when ``timed``) and this rank's compute rate, share
-    them over the control group, and return the same Topology on every rank. ``rt`` is the Runtime."""
+def probe(rt, peer: list[list[bool]] | None, nccl_note: str | None, mode: str = "on") -> Topology:
+    """Every rank: the same Topology on every rank. ``mode`` (--topology-probe): "on" reuses the figures
+    kept for these ranks on these devices (kept_file) and times the pairs' bandwidth and this rank's
+    compute rate only when none are kept; "again" times and keeps anew; "off" times nothing. ``rt`` is
+    the Runtime."""
     device = rt.device.type
     if rt.world_size == 1:
         return Topology(device, (), None, nccl_note)
     pairs = [(i, j) for i in range(rt.world_size) for j in range(i + 1, rt.world_size)]
-    seconds = _exchange_pairs(rt, pairs) if timed else {}
-    mine = {"node": int(os.environ.get("GROUP_RANK", 0)), "local_rank": rt.local_rank, "peer": peer,
-            "seconds": seconds, "tflops": _compute_rate(rt.device) if timed else None, "note": nccl_note}
-    records = gather_json(mine, rt.control)
-    sent = EXCHANGE_BYTES[device] * TIMED_ROUNDS
-    found = []
-    for i, j in pairs:
-        a, b = records[i], records[j]
-        p2p = a["node"] == b["node"] and a["peer"] is not None and \
-            a["peer"][a["local_rank"]][b["local_rank"]] and a["peer"][b["local_rank"]][a["local_rank"]]
-        key = f"{i},{j}"
-        bandwidth = round(sent / max(a["seconds"][key], b["seconds"][key]) / 1e9, 3) if timed else None
-        found.append(Pair((i, j), bool(p2p), bandwidth))
-    tflops = min(r["tflops"] for r in records) if timed else None
-    notes = list(dict.fromkeys(r["note"] for r in records if r["note"]))  # one per node that differs
-    return Topology(device, tuple(found), tflops, "; ".join(notes) or None)
+    records = gather_json({"node": int(os.environ.get("GROUP_RANK", 0)), "local_rank": rt.local_rank,
+                           "peer": peer, "note": nccl_note, "identity": _identity(rt)}, rt.control)
+    notes = "; ".join(dict.fromkeys(r["note"] for r in records if r["note"])) or None  # one per node that differs
+    links = [(i, j, _p2p(records[i], records[j])) for i, j in pairs]
+    if mode == "off":
+        return Topology(device, tuple(Pair((i, j), p2p, None) for i, j, p2p in links), None, notes)
+    key = json.dumps([r["identity"] for r in records])
+    kept = _read_kept(key, pairs) if rt.rank == 0 and mode == "on" else None
+    figures = gather_json({"kept": kept}, rt.control)[0]["kept"]  # rank 0's answer: every rank decides alike
+    if figures is None:
+        figures = _measure(rt, pairs)
+        if rt.rank == 0:
+            _keep(key, figures)
+        when = "measured at this start"
+    else:
+        when = time.strftime("measured %Y-%m-%d %H:%M, kept", time.localtime(figures["at"]))
+    found = tuple(Pair((i, j), p2p, figures["gbps"][f"{i},{j}"]) for i, j, p2p in links)
+    return Topology(device, found, figures["tflops"], notes, when)
+
+
+def _identity(rt) -> list:
+    """What a kept measurement belongs to: this rank's machine, device, threads and torch."""
+    cuda = rt.device.type == "cuda"
+    return [socket.gethostname(), str(rt.device), torch.cuda.get_device_name(rt.device) if cuda else "cpu",
+            gpus.device_uuid(rt.device) if cuda else None, torch.get_num_threads(), torch.__version__]
+
+
+def _p2p(a: dict, b: dict) -> bool:
+    """The two ranks' GPUs can access each other's memory (same node, both directions)."""
+    return bool(a["node"] == b["node"] and a["peer"] is not None
+                and a["peer"][a["local_rank"]][b["local_rank"]] and a["peer"][b["local_rank"]][a["local_rank"]])
+
+
+def _measure(rt, pairs: list[tuple[int, int]]) -> dict:
+    """Time every pair's link and every rank's matmul rate: {"gbps": {"i,j": GB/s}, "tflops", "at"}."""
+    timed = gather_json({"seconds": _exchange_pairs(rt, pairs), "tflops": _compute_rate(rt.device)}, rt.control)
+    sent = EXCHANGE_BYTES[rt.device.type] * TIMED_ROUNDS
+    gbps = {f"{i},{j}": round(sent / max(timed[i]["seconds"][f"{i},{j}"], timed[j]["seconds"][f"{i},{j}"]) / 1e9, 3)
+            for i, j in pairs}
+    return {"gbps": gbps, "tflops": min(r["tflops"] for r in timed), "at": time.time()}
+
+
+def kept_file(environ: Mapping[str, str] = os.environ) -> Path:
+    """This machine's kept figures: $XDIT_TOPOLOGY_FILE, else $XDG_CACHE_HOME (~/.cache)/comfyui-xdit/topology.json;
+    one entry per set of ranks and devices measured."""
+    if environ.get(KEPT_ENV):
+        return Path(environ[KEPT_ENV])
+    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "comfyui-xdit" / "topology.json"
+
+
+def _read_kept(key: str, pairs: list[tuple[int, int]]) -> dict | None:
+    """The figures kept for ``key``, or None: none kept, or a damaged file or entry (then they are measured, and
+    the entry rewritten)."""
+    try:
+        figures = json.loads(kept_file().read_text()).get(key)
+        numbers = [figures["tflops"], figures["at"], *(figures["gbps"][f"{i},{j}"] for i, j in pairs)]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    sane = all(isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n < float("inf") for n in numbers)
+    return figures if sane else None
+
+
+def _keep(key: str, figures: dict) -> None:
+    """Add these figures to the kept file (written whole, then renamed: a reader never sees half of it). A
+    file that cannot be written only means the next start measures again."""
+    path = kept_file()
+    try:
+        try:
+            kept = json.loads(path.read_text())
+            kept = kept if isinstance(kept, dict) else {}
+        except (OSError, ValueError):
+            kept = {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps({**kept, key: figures}, indent=1))
+        partial.replace(path)
+    except OSError:
+        pass
 
 
 def _exchange_pairs(rt, pairs: list[tuple[int, int]]) -> dict[str, float]:

@@ -88,10 +88,13 @@ class LaunchOptions:
     node_rank: int = option(0, "this machine's number; node 0 holds the socket", type=int)
     rdzv_endpoint: str | None = option(None, "node 0's address and a free port, the same on every node (needed "
                                              "when --nnodes > 1)", metavar="HOST:PORT")
-    # "off": skip the bandwidth and compute probe at start (status shows no figures; auto keeps its fixed order)
-    topology_probe: str = option("on", "time each pair of ranks' link and the compute rate at start, for status and "
-                                       "--parallel auto (default on; off for multi-node or a faster start)",
-                                 choices=("on", "off"))
+    # "on": the links' figures kept for this machine, timed at the first start (topology.py); "again": timed anew;
+    # "off": no figures (status shows none; auto keeps its fixed order)
+    topology_probe: str = option("on", "time each pair of ranks' link and the compute rate, for status and "
+                                       "--parallel auto: on (default) times them at the first start on this "
+                                       "machine and reuses them after, so auto picks the same layout every start; "
+                                       "again times them anew; off for multi-node or a faster start",
+                                 choices=("on", "again", "off"))
 
     # seconds without a request before the models are unloaded / the backend stops (idle.py); 0: never
     idle_unload: float = option(0.0, "unload the models after this many seconds without a request; 0: never (a "
