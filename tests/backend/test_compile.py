@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 
 from xdit_backend.models import registry
 from xdit_backend.parallel import attention, sequence, traffic
-from xdit_backend.parallel.compile import compile_blocks
+from xdit_backend.models.storage import StoredLinear
+from xdit_backend.parallel.compile import compile_blocks, upcasts_left_eager
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.sampling.generate import generate
 from xdit_backend.service.request import SampleRequest
@@ -196,3 +197,33 @@ def test_the_step_cache_compiles_nothing_per_decision(compiled):
     _, other = cached_run(model, 0.2)
     assert [d.reused for d in other.trace] != [d.reused for d in cache.trace], "0.2 decided as 0.45 did"
     assert graphs() == before, f"other decisions compiled {graphs() - before} new graphs"
+
+
+# On GPUs without Triton's float8 types (below compute capability 8.9: A100, RTX 30xx, A6000) each float8-stored
+# layer's upcast stays out of the compiled graph, where Inductor would fuse it into a Triton kernel that fails to
+# build; from 8.9 on, and for layers not stored in float8, nothing changes (gpu-paths-2.md B9).
+
+def blocks_of(model) -> list:
+    return [block for name in model.spec.stage_plan.block_lists for block in getattr(model.transformer, name)]
+
+
+def graph_breaks(layer: StoredLinear) -> int:
+    """Graph breaks dynamo takes tracing the layer's forward (the eager backend: nothing is compiled)."""
+    return torch._dynamo.explain(layer.forward)(torch.randn(2, layer.in_features)).graph_break_count
+
+
+@pytest.mark.parametrize("capability,left_eager", [((8, 6), True), ((8, 9), False)])  # RTX 30xx; RTX 40xx
+def test_below_8_9_a_float8_layers_upcast_breaks_the_graph(capability, left_eager):
+    model = registry.build("flux-tiny", torch.device("cpu"), weight_dtype="fp8_e4m3fn")
+    layers = [m for block in blocks_of(model) for m in block.modules() if isinstance(m, StoredLinear)]
+    assert layers and all(layer.weight.dtype == torch.float8_e4m3fn for layer in layers)
+    x = torch.randn(2, layers[0].in_features)
+    before = layers[0](x)
+    assert upcasts_left_eager(blocks_of(model), capability) == (len(layers) if left_eager else 0)
+    assert torch.equal(layers[0](x), before)  # the same arithmetic, only where it runs
+    assert (graph_breaks(layers[0]) > 0) == left_eager
+
+
+def test_layers_not_stored_in_float8_stay_in_the_graph():
+    model = registry.build("flux-tiny", torch.device("cpu"))  # float32 weights: plain Linears
+    assert upcasts_left_eager(blocks_of(model), (8, 0)) == 0

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.storage import FLOAT8, StoredLinear
+
 RECOMPILE_LIMIT = 64  # cached graphs per code object (a block class's forward), all layouts and batches
 
 
@@ -64,11 +66,31 @@ def compile_blocks(model):
     torch._dynamo.config.skip_nnmodule_hook_guards = False  # see the module docstring: LoRA hooks
     switch = {"on": True}
     transformer = model.transformer
-    for name in model.spec.stage_plan.block_lists:
-        for block in getattr(transformer, name):
-            block.forward = _switched(block.forward, _dynamic(torch.compile(block.forward)), switch)
+    blocks = [block for name in model.spec.stage_plan.block_lists for block in getattr(transformer, name)]
+    device = next(transformer.parameters()).device
+    if device.type == "cuda":
+        upcasts_left_eager(blocks, torch.cuda.get_device_capability(device))
+    for block in blocks:
+        block.forward = _switched(block.forward, _dynamic(torch.compile(block.forward)), switch)
     model.compiled_blocks = switch
     return model
+
+
+TRITON_FLOAT8 = (8, 9)  # the compute capability from which Triton has float8 types (Ada, Hopper and later)
+
+
+def upcasts_left_eager(blocks, capability: tuple[int, int]) -> int:
+    """Below TRITON_FLOAT8 (A100, RTX 30xx, A6000), keep each float8-stored layer's upcast out of the graph,
+    and return how many: Inductor would fuse the float8 → bf16 conversion into a Triton kernel, which
+    fails to build there ("type fp8e4nv not supported in this architecture"), while eager casts run. Each
+    such layer then breaks the graph around its upcast (gpu-paths-2.md B9)."""
+    if capability >= TRITON_FLOAT8:
+        return 0
+    layers = [module for block in blocks for module in block.modules()
+              if isinstance(module, StoredLinear) and module.weight.dtype in FLOAT8]
+    for layer in layers:
+        layer.upcast = torch.compiler.disable(layer.upcast)  # this instance's; the class's stays traceable
+    return len(layers)
 
 
 def _switched(eager, compiled, switch: dict):
