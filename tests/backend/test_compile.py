@@ -9,6 +9,9 @@ one saying why. Compiling is slow on a small machine, so the requests are the sm
 and the in-process model is compiled once for the module.
 """
 
+import gc
+import weakref
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -16,12 +19,14 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from xdit_backend.distributed.runtime import Runtime
 from xdit_backend.models import registry
 from xdit_backend.parallel import attention, sequence, traffic
 from xdit_backend.models.storage import StoredLinear
 from xdit_backend.parallel.compile import compile_blocks, upcasts_left_eager
 from xdit_backend.parallel.denoiser import Denoiser
 from xdit_backend.sampling.generate import generate
+from xdit_backend.service.executor import Executor
 from xdit_backend.service.request import SampleRequest
 from xdit_backend.wire import protocol
 from xdit_backend.wire.protocol import Message
@@ -197,6 +202,22 @@ def test_the_step_cache_compiles_nothing_per_decision(compiled):
     _, other = cached_run(model, 0.2)
     assert [d.reused for d in other.trace] != [d.reused for d in cache.trace], "0.2 decided as 0.45 did"
     assert graphs() == before, f"other decisions compiled {graphs() - before} new graphs"
+
+
+def test_an_unloaded_compiled_model_leaves_no_weight_behind():
+    """Nothing of dynamo's keeps an evicted compiled model's weights (gpu-paths-2.md B10): after unload
+    no reference to its parameters is left, so release_memory gives their memory back."""
+    executor = Executor(Runtime(0, 1, 0, torch.device("cpu"), None, 0.0, timedelta(seconds=30)))
+    positive, _ = registry.random_conditioning("flux-tiny", 1, FIELDS["seed"], registry.spec("flux-tiny"))
+    executor.generate(SampleRequest.parse(Message("sample", {**FIELDS, "compile": True}, positive)),
+                      lambda done, total: True)
+    [entry] = executor.cache.entries.values()
+    assert entry.model.compiled_blocks is not None
+    weight = weakref.ref(next(entry.model.transformer.parameters()))
+    del entry
+    assert executor.unload(None) == ["flux-tiny"]
+    gc.collect()
+    assert weight() is None, "an unloaded compiled model's weight is still referenced"
 
 
 # On GPUs without Triton's float8 types (below compute capability 8.9: A100, RTX 30xx, A6000) each float8-stored
