@@ -33,6 +33,7 @@ def _probe_in_every_mode(rank: int, kept_path: str) -> dict:
     seen["again"] = probe(rt, None, None, "again").to_json()
     dist.barrier()
     seen["file after again"] = json.loads(kept.read_text())
+    dist.barrier()  # every rank has read it before rank 0 writes it
     if rank == 0:  # an entry with a negative bandwidth: not a figure to decide from
         kept.write_text(json.dumps({key: {**BOGUS, "gbps": {"0,1": -1.0}, "at": 0} for key in seen["file"]}))
     dist.barrier()
