@@ -230,3 +230,29 @@ def test_padded_text_matches_diffusers_masked_forward():
                    image_embeds=torch.zeros(2, 9, config["image_embed_dim"]), return_dict=False)[0]
     assert (ours - theirs).abs().max() <= 1e-5
     assert model.joint_text_tokens(cond) == 3 + 8  # byT5 position 3 and no Qwen position is padding in both
+
+
+def test_the_text_masks_are_read_back_once_per_request_not_at_every_step(monkeypatch):
+    """The masks reach the device with the request's conditioning: reading them back to the host at every step
+    would make the host wait for the device each step (gpu-paths-2.md B14). A request's masks are read at its
+    first step, not again at the next; another request's masks are read anew, never taken from the last one."""
+    model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
+    config = registry.resolve("hunyuan-video-1.5-tiny").config
+    g = torch.Generator().manual_seed(5)
+    cond = {"context": torch.randn(2, 8, config["text_embed_dim"], generator=g),
+            "context_byt5": torch.randn(2, 4, config["text_embed_2_dim"], generator=g),
+            "context_mask": torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3]),
+            "context_byt5_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])}
+    x, timestep = torch.randn(2, 32, 2, 4, 4, generator=g), torch.tensor([700.0, 250.0])
+    reads, host_copy = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(self.shape) or host_copy(self, *a, **k))
+    with torch.no_grad():
+        first = model.output(x, timestep, cond, None)
+        assert reads, "the first step reads the masks"
+        read_at_first = len(reads)
+        assert torch.equal(model.output(x, timestep, cond, None), first) and len(reads) == read_at_first
+        other = {**cond, "context_mask": torch.ones(2, 8), "context_byt5_mask": torch.tensor([[1.0] * 4, [1.0] * 4])}
+        another = model.output(x, timestep, other, None)
+        assert len(reads) > read_at_first
+        assert torch.equal(another, registry.build("hunyuan-video-1.5-tiny", torch.device("cpu")).output(
+            x, timestep, other, None))

@@ -17,6 +17,7 @@ keys, their own outputs are discarded); what remains is masked as keys only.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,9 @@ class HunyuanVideo15Model(DiffusionModel):
     def __init__(self, transformer, *args, **kwargs):
         super().__init__(transformer, *args, **kwargs)
         transformer.set_attn_processor(HunyuanVideo15Processor(SerialAttention()))  # sequence.attach restores it
+        # id of a request's first text mask (its conditioning's tensors, the same every step) → (a weak reference
+        # to it, the ids of both masks, the joint text tokens kept): entries die with their request's tensors
+        self._kept_text: dict[int, tuple] = {}
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for x [B, 32, T, h, w] at timestep 1000·σ [B]."""
@@ -179,16 +183,31 @@ class HunyuanVideo15Model(DiffusionModel):
         if byt5 is None:
             byt5 = context.new_zeros(context.shape[0], 0, self.spec.byt5_dim)
         byt5 = t.context_embedder_2(byt5.to(self.device, self.dtype)) + t.cond_type_embed.weight[BYT5]  # [B, L2, D]
-        masks = [cond.get("context_byt5_mask"), cond.get("context_mask")]
+        masks = (cond.get("context_byt5_mask"), cond.get("context_mask"))
         text = torch.cat([byt5, text], dim=1)  # [B, L2 + L, D]
         key_mask = None
         if any(m is not None for m in masks):
-            key_mask = torch.cat([torch.ones(piece.shape[:2]) if m is None else m.float().cpu()
-                                  for m, piece in zip(masks, (byt5, context))], dim=1) > 0  # [B, L2 + L]
-            keep = key_mask.any(dim=0).nonzero().squeeze(1)  # real in some sample
-            text, key_mask = text[:, keep.to(self.device)], key_mask[:, keep]
-            key_mask = None if key_mask.all() else key_mask.to(self.device)
+            keep, key_mask = self._text_kept(masks, (byt5.shape[:2], context.shape[:2]))
+            text = text[:, keep]  # [B, L', D]
         return {"temb": temb, "text": text, "mask": key_mask}
+
+    def _text_kept(self, masks, shapes) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(indices of the joint text tokens real in some sample [L'], their key mask [B, L'], or None where
+        every kept token is real in every sample), on the device. Worked out on the host once per request, at
+        its first step: the masks are the request's tensors, the same objects every step, and reading them
+        back at every step would make the host wait for the device each step."""
+        first = next(m for m in masks if m is not None)
+        found = self._kept_text.get(id(first))
+        if found is not None and found[0]() is first and found[1] == tuple(map(id, masks)):
+            return found[2:]
+        key_mask = torch.cat([torch.ones(shape) if m is None else m.float().cpu()
+                              for m, shape in zip(masks, shapes)], dim=1) > 0  # [B, L2 + L]
+        keep = key_mask.any(dim=0).nonzero().squeeze(1)  # [L'] real in some sample
+        key_mask = key_mask[:, keep]  # [B, L']
+        kept = (keep.to(self.device), None if key_mask.all() else key_mask.to(self.device))
+        self._kept_text = {k: v for k, v in self._kept_text.items() if v[0]() is not None}  # the ended requests'
+        self._kept_text[id(first)] = (weakref.ref(first), tuple(map(id, masks)), *kept)
+        return kept
 
     # PipeFusion stages (base.DiffusionModel): a patch is the same band of rows in every frame.
 
