@@ -205,6 +205,14 @@ def test_an_incomplete_file_names_the_missing_tensor(built, tmp_path):
     assert "double_blocks.0.img_attn_q_norm.weight" in info.value.message and "re-download" in info.value.hint
 
 
+def masked_text(config: dict, g: torch.Generator) -> dict:
+    """Batch 2's text conditioning with masks that differ per sample (byT5 4 tokens, Qwen2.5-VL 8)."""
+    return {"context": torch.randn(2, 8, config["text_embed_dim"], generator=g),
+            "context_byt5": torch.randn(2, 4, config["text_embed_2_dim"], generator=g),
+            "context_mask": torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3]),
+            "context_byt5_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])}
+
+
 def test_padded_text_matches_diffusers_masked_forward():
     """Batch 2 with text masks that differ per sample: our loop (padding in every sample dropped, the
     rest masked as keys) equals diffusers' forward (valid tokens reordered first, an S × S mask, 9
@@ -212,10 +220,7 @@ def test_padded_text_matches_diffusers_masked_forward():
     model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
     config = registry.resolve("hunyuan-video-1.5-tiny").config
     g = torch.Generator().manual_seed(5)
-    cond = {"context": torch.randn(2, 8, config["text_embed_dim"], generator=g),
-            "context_byt5": torch.randn(2, 4, config["text_embed_2_dim"], generator=g),
-            "context_mask": torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3]),
-            "context_byt5_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])}
+    cond = masked_text(config, g)
     x = torch.randn(2, 32, 2, 4, 4, generator=g)
     timestep = torch.tensor([700.0, 250.0])
     with torch.no_grad():
@@ -239,10 +244,7 @@ def test_the_text_masks_are_read_back_once_per_request_not_at_every_step(monkeyp
     model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
     config = registry.resolve("hunyuan-video-1.5-tiny").config
     g = torch.Generator().manual_seed(5)
-    cond = {"context": torch.randn(2, 8, config["text_embed_dim"], generator=g),
-            "context_byt5": torch.randn(2, 4, config["text_embed_2_dim"], generator=g),
-            "context_mask": torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3]),
-            "context_byt5_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])}
+    cond = masked_text(config, g)
     x, timestep = torch.randn(2, 32, 2, 4, 4, generator=g), torch.tensor([700.0, 250.0])
     reads, host_copy = [], torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(self.shape) or host_copy(self, *a, **k))
