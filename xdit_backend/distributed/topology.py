@@ -183,13 +183,22 @@ def kept_file(environ: Mapping[str, str] = os.environ) -> Path:
     return cache / "comfyui-xdit" / "topology.json"
 
 
-def _read_kept(key: str, pairs: list[tuple[int, int]]) -> dict | None:
-    """The figures kept for ``key``, or None: none kept, or a damaged file or entry (then they are measured, and
-    the entry rewritten)."""
+def _kept_entries() -> dict:
+    """Every entry of the kept file; none when it is missing or damaged (then it is written anew)."""
     try:
-        figures = json.loads(kept_file().read_text()).get(key)
+        entries = json.loads(kept_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _read_kept(key: str, pairs: list[tuple[int, int]]) -> dict | None:
+    """The figures kept for ``key``, or None: none kept, or a damaged entry (then they are measured, and the
+    entry rewritten)."""
+    figures = _kept_entries().get(key)
+    try:
         numbers = [figures["tflops"], figures["at"], *(figures["gbps"][f"{i},{j}"] for i, j in pairs)]
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return None
     sane = all(isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n < float("inf") for n in numbers)
     return figures if sane else None
@@ -199,15 +208,11 @@ def _keep(key: str, figures: dict) -> None:
     """Add these figures to the kept file (written whole, then renamed: a reader never sees half of it). A
     file that cannot be written only means the next start measures again."""
     path = kept_file()
+    entries = {**_kept_entries(), key: figures}
     try:
-        try:
-            kept = json.loads(path.read_text())
-            kept = kept if isinstance(kept, dict) else {}
-        except (OSError, ValueError):
-            kept = {}
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps({**kept, key: figures}, indent=1))
+        partial.write_text(json.dumps(entries, indent=1))
         partial.replace(path)
     except OSError:
         pass
