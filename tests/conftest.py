@@ -16,6 +16,8 @@ from xdit_backend.distributed.topology import KEPT_ENV
 from xdit_backend.launch import launcher
 from xdit_backend.launch.worker_env import FAULT_ENV
 
+from zygote import Zygote
+
 # Small, fast requests for the tiny model: the tests check behaviour, not speed.
 SMALL = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "seed": 1}
 def load_node_module(name: str):
@@ -63,21 +65,31 @@ def arm_fault(client: Client, rank: int, call: int) -> None:
     fault_file(client.socket_path).write_text(f"{rank}:{call}")
 
 
+ZYGOTE = Zygote()  # this worker's; started by its first backend, stopped at the session's end
+
+
+def pytest_sessionfinish(session):
+    ZYGOTE.stop()
+
+
 class Backends:
     """Starts backends for a test and makes sure every one is gone afterwards."""
 
     def __init__(self):
         self.started: list[tuple[Path, set[int]]] = []
 
-    def start(self, nproc: int, **options) -> Client:
+    def start(self, nproc: int, fresh: bool = False, **options) -> Client:
         """A CPU backend; without timing its links at start (a test that reads them passes topology_probe="on"),
         so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load.
-        Its ranks look for an armed fault beside its socket (``arm_fault``) and keep their links' figures there."""
+        Its ranks look for an armed fault beside its socket (``arm_fault``) and keep their links' figures there.
+        Its launcher is forked from this worker's zygote (tests/zygote.py), or with ``fresh`` started as
+        ``xdit-backend start`` starts one (a new process, its ranks forked from a fork server)."""
         options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
         status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options),
                                 environment={FAULT_ENV: str(fault_file(sock)),  # links timed afresh, kept beside it
-                                             KEPT_ENV: str(sock.parent / "topology.json")})
+                                             KEPT_ENV: str(sock.parent / "topology.json")},
+                                spawn=None if fresh else ZYGOTE.spawn)
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
         return Client(sock)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
 KINDS = (  # (kind, a fragment of its command line), first match wins
-    ("rank", "service.worker"), ("launcher", "cli serve"),  # a rank: the fork server that preloads the worker, or a child
+    ("rank", "service.worker"), ("launcher", "cli serve"),
+    ("zygote: its backends", "zygote.py"),  # tests/zygote.py and the launchers and ranks it forked  # a rank: the fork server that preloads the worker, or a child
     ("spawned gloo rank", "multiprocessing"), ("selftest", "cli selftest"), ("CLI call", " cli "),
     ("pytest worker", "execnet"), ("pytest worker", "exec(eval("), ("pytest", "pytest"),
 )

@@ -73,7 +73,7 @@ def test_the_ranks_run_in_the_environment_the_launcher_built(backends, monkeypat
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,backend:cudaMallocAsync")
     for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.delenv(name, raising=False)
-    status = backends.start(2).status()
+    status = backends.start(2, fresh=True).status()  # a process of its own: /proc/PID/environ is what it runs with
     threads = str(max(1, usable_cpus() // 2))
     for rank in status["ranks"]:
         raw = Path(f"/proc/{rank['pid']}/environ").read_bytes().split(b"\0")

@@ -125,8 +125,10 @@ def _describe_failure(rank: int, failure) -> dict:
 # --------------------------------------------------------------------------- serve (foreground)
 
 
-def serve(options: LaunchOptions) -> int:
-    """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code."""
+def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
+    """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code.
+    ``start_method="fork"`` forks the ranks from this process instead of a fork server: only for a process
+    that has already imported RANK_PRELOAD and holds no CUDA context (the tests' zygote, tests/zygote.py)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -163,7 +165,7 @@ def serve(options: LaunchOptions) -> int:
         max_restarts=0,  # a failed rank fails the backend; the client restarts it on the next request
         monitor_interval=0.2,
         logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
-        start_method="forkserver",  # the ranks fork from one process that imported RANK_PRELOAD
+        start_method=start_method,  # the ranks fork from one process that imported RANK_PRELOAD
     )
     try:
         elastic_launch(config, rank_main)(options.to_argv())  # each rank reads the same options
@@ -206,9 +208,12 @@ def _hand_down(env: dict[str, str]) -> None:
 # --------------------------------------------------------------------------- start / stop (background)
 
 
-def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str, str] | None = None) -> dict:
+def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str, str] | None = None,
+          spawn=None) -> dict:
     """Start ``serve`` in the background and return the backend's status once every rank is ready;
-    ``environment``: variables added to this process's for the backend and its ranks."""
+    ``environment``: variables added to this process's for the backend and its ranks; ``spawn(argv, env,
+    log_path)``: what starts ``serve argv`` in a new session, a ``subprocess.Popen`` by default (the tests fork
+    it from a process that has imported everything, tests/zygote.py); it returns what has ``pid`` and ``poll()``."""
     options = options.resolved()
     sock = options.socket
     paths.ensure_private_dir(sock.parent)
@@ -217,13 +222,7 @@ def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str,
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}")
     log_path = paths.log_file(sock)
     paths.state_file(sock).unlink(missing_ok=True)
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "xdit_backend.cli", "serve", *options.to_argv()],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(environment or {})},
-            start_new_session=True,  # its own process group: `stop` can end it and every rank together
-        )
+    process = (spawn or _spawn_serve)(options.to_argv(), {**os.environ, **(environment or {})}, log_path)
     if options.node_rank > 0:  # the socket and the queue live on node 0: this node only runs its ranks
         time.sleep(1.0)
         if process.poll() is not None:
@@ -234,15 +233,25 @@ def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str,
     while time.monotonic() < deadline:
         if endpoint.answers(sock) is not None:
             return endpoint.ask(sock, Message("status")).fields["status"]
-        if process.poll() is not None:
+        exit_code = process.poll()
+        if exit_code is not None:
             summary = failure_summary(read_state(sock)) or _last_line(log_path) or (
-                f"the launcher exited with code {process.returncode}")
+                f"the launcher exited with code {exit_code}")
             raised = _last_exception(log_path)
             detail = f"; the log ends with: {raised}" if raised and raised not in summary else ""
             raise LaunchError(f"the backend failed to start: {summary}{detail} (log: {log_path})")
         time.sleep(0.1)
     _terminate_group(process.pid)
     raise LaunchError(f"the backend did not become ready within {timeout:.0f} s (log: {log_path})")
+
+
+def _spawn_serve(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "xdit_backend.cli", "serve", *argv],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # its own process group: `stop` can end it and every rank together
+        )
 
 
 def _last_exception(log_path: Path) -> str:
