@@ -41,6 +41,7 @@ def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
                        ("weight_dtype_fp8", "float8_e4m3fn")):
         assert stored[f"flux-tiny_{form}_storage"] == name
         assert stored[f"flux-tiny_{form}_held_mib"] < 0.6 * stored["flux-tiny_bf16_held_mib"]  # 1 byte, not 2
+    assert stored["flux-tiny_gguf_q4_k_storage"] == "bfloat16+gguf Q4_K"  # flux-tiny's rows of 256 values and more
     memory = results["memory"]["figures"]
     assert memory["fp8_128_predicted_weights_mib"] < 0.6 * memory["bf16_128_predicted_weights_mib"]
     assert memory["lora_1_vs_base_rel"] > memory["lora_0.5_vs_base_rel"] > 0
@@ -93,7 +94,7 @@ def test_a_wrong_upcast_fails_the_storage_section(tmp_path, monkeypatch):
     monkeypatch.setattr(StoredLinear, "upcast", lambda self, dtype: right(self, dtype) * 1.05)
     assert runner.run_selftest(tmp_path, ("storage",), cpu=True) == 1
     reason = json.loads((tmp_path / "selftest.json").read_text())[0]["reason"]
-    for form in ("fp8", "scaled_fp8", "gguf_q8_0", "weight_dtype_fp8"):
+    for form in ("fp8", "scaled_fp8", "gguf_q8_0", "gguf_q4_k", "weight_dtype_fp8"):
         assert f"flux-tiny_{form}: latent" in reason
 
 

@@ -13,6 +13,7 @@ from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.resolved import resolve_model
 from xdit_backend.models.storage import StoredLinear
+from xdit_backend.selftest.files import k_quant_blocks
 
 gguf = pytest.importorskip("gguf")  # the optional extra "gguf" (installed in CI)
 from gguf import GGMLQuantizationType as GGML  # noqa: E402
@@ -27,19 +28,6 @@ def tiny():
 
 K_QUANTS = (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)  # the gguf package cannot quantize these: synthetic blocks
 HIGH_PRECISION = ("time_in.", "txt_in.", "vector_in.", "img_in.", "guidance_in.", "final_layer.")  # kept F32
-
-
-def k_quant_blocks(rows: int, columns: int, kind: GGML, generator: torch.Generator):
-    """Random K-quant blocks [rows, bytes per row] with small, finite float16 super-block scales
-    (d, dmin first in Q4_K / Q5_K; d last in Q6_K)."""
-    values, size = gguf.GGML_QUANT_SIZES[kind]
-    raw = torch.randint(0, 256, (rows, columns // values, size), generator=generator, dtype=torch.uint8)
-    scales = (torch.rand(rows, columns // values, 2, generator=generator) * 1e-3 + 1e-4).half().view(torch.uint8)
-    if kind == GGML.Q6_K:
-        raw[..., size - 2:] = scales[..., :2]
-    else:
-        raw[..., :4] = scales
-    return raw.reshape(rows, -1).numpy()
 
 
 def gguf_file(state: dict, path, kind: GGML) -> dict[str, torch.Tensor]:

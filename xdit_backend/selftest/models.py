@@ -20,6 +20,7 @@ from ..models import registry
 from ..models.lora import LoraSpec
 from ..sampling.samplers import SAMPLERS
 from ..service.reference import serial_latent
+from .files import written
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",
@@ -104,20 +105,30 @@ def samplers(ctx: Context, checks: Checks) -> None:
 
 def syncs(ctx: Context, checks: Checks) -> None:
     """Host synchronisations per step (sync_audit.py: torch.cuda.set_sync_debug_mode on CUDA) in a
-    6-step bf16 generation with every sampler's branches; the first step holds the generation's
+    6-step bf16 generation with every sampler's branches, and with weights kept as GGUF Q4_K blocks (dequantized
+    in every Linear); the first step holds the generation's
     one-off copies, every later one should have none: the CPU runs ahead of the GPU."""
     if ctx.device.type != "cuda":
         raise Skip("set_sync_debug_mode sees CUDA synchronisations only (tests/unit/test_host_syncs.py counts them "
                    "on the meta device)")
-    for name, sampler in (("flux-tiny", "euler"), ("pixart-tiny", "euler"), ("flux-tiny", "uni_pc"),
-                          ("flux-tiny", "euler_ancestral"), ("wan-tiny", "dpmpp_2m")):
-        with count_syncs(ctx.device) as counted:
-            run(name, ctx.device, torch.bfloat16, fields(name, ctx, steps=6, sampler=sampler),
-                after_step=counted.after_step)
-        later = sum(counted.per_step[1:])
-        checks.record(**{f"{name}_{sampler}_per_step": counted.per_step, f"{name}_{sampler}_total": counted.total})
-        checks.expect(later == 0, f"{name} {sampler}: {later} host synchronisations in steps 2–6 "
-                                  f"(per step: {counted.per_step})")
+    runs = [(name, sampler, lambda name=name: registry.build(name, ctx.device, torch.bfloat16))
+            for name, sampler in (("flux-tiny", "euler"), ("pixart-tiny", "euler"), ("flux-tiny", "uni_pc"),
+                                  ("flux-tiny", "euler_ancestral"), ("wan-tiny", "dpmpp_2m"))]
+    with tempfile.TemporaryDirectory(prefix="xdit-selftest-") as tmp:
+        try:  # weights kept as GGUF Q4_K blocks, dequantized per layer (models/gguf_blocks.py: review B8)
+            path, _ = written("flux-tiny", "gguf_q4_k", Path(tmp))
+            runs.append(("flux-tiny-q4_k", "euler", lambda: registry.build(str(path), ctx.device, torch.bfloat16)))
+        except ImportError as exc:  # gguf: an optional extra
+            checks.record(flux_tiny_q4_k_skipped=f"cannot write it here: {exc}")
+        for label, sampler, build in runs:
+            builtin = label.removesuffix("-q4_k")
+            with count_syncs(ctx.device) as counted:
+                generation(build(), builtin, fields(builtin, ctx, steps=6, sampler=sampler),
+                           after_step=counted.after_step)
+            later = sum(counted.per_step[1:])
+            checks.record(**{f"{label}_{sampler}_per_step": counted.per_step, f"{label}_{sampler}_total": counted.total})
+            checks.expect(later == 0, f"{label} {sampler}: {later} host synchronisations in steps 2–6 "
+                                      f"(per step: {counted.per_step})")
 
 
 def lora(ctx: Context, checks: Checks) -> None:

@@ -2,7 +2,8 @@
 
 A built-in Flux (flux-tiny; on a GPU also flux-dev-two-blocks, Flux.1-dev's width, 545 M parameters)
 is written as an fp8 file, a ComfyUI scaled-fp8 file (one float32 ``scale_weight`` per matrix, the
-``scaled_fp8`` marker) and a GGUF Q8_0 file, and a bf16 file is loaded with weight_dtype fp8_e4m3fn;
+``scaled_fp8`` marker), a GGUF Q8_0 file and a GGUF Q4_K file (random blocks: the gguf package cannot quantize
+K-quants), and a bf16 file is loaded with weight_dtype fp8_e4m3fn;
 each is loaded on the device computing in bf16, and:
 - it holds the bytes the fit check counts for it (``memory_fit.needed``'s resident weights): its
   parameters and buffers, and on CUDA the allocated-memory delta of the load;
@@ -26,82 +27,13 @@ from ..models import registry
 from ..models.resolved import resolve_model
 from ..service.model_cache import resident_bytes
 from ..service.step_clock import StepClock
+from .files import BF16, FILES, family_table, original_layout
 from .memory import allocated
 from .models import distance, generation
 from .runner import Checks, Context
 
-FP8 = torch.float8_e4m3fn
-BF16 = torch.bfloat16
 LATENT_TOLERANCE = 1e-2  # relative L2, bf16 against bf16 on the same dequantised weights (scaled: re-rounded)
 TENSOR_ROUNDING = 512  # bytes: the CUDA caching allocator rounds every tensor up to a multiple of this
-
-
-def _table(name: str, keys) -> dict:
-    """Each diffusers key's source in the family's original layout (checkpoint.TensorSource)."""
-    source = registry.resolve(name)
-    return registry.FAMILIES[source.family].checkpoint.sources(keys, "", source.config)
-
-
-def original_layout(state: dict[str, torch.Tensor], table: dict) -> dict[str, torch.Tensor]:
-    """A diffusers state dict in the original key layout single files hold: the family's table read
-    backwards, a fused tensor (Flux's qkv) put together from its bands (``convert`` undoes itself)."""
-    bands: dict[str, list] = {}
-    for key, source in table.items():
-        bands.setdefault(source.key, []).append(((source.rows or (0, 0))[0], source.convert(state[key])))
-    return {key: torch.cat([t for _, t in sorted(parts, key=lambda part: part[0])]) for key, parts in bands.items()}
-
-
-def _matrix(key: str, value: torch.Tensor) -> bool:
-    return value.dim() == 2 and key.endswith(".weight")
-
-
-def fp8_file(original: dict, path: Path) -> dict[str, torch.Tensor]:
-    """Matrices in float8_e4m3fn, the rest bf16; returns the values written, float32 (the reference)."""
-    stored = {k: v.to(FP8) if _matrix(k, v) else v.to(BF16) for k, v in original.items()}
-    save_file(stored, str(path))
-    return {k: v.float() for k, v in stored.items()}
-
-
-def scaled_fp8_file(original: dict, path: Path) -> dict[str, torch.Tensor]:
-    """ComfyUI's scaled fp8: each matrix / scale in float8_e4m3fn with scale = absmax / 448 beside it
-    (``scale_weight``), the ``scaled_fp8`` marker, the rest bf16; returns float8 × scale, float32."""
-    stored, reference = {"scaled_fp8": torch.empty(0, dtype=FP8)}, {}
-    for key, value in original.items():
-        if not _matrix(key, value):
-            stored[key] = value.to(BF16)
-            reference[key] = stored[key].float()
-            continue
-        scale = (value.abs().max() / torch.finfo(FP8).max).float()  # 0-dim
-        stored[key], stored[key.removesuffix("weight") + "scale_weight"] = (value / scale).to(FP8), scale
-        reference[key] = stored[key].float() * scale
-    save_file(stored, str(path))
-    return reference
-
-
-def gguf_q8_file(original: dict, path: Path) -> dict[str, torch.Tensor]:
-    """A GGUF file in city96's layout: matrices whose rows are whole Q8_0 blocks in Q8_0 (the gguf
-    package's quantizer), the rest F32; returns what the gguf package dequantises, float32."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch="flux")
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    reference, block = {}, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
-    for key, value in original.items():
-        data = value.float().numpy()
-        kind = gguf.GGMLQuantizationType.Q8_0 if _matrix(key, value) and data.shape[1] % block == 0 \
-            else gguf.GGMLQuantizationType.F32
-        stored = gguf.quants.quantize(data, kind)
-        writer.add_tensor(key, stored, raw_dtype=kind)
-        reference[key] = torch.from_numpy(gguf.quants.dequantize(stored, kind).copy()).reshape(value.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return reference
-
-
-FILES = {"fp8": (fp8_file, "safetensors"), "scaled_fp8": (scaled_fp8_file, "safetensors"),
-         "gguf_q8_0": (gguf_q8_file, "gguf")}
 
 
 def storage(ctx: Context, checks: Checks) -> None:
@@ -144,7 +76,7 @@ def _timed_latent(ctx: Context, model, name: str, request: dict) -> tuple[torch.
 def _storage_of(name: str, ctx: Context, checks: Checks, tmp: Path, request: dict) -> None:
     base = _load(ctx, checks, f"{name}_bf16", name)
     state = {key: value.cpu().float() for key, value in base.transformer.state_dict().items()}  # what the files hold
-    table = _table(name, state.keys())
+    table = family_table(name, state.keys())
     original = original_layout(state, table)
     del state
     _, base_s = _timed_latent(ctx, base, name, request)
