@@ -138,6 +138,46 @@ def test_status_names_the_kernel_the_rules_pick_for_the_default_dtype(monkeypatc
     assert line == "sdpa-efficient (float16, head dim 128, sm 7.5)"
 
 
+SMALL_CASES = ((8, 8, 2, 0, 16), (5, 11, 3, 1, 24))  # (queries, keys, heads, zero heads, D): an odd key count
+
+
+def test_the_cudnn_check_passes_a_kernel_that_agrees_with_the_reference():
+    cpu = torch.device("cpu")
+    assert attention.cudnn_check(attention._cpu_flash, attention._cpu_flash, cpu, torch.float32, SMALL_CASES) is None
+
+
+def test_the_cudnn_check_names_the_shape_a_kernel_refuses_or_miscomputes():
+    cpu, flash = torch.device("cpu"), attention._cpu_flash
+
+    def refuses_odd_keys(q, k, v, scale):
+        if k.shape[1] % 2:
+            raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+        return flash(q, k, v, scale)
+
+    said = attention.cudnn_check(refuses_odd_keys, flash, cpu, torch.float32, SMALL_CASES)
+    assert said == ("it refused 5 queries × 11 keys, 3 heads (1 zero), D=24 (cuDNN Frontend error: No valid "
+                    "execution plans built.)")
+    off = attention.cudnn_check(lambda q, k, v, scale: (flash(q, k, v, scale)[0] * 1.1, flash(q, k, v, scale)[1]),
+                                flash, cpu, torch.float32, SMALL_CASES)
+    assert off.startswith("it computed 8 queries × 8 keys, 2 heads (0 zero), D=16 wrong (out rel 1.00e-01")
+
+
+def test_a_cudnn_that_fails_its_check_is_not_chosen_and_status_says_why(monkeypatch):
+    fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    checked = []
+    monkeypatch.setattr(attention, "cudnn_check", lambda *args: checked.append(args) or "it refused X")
+    facts = attention.device_facts(GPU)
+    assert checked and not facts.cudnn_attention
+    assert choose_kernel(facts, torch.bfloat16, 128) == "sdpa-flash"
+    assert attention.status_line(GPU, torch.bfloat16) == \
+        "sdpa-flash (bfloat16, head dim 128, sm 9.0; cuDNN attention off: it refused X)"
+    attention.device_facts.cache_clear()
+    monkeypatch.setattr(attention, "cudnn_check", lambda *args: None)  # it passes: used
+    assert choose_kernel(attention.device_facts(GPU), torch.bfloat16, 128) == "cudnn-attention"
+
+
 def test_the_backend_status_reports_the_rules_choice(backend1):
     assert backend1.status()["attention_kernel"] == "cpu-flash (float32, head dim 128, cpu)"
 

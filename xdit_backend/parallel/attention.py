@@ -7,8 +7,11 @@ Every kernel takes q, k, v as [B, S, H, D] and returns (out [B, Sq, H, D], lse [
 - CPU: PyTorch's CPU flash kernel ("cpu-flash"), any float dtype and head size.
 - CUDA, float16/bfloat16:
   - Hopper (sm 9.x) with cuDNN ≥ 9 and D ≤ 128: cuDNN attention ("cudnn-attention"), which returns
-    the LSE too and runs well above FA2 on Hopper. UNVERIFIED: no GPU has run it yet (the GPU
-    suite's attention section checks its out and LSE against a float64 reference).
+    the LSE too and runs well above FA2 on Hopper, if it passes ``cudnn_check`` in this process: the
+    shapes sequence parallelism makes (CUDNN_CASES: head sizes 64, 72 and 128, queries ≠ keys, an odd key
+    count, zero-padded heads) against the flash kernel, out and LSE. A shape it refuses or computes wrong
+    turns it off for the process, the next rule picks, and ``status`` says why (``DeviceFacts.note``).
+    UNVERIFIED: no GPU has run it yet (the selftest's attention section runs these shapes and a compiled call).
   - sm ≥ 8.0 and D ≤ 256: flash-attn's ``flash_attn_func`` ("flash-attn") when ``import flash_attn``
     succeeds, else PyTorch's flash kernel ("sdpa-flash"). An install that ``find_spec`` finds but
     whose import fails (a flash-attn built for another torch: "undefined symbol") counts as absent.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,10 +50,12 @@ class DeviceFacts:
     type: str  # "cpu" or "cuda"
     capability: tuple[int, int] | None = None  # CUDA compute capability, (9, 0) on an H100
     flash_attn: bool = False  # flash-attn imports
-    cudnn_attention: bool = False  # this torch has cuDNN ≥ 9 (its fused attention with the LSE)
+    cudnn_attention: bool = False  # this torch has cuDNN ≥ 9 (its fused attention with the LSE) and it passed
+    note: str | None = None  # why a kernel the rules would pick is not used (cudnn_check's finding)
 
     def describe(self) -> str:
-        return f"sm {self.capability[0]}.{self.capability[1]}" if self.capability else self.type
+        where = f"sm {self.capability[0]}.{self.capability[1]}" if self.capability else self.type
+        return f"{where}; {self.note}" if self.note else where
 
 
 def choose_kernel(facts: DeviceFacts, dtype: torch.dtype, head_dim: int) -> str:
@@ -88,8 +93,44 @@ def flash_attn_imports() -> bool:
 def device_facts(device: torch.device) -> DeviceFacts:
     if device.type != "cuda":
         return DeviceFacts(device.type)
-    cudnn = torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000
-    return DeviceFacts("cuda", tuple(torch.cuda.get_device_capability(device)), flash_attn_imports(), cudnn)
+    facts = DeviceFacts("cuda", tuple(torch.cuda.get_device_capability(device)), flash_attn_imports(),
+                        torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000)
+    if choose_kernel(facts, torch.float16, STATUS_HEAD_DIM) != "cudnn-attention":  # float16: valid on any GPU
+        return facts
+    failure = cudnn_check(_cudnn_attention, _sdpa_flash, device)
+    return facts if failure is None else replace(facts, cudnn_attention=False, note=f"cuDNN attention off: {failure}")
+
+
+# (queries, keys, heads, zero heads, D): what sequence parallelism hands the kernel. A Flux 1008² share of
+# 4481 tokens (3969 image + 512 text) whole (ulysses) and halved (ring: 2241 queries, keys of both halves),
+# PixArt's D = 72, an odd key count (padded keys cut back), and ulysses' zero-padded heads.
+CUDNN_CASES = ((4481, 4481, 12, 0, 128), (2241, 4481, 24, 0, 128), (2241, 2241, 24, 0, 128), (333, 1027, 8, 0, 64),
+               (256, 1031, 16, 0, 72), (512, 512, 12, 2, 128))
+CHECK_TOLERANCE = (2e-2, 5e-2)  # bfloat16: relative L2 of out, max |Δ lse| between the two kernels
+
+
+def cudnn_check(kernel: Kernel, reference: Kernel, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                cases=CUDNN_CASES) -> str | None:
+    """None when ``kernel`` gives ``reference``'s out and LSE on every case, else what went wrong where."""
+    generator = torch.Generator().manual_seed(0)
+    for sq, sk, heads, zero_heads, d in cases:
+        q, k, v = (torch.randn(1, s, heads, d, generator=generator) for s in (sq, sk, sk))  # [B, S, H, D]
+        for t in (q, k, v):
+            t[:, :, heads - zero_heads:] = 0  # padded heads: zeros
+        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        where = f"{sq} queries × {sk} keys, {heads} heads ({zero_heads} zero), D={d}"
+        try:
+            out, lse = kernel(q, k, v, d ** -0.5)
+        except RuntimeError as exc:
+            return f"it refused {where} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        want_out, want_lse = reference(q, k, v, d ** -0.5)
+        if out.shape != want_out.shape or lse.shape != want_lse.shape:
+            return f"it gave out {tuple(out.shape)} and lse {tuple(lse.shape)} for {where}"
+        rel = ((out.float() - want_out.float()).norm() / want_out.float().norm().clamp_min(1e-6)).item()
+        lse_error = (lse.float() - want_lse.float()).abs().max().item()
+        if not (rel <= CHECK_TOLERANCE[0] and lse_error <= CHECK_TOLERANCE[1]):
+            return f"it computed {where} wrong (out rel {rel:.2e}, lse {lse_error:.2e} from the flash kernel)"
+    return None
 
 
 def _cpu_flash(q, k, v, scale):

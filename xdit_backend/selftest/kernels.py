@@ -1,7 +1,8 @@
 """The selftest's first sections: what this machine has, and the local attention kernels.
 
 The kernels are checked against a float64 reference on the CPU: out and log-sum-exp, every dtype
-the backend computes in, head dims up to 256, a text-like and an image-like shape. The ring is then
+the backend computes in, head dims up to 256, a text-like and an image-like shape; on a GPU also the shapes
+sequence parallelism makes (attention.CUDNN_CASES) and one compiled call. The ring is then
 simulated on one GPU: the K/V cut into chunks, each through our kernel, combined with yunchang's own
 ``update_out_and_lse``, the same merge its ring runs between ranks, so its LSE convention is checked
 without NCCL.
@@ -56,11 +57,12 @@ def environment(ctx: Context, checks: Checks) -> None:
 
 
 def _reference(q, k, v, scale):
-    """float64 attention on the CPU: out [B, Sq, H, D], lse [B, H, Sq]."""
-    q, k, v = (t.double().cpu().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    """float64 attention on the inputs' device (the largest cases take seconds on a CPU), returned on the CPU:
+    out [B, Sq, H, D], lse [B, H, Sq]."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
     scores = q @ k.transpose(-1, -2) * scale  # [B, H, Sq, Sk]
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
-    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2), lse
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).cpu(), lse.cpu()
 
 
 def _inputs(ctx, sq, sk, d, dtype, seed):
@@ -99,6 +101,33 @@ def attention_kernels(ctx: Context, checks: Checks) -> None:
                 errors[0], errors[1] = max(errors[0], rel), max(errors[1], lse_err)
     checks.record(**{f"{name}_worst_out_rel": e[0] for name, e in worst.items()},
                   **{f"{name}_worst_lse_abs": e[1] for name, e in worst.items()})
+    if not ctx.quick:
+        _sequence_parallel_shapes(ctx, checks, kernel)
+
+
+def _sequence_parallel_shapes(ctx: Context, checks: Checks, kernel) -> None:
+    """The shapes sequence parallelism hands the kernel (attention.CUDNN_CASES: a 1008² Flux share whole and
+    halved, D = 72, an odd key count, zero-padded heads) in bfloat16 against float64, and one of them through
+    torch.compile (what a compiled sequence-parallel block runs) against the eager call."""
+    out_tol, lse_tol = TOLERANCE[torch.bfloat16]
+    generator = torch.Generator().manual_seed(3)
+    for sq, sk, heads, zero_heads, d in attention.CUDNN_CASES:
+        q, k, v = (torch.randn(1, s, heads, d, generator=generator) for s in (sq, sk, sk))  # [B, S, H, D]
+        for t in (q, k, v):
+            t[:, :, heads - zero_heads:] = 0  # ulysses' padded heads
+        q, k, v = (t.to(ctx.device, torch.bfloat16) for t in (q, k, v))
+        out, lse = kernel(q, k, v)
+        ref_out, ref_lse = _reference(q, k, v, d ** -0.5)
+        rel = ((out.double().cpu() - ref_out).norm() / ref_out.norm()).item()
+        lse_err = (lse.double().cpu() - ref_lse).abs().max().item()
+        checks.expect(rel <= out_tol and lse_err <= lse_tol, f"bfloat16 {sq}×{sk}, {heads} heads ({zero_heads} zero), "
+                      f"D={d}: out rel {rel:.2e} (≤ {out_tol:g}), lse {lse_err:.2e} (≤ {lse_tol:g})")
+    compiled_out, compiled_lse = torch.compile(kernel, fullgraph=True)(q, k, v)  # the last case
+    rel = ((compiled_out.float() - out.float()).norm() / out.float().norm()).item()
+    lse_err = (compiled_lse - lse).abs().max().item()
+    checks.record(compiled_vs_eager_out_rel=rel, compiled_vs_eager_lse_abs=lse_err)
+    checks.expect(rel <= out_tol and lse_err <= lse_tol, f"compiled attention: out rel {rel:.2e} from eager, "
+                                                          f"lse {lse_err:.2e}")
 
 
 def ring(ctx: Context, checks: Checks) -> None:
