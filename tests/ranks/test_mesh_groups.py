@@ -153,3 +153,34 @@ def test_on_cuda_the_step_cache_decides_over_a_gloo_group(monkeypatch):
     assert [(ranks, backend) for ranks, backend, _ in steps] == [((0, 1), "gloo"), ((2, 3), "gloo")]
     assert layout.step_group.name == steps[1][2]  # rank 2's
     assert all(backend == "nccl" for _, backend, name in given if not name.startswith("step_cache"))
+
+
+def test_every_group_of_a_layout_is_connected_at_build_in_creation_order(monkeypatch):
+    """Review gpu-paths-2 B2 and B12: NCCL connects a group's ranks at its first operation, blocking the host;
+    so each rank runs one operation on each of its groups when the layout is built (its axes, the flattened
+    sequence group, the shard group, its PipeFusion links), in the order every rank created them, never
+    first inside a request whose receives are posted ahead. World 8, rank 0: pipefusion 2 × ring 2 × ulysses 2."""
+    names = {}
+
+    def new_group(ranks, timeout, backend, pg_options, group_desc):
+        group = SimpleNamespace(name=group_desc)
+        names[id(group)] = group_desc
+        return group
+
+    class Options:
+        _timeout = None
+
+    walks = []
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.setattr(MeshCache, "_connect", lambda self, walk: walks.append(
+        [(op.__name__, group.name, peer) for op, group, peer in walk]))
+    monkeypatch.setattr(mesh.DeviceMesh, "from_group", staticmethod(lambda group, device_type, mesh_dim_names: group))
+    MeshCache("cuda", TIMEOUT).get(ParallelConfig(pipefusion=2, ring=2, ulysses=2, shard_weights=True))
+    assert walks == [
+        [("all_reduce", "mesh_pipefusion_0_4", None), ("all_reduce", "mesh_ring_0_2", None),
+         ("all_reduce", "mesh_ulysses_0_1", None), ("all_reduce", "sequence_0_1_2_3", None),
+         ("isend", "pipefusion_link_0_to_4", 4), ("irecv", "pipefusion_link_4_to_0", 4)],
+        [("all_reduce", "shard_0_1_2_3", None)],  # built on the first request that asks for it, by every rank
+    ]

@@ -146,8 +146,14 @@ class MeshCache:
             built.sequence_group = self._own_group(built, slices(ranks, ("ring", "ulysses")), "sequence")
         elif config.sequence > 1:
             built.sequence_group = built.groups["ring" if config.ring > 1 else "ulysses"]
+        own = list(built.groups.values())
+        if built.sequence_group is not None and all(built.sequence_group is not g for g in own):
+            own.append(built.sequence_group)  # ring × ulysses (else it is the ring or the ulysses group)
+        walk = [(dist.all_reduce, group, None) for group in own]
         if config.pipefusion > 1:
-            built.links = self._links(built)
+            built.links = self._links(built, walk)
+        else:
+            self._connect(walk)
         return built
 
     def _own_group(self, built: _Built, members: list[list[int]], name: str, device_type: str | None = None):
@@ -184,12 +190,14 @@ class MeshCache:
         (world 4, pipefusion=2 × ulysses=2: [0, 1] hold stage 0, [2, 3] stage 1; without PipeFusion, all)."""
         same_blocks = tuple(axis for axis in AXES if axis != "pipefusion")
         group = self._own_group(built, slices(built.ranks, same_blocks), "shard")
+        self._connect([(dist.all_reduce, group, None)])  # FSDP2's first all-gather must not be its connection
         return DeviceMesh.from_group(group, self.device_type, mesh_dim_names=("shard",))
 
-    def _links(self, built: _Built) -> Links:
+    def _links(self, built: _Built, walk: list) -> Links:
         """Every rank creates every link group, in ``link_ranks`` order, and keeps its own two (it is
-        the sender of one link and the receiver of one); then the links are connected (``_connect``)."""
-        me, incoming, outgoing, walk = dist.get_rank(), None, None, []
+        the sender of one link and the receiver of one); then ``walk`` (the layout's own groups) and the
+        links are connected (``_connect``)."""
+        me, incoming, outgoing = dist.get_rank(), None, None
         for sender, receiver in link_ranks(built.ranks):
             group = self._new_group([sender, receiver], f"pipefusion_link_{sender}_to_{receiver}")
             if me == sender:
@@ -204,16 +212,23 @@ class MeshCache:
         return Links(incoming, outgoing)
 
     def _connect(self, walk: list) -> None:
-        """One element over each of this rank's links, in ``link_ranks`` order, waiting for each.
+        """One element over each of this rank's groups, in the order they were created, waiting for each:
+        an all-reduce over a layout's own groups (``(dist.all_reduce, group, None)``), a send or receive over
+        its PipeFusion links (``(dist.isend | dist.irecv, group, peer)``, in ``link_ranks`` order).
 
-        NCCL connects two ranks of a group at their first send/receive, and the first rank there
-        blocks on the host until the other arrives (NVIDIA/nccl#783). PipeFusion's first ops are
-        receives posted ahead (stage 0's from the last stage, which sends only once it has received):
-        left to them, the first request on two GPUs would hang with no timeout. Walked in one global
-        order, each link's two ranks meet before either goes on, so the walk cannot deadlock (gloo
-        connects at group creation: on the CPU it only costs the messages)."""
+        NCCL connects the ranks of a group at their first operation, and the first rank there blocks on
+        the host until the others arrive (NVIDIA/nccl#783). PipeFusion's first ops are receives posted
+        ahead (stage 0's from the last stage, which sends only once it has received): left to them, the
+        first request on two GPUs would hang with no timeout (review gpu-paths-2 B2); and a rank whose
+        receives are posted must not then block the device in a connection of its shard or sequence group
+        (B12). Each rank walks its groups in the global order of their creation, so the walk cannot
+        deadlock: the earliest group anyone waits in has every member at it (gloo connects at group
+        creation: on the CPU it only costs the messages)."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
         for op, group, peer in walk:
+            if op is dist.all_reduce:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+                continue
             for work in dist.batch_isend_irecv([dist.P2POp(op, torch.zeros(1, device=device), peer, group)]):
                 work.wait()
 
