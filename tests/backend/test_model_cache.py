@@ -63,6 +63,37 @@ def test_a_model_that_cannot_fit_is_refused_before_loading_and_nothing_is_evicte
     assert loaded(executor) == ["bfloat16"]
 
 
+def test_a_request_too_large_for_the_loaded_model_is_refused_before_it_runs(monkeypatch):
+    """Issue 25 (1): every request is sized, not only the one that loads the model: with room for flux-tiny
+    and a 64² request, a 512² request on the loaded model is refused (its activations named, nothing run), the
+    model stays loaded, and a 64² request runs again."""
+    from xdit_backend.memory.fit import needed, request_shape
+    from xdit_backend.models.resolved import resolve_model
+
+    spec = registry.spec("flux-tiny")
+    positive, _ = registry.random_conditioning("flux-tiny", 1, 1, spec)
+
+    def request(side: int) -> SampleRequest:
+        return SampleRequest.parse(Message("sample", {**SMALL, "width": side, "height": side, "steps": 1}, positive))
+
+    def estimate(side: int):
+        tokens, rows = request_shape(request(side), spec, positive["context"].shape[1])
+        return needed(resolve_model("flux-tiny"), torch.float32, "default", 1, None, tokens, rows)
+
+    small, large = estimate(64), estimate(512)
+    monkeypatch.setenv(TEST_BUDGET_ENV, str(small.total + (large.total - small.total) // 2))
+    executor = Executor(Runtime(0, 1, 0, torch.device("cpu"), None, 0.0, timedelta(seconds=30)))
+    executor.generate(request(64), lambda done, total: True)
+    with pytest.raises(NotEnoughMemory) as refused:
+        executor.generate(request(512), lambda done, total: pytest.fail("the refused request ran a step"))
+    message = refused.value.message
+    assert message.startswith("rank 0 cannot run this request on flux-tiny, which it holds: the request needs ")
+    assert "activations" in message and message.endswith("nothing was run")
+    assert "smaller size" in refused.value.hint
+    assert loaded(executor) == ["float32"]
+    executor.generate(request(64), lambda done, total: True)
+
+
 def test_every_rank_refuses_at_once_and_the_backend_keeps_serving(backends, monkeypatch):
     """All ranks agree before loading: no rank waits out a collective timeout for one that refused."""
     monkeypatch.setenv(TEST_BUDGET_ENV, str(model_bytes(torch.float32) // 2))
@@ -122,3 +153,44 @@ def test_auto_shards_the_weights_when_only_a_share_fits(backends, monkeypatch):
     assert info["layout"].startswith("ulysses=2") and "weights sharded 2 ways" in info["layout"], info["layout"]
     serial = serial_latent(fields, positive)
     torch.testing.assert_close(tensors["samples"], serial, rtol=1e-4, atol=1e-5)
+
+
+def test_on_the_cpu_the_ranks_of_a_host_share_its_memory(monkeypatch):
+    """Issue 25 (3): CPU ranks share the host's available memory, so each counts on its share: a model and
+    request that fit in what is available are refused to each of two ranks on the host when they do not fit
+    in half of it."""
+    from xdit_backend import device as device_memory
+    from xdit_backend.memory.fit import needed, request_shape
+    from xdit_backend.models.resolved import resolve_model
+
+    spec = registry.spec("flux-tiny")
+    positive, _ = registry.random_conditioning("flux-tiny", 1, 1, spec)
+    request = SampleRequest.parse(Message("sample", {**SMALL, "steps": 1}, positive))
+    tokens, rows = request_shape(request, spec, positive["context"].shape[1])
+    need = needed(resolve_model("flux-tiny"), torch.float32, "default", 1, None, tokens, rows).total
+    monkeypatch.delenv(TEST_BUDGET_ENV, raising=False)
+    monkeypatch.setattr(device_memory, "free_and_total", lambda device: (need * 3 // 2, 10 * need))
+    alone = Executor(Runtime(0, 1, 0, torch.device("cpu"), None, 0.0, timedelta(seconds=30)))
+    alone.generate(request, lambda done, total: True)
+    shared = Executor(Runtime(0, 1, 0, torch.device("cpu"), None, 0.0, timedelta(seconds=30), local_world_size=2))
+    with pytest.raises(NotEnoughMemory, match="rank 0 cannot load flux-tiny"):
+        shared.generate(request, lambda done, total: True)
+
+
+def test_a_cpu_allocation_failure_is_reported_as_running_out_of_memory(monkeypatch):
+    """Issue 25 (3): the CPU allocator's RuntimeError gets the readable out-of-memory message a GPU's has."""
+    failed = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                          "tried to allocate 41943040000 bytes. Error code 12 (Cannot allocate memory)")
+    executor = Executor(Runtime(0, 1, 0, torch.device("cpu"), None, 0.0, timedelta(seconds=30)))
+
+    def allocate(request, after_step):
+        raise failed
+
+    monkeypatch.setattr(executor, "_generate", allocate)
+    with pytest.raises(NotEnoughMemory) as error:
+        executor.generate(None, lambda done, total: True)
+    assert error.value.message.startswith("rank 0 ran out of memory (RuntimeError: [enforce fail at alloc_cpu.cpp:117]")
+    assert "GB available of" in error.value.message and "shard_weights" in error.value.hint
+    monkeypatch.setattr(executor, "_generate", lambda request, after_step: torch.ones(2, 3) @ torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # any other error is left as it is
+        executor.generate(None, lambda done, total: True)

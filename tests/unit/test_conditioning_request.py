@@ -188,3 +188,28 @@ def test_the_cli_sends_each_reference_latent_file_in_order(tmp_path):
     args = cli.build_parser().parse_args([*argv, "--reference-latent", str(tmp_path / "c.safetensors")])
     with pytest.raises(SystemExit, match="c.safetensors holds neither 'samples' nor 'latent'"):
         cli.sample_tensors(args)
+
+
+def test_the_references_tokens_are_counted_for_the_fit_check():
+    """Issue 25 (7): a reference latent's tokens join the sequence, so the fit check counts them (the side with
+    the most; a negative side without its own has the positive's)."""
+    from xdit_backend.memory.fit import request_shape
+
+    rows, columns = SPEC.patch[1], SPEC.patch[2]
+    plain = SampleRequest.parse(Message("sample", FIELDS, side()))
+    with_references = SampleRequest.parse(Message("sample", FIELDS, side(
+        reference_0=torch.randn(2, 16, 4 * rows, 2 * columns), reference_1=torch.randn(2, 16, rows, columns))))
+    assert plain.reference_tokens(SPEC) == 0 and with_references.reference_tokens(SPEC) == 8 + 1
+    assert request_shape(with_references, SPEC, 5)[0] == request_shape(plain, SPEC, 5)[0] + 9
+    negative_only = SampleRequest.parse(Message("sample", FIELDS, {
+        **side(), **side("negative_", reference_0=torch.randn(2, 16, 6 * rows, 2 * columns))}))
+    assert negative_only.reference_tokens(SPEC) == 12
+
+
+def test_a_reference_larger_than_the_largest_image_is_refused():
+    largest = schema.MAX_SIDE // SPEC.vae_factor
+    step = SPEC.patch[1]
+    with pytest.raises(RequestError, match=rf"reference_0 is {largest + step}×{step} latent pixels .*; a reference may "
+                                           rf"be at most {largest}×{largest}") as info:
+        conditioning(side(reference_0=torch.randn(2, 16, largest + step, step)))
+    assert "scale the reference image down" in info.value.hint

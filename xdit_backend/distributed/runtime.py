@@ -37,6 +37,7 @@ class Runtime:
     timeout: timedelta  # every collective's bound, the mesh groups' included (--collective-timeout)
     topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
     mixed_gpus: bool = False  # the ranks hold different GPU models: ancestral noise from the CPU (noise.StepNoise)
+    local_world_size: int = 1  # the ranks on this host, which share its memory when they compute on the CPU
 
 
 def start_runtime(options: LaunchOptions) -> Runtime:
@@ -73,7 +74,8 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     timeout = timedelta(seconds=options.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout)
+    rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout,
+                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return replace(rt, topology=probe(rt, peer, nccl_note, options.topology_probe))
 
 

@@ -29,6 +29,9 @@ FIXES = ("in order: turn on shard_weights (each rank keeps 1/N of every block: -
          "xDiT Parallel Config node's shard_weights), use an fp8 or GGUF file or weight_dtype fp8_e4m3fn (1 byte a "
          "weight), then more GPUs; a smaller size or batch lowers the activations")
 
+ACTIVATION_FIXES = ("a smaller size, batch or frame count, or fewer reference images; or more sequence-parallel "
+                    "ranks (ulysses, ring: each holds a share of the tokens)")
+
 
 class NotEnoughMemory(UserError):
     """A rank's device cannot hold what a request needs: before loading, or an out-of-memory while running."""
@@ -39,14 +42,21 @@ def budget() -> int | None:
     return int(value) if value else None
 
 
-def available(device: torch.device, held: int) -> int:
-    """Bytes this rank can still allocate on ``device``; ``held``: what its loaded models hold."""
+def available(device: torch.device, held: int, sharing: int = 1) -> int:
+    """Bytes this rank can still allocate on ``device``; ``held``: what its loaded models hold; ``sharing``: the
+    ranks on this host, which on the CPU share its memory (each counts on its share of what is available)."""
     if budget() is not None:
         return budget() - held
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return device_memory.free_and_total(device)[0]
+    return device_memory.free_and_total(device)[0] // sharing
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation: CUDA's, Python's, or the CPU allocator's (a RuntimeError, "can't allocate memory")."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def needed(model: ResolvedModel, compute_dtype: torch.dtype, weight_dtype: str, shard_ranks: int, config,
@@ -86,13 +96,15 @@ def tightest_room(records: list[dict]) -> int:
 
 
 def request_shape(request, spec, text_tokens: int) -> tuple[int, int]:
-    """(tokens per rank, rows per forward) of a request under its layout: the joint sequence cut by
-    the sequence-parallel degree; the batch, doubled when CFG's two passes share a forward, cut by dp."""
+    """(tokens per rank, rows per forward) of a request under its layout: the joint sequence (image, text and
+    reference latents' tokens) cut by the sequence-parallel degree; the batch, doubled when CFG's two passes
+    share a forward, cut by dp."""
     config = request.parallel
     sequence = config.sequence if config else 1
     image_tokens, _ = spec.token_grid(request.width, request.height, request.frames)
+    tokens = image_tokens + text_tokens + request.reference_tokens(spec)
     rows = request.batch * (2 if request.cfg != 1 and (config is None or config.cfg == 1) else 1)
-    return math.ceil((image_tokens + text_tokens) / sequence), math.ceil(rows / (config.dp if config else 1))
+    return math.ceil(tokens / sequence), math.ceil(rows / (config.dp if config else 1))
 
 
 def eviction_plan(need: int, free: int, loaded: list[tuple[object, int]]) -> list | None:
@@ -108,8 +120,17 @@ def eviction_plan(need: int, free: int, loaded: list[tuple[object, int]]) -> lis
 
 
 def refusal(verdict: dict) -> NotEnoughMemory:
-    """The error every rank raises when ``verdict``'s rank cannot load the model (the same on all)."""
+    """The error every rank raises when ``verdict``'s rank cannot load the model, or cannot run the request on
+    the model it holds (``verdict["loaded"]``): the same on all."""
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    if verdict.get("loaded"):
+        return NotEnoughMemory(
+            f"rank {verdict['rank']} cannot run this request on {verdict['model']}, which it holds: the request needs "
+            f"{gb(verdict['needed'])} more (activations {gb(verdict['activations'])} + attention workspace "
+            f"{gb(verdict['workspace'])} + weights gathered or upcast a block at a time "
+            f"{gb(verdict['needed'] - verdict['activations'] - verdict['workspace'])}) and "
+            f"{gb(verdict['free'] + verdict['evictable'])} can be had on {verdict['device']} ({gb(verdict['free'])} "
+            f"free + {gb(verdict['evictable'])} by unloading the other models); nothing was run", ACTIVATION_FIXES)
     return NotEnoughMemory(
         f"rank {verdict['rank']} cannot load {verdict['model']}: it needs {gb(verdict['needed'])} (weights "
         f"{gb(verdict['weights'])} + activations {gb(verdict['activations'])} + attention workspace "

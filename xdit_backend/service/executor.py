@@ -145,25 +145,25 @@ class Executor:
             torch.cuda.empty_cache()
 
     def make_room(self, model: ResolvedModel, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
-        """Before loading: every rank checks that the model and the request's activations fit its
-        device, counting what evicting least-recently-used models would free; the ranks agree (one
-        small gather on the control group, every request), then evict, or all raise the refusal of
-        the first rank that cannot fit (nothing loaded, nothing evicted)."""
-        verdict, plan = None, []
-        if key not in self.cache.entries:
-            config = request.parallel
-            shard_ranks = len(key.shard_ranks) or 1
-            tokens, rows = memory_fit.request_shape(request, model.spec, text_tokens)
-            estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
-                                         config, tokens, rows)
-            free = memory_fit.available(self.rt.device, self.held_bytes())
-            loaded = [(k, e.bytes) for k, e in self.cache.entries.items()]
-            plan = memory_fit.eviction_plan(estimate.total, free, loaded)
-            if plan is None:
-                verdict = {"rank": self.rt.rank, "model": model.name, "device": str(self.rt.device),
-                           "needed": estimate.total,
-                           "weights": estimate.weights, "activations": estimate.activations,
-                           "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in loaded)}
+        """Before anything is allocated, on every request: every rank checks that the request's activations
+        (its size, batch, frames and reference latents) and, when the model is not loaded yet, its weights
+        fit its device, counting what evicting other least-recently-used models would free; the ranks agree
+        (one small gather on the control group), then evict, or all raise the refusal of the first rank that
+        cannot fit (nothing loaded, evicted or run)."""
+        shard_ranks = len(key.shard_ranks) or 1
+        tokens, rows = memory_fit.request_shape(request, model.spec, text_tokens)
+        estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
+                                     request.parallel, tokens, rows)
+        holds = key in self.cache.entries  # its resident weights are held already
+        need = estimate.total - (estimate.weights_resident if holds else 0)
+        free = memory_fit.available(self.rt.device, self.held_bytes(), self.rt.local_world_size)
+        others = [(k, e.bytes) for k, e in self.cache.entries.items() if k != key]
+        plan = memory_fit.eviction_plan(need, free, others)
+        verdict = None
+        if plan is None:
+            verdict = {"rank": self.rt.rank, "model": model.name, "device": str(self.rt.device), "loaded": holds,
+                       "needed": need, "weights": estimate.weights, "activations": estimate.activations,
+                       "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in others)}
         verdicts = gather_json(verdict, self.rt.control) if self.rt.world_size > 1 else [verdict]
         refused = next((v for v in verdicts if v), None)
         if refused:
@@ -180,7 +180,9 @@ class Executor:
         released by agreement.agree_on_failure)."""
         try:
             return self._generate(request, after_step)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
+        except Exception as exc:
+            if not memory_fit.is_out_of_memory(exc):
+                raise
             traceback.clear_frames(exc.__traceback__)  # its frames hold the request's tensors: release_memory frees them
             raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
         finally:

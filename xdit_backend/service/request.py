@@ -225,6 +225,16 @@ class SampleRequest:
                                f"send {', '.join(takes)}")
         return side
 
+    def reference_tokens(self, spec) -> int:
+        """The most tokens the reference latents add to one side's sequence (a reference [B, C, h, w] is
+        h · w / the patch's area tokens; the negative side has the positive's unless it sent its own)."""
+        def tokens(prefix: str) -> int:
+            return sum(t.shape[-2] // spec.patch[1] * (t.shape[-1] // spec.patch[2])
+                       for name, t in self.tensors.items()
+                       if name.startswith(prefix) and REFERENCE.fullmatch(name.removeprefix(prefix)))
+
+        return max(tokens(""), tokens("negative_"))
+
     def _references(self, spec, prefix: str, given: dict) -> dict[str, torch.Tensor]:
         """reference_0 … reference_{n-1} [B, C, h, w]: the latent channels, h and w multiples of the patch."""
         names = sorted((int(m.group(1)), key) for key in given if (m := REFERENCE.fullmatch(key)))
@@ -244,8 +254,15 @@ class SampleRequest:
                                f"(got {', '.join(key for _, key in names)})",
                                "send reference_0, reference_1, … in order")
         channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+        largest = schema.MAX_SIDE // spec.vae_factor  # latent rows or columns of the largest image a request may ask
         for _, key in names:
             shape = tuple(given[key].shape)
+            if len(shape) == 4 and max(shape[2:]) > largest:
+                raise RequestError(f"{prefix}{key} is {shape[2]}×{shape[3]} latent pixels ({shape[2] * spec.vae_factor}"
+                                   f"×{shape[3] * spec.vae_factor} image pixels); a reference may be at most "
+                                   f"{largest}×{largest} ({schema.MAX_SIDE} pixels a side, as the image asked for)",
+                                   "scale the reference image down before encoding it (FluxKontextImageScale, "
+                                   "ImageScaleToTotalPixels)")
             if (len(shape) != 4 or shape[:2] != (self.batch, channels) or not shape[2] or not shape[3]
                     or shape[2] % rows or shape[3] % columns):
                 raise RequestError(f"{prefix}{key} has shape {list(shape)}; a {spec.family} reference latent is "
