@@ -67,3 +67,29 @@ def test_a_lora_outside_the_root_is_refused(confined, files):
 def test_without_roots_every_path_is_allowed(files):
     assert paths.inside_roots(str(files[1] / "flux.safetensors"), ())
     assert not paths.inside_roots(str(files[0] / "escape.safetensors"), (str(files[0]),))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "loop"])
+def test_a_model_or_lora_path_that_is_no_file_is_refused_without_blocking(confined, files, kind):
+    """Issue 25 (4, 11): a FIFO would block rank 0's loop at its first read (the client's timeout and cancel with
+    it); a symlink loop came back as a RuntimeError. Both are refused by what they are, before any read."""
+    import os
+    import re
+
+    root = files[0]
+    path = root / f"odd-{kind}.safetensors"
+    if not path.exists() and not path.is_symlink():
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to(root / f"odd-{kind}-2.safetensors")
+            (root / f"odd-{kind}-2.safetensors").symlink_to(path)
+    said = "a FIFO (named pipe)" if kind == "fifo" else "a symlink loop"
+    with pytest.raises(BackendError, match=re.escape(f"model {path} is {said}, not a file or folder")) as info:
+        confined.sample({**FIELDS, "model": str(path)}, conditioning(), timeout=30)
+    assert info.value.kind == "bad_request"
+    lora = {**FIELDS, "model": str(root / "flux.safetensors"), "loras": [{"path": str(path), "strength": 1.0}]}
+    with pytest.raises(BackendError, match=re.escape(f"LoRA {path} is {said}")):
+        confined.sample(lora, conditioning(), timeout=30)
+    result, _ = confined.sample({**FIELDS, "model": str(root / "flux.safetensors")}, conditioning())  # still serving
+    assert torch.isfinite(result["samples"]).all()

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from ..errors import UserError
 from .checkpoint import TensorSource
+from .file_kind import not_a_file
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
 _UP = ("lora_B.weight", "lora_up.weight")
@@ -215,6 +216,10 @@ def parse(entries: list) -> list[LoraSpec]:
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
             raise UserError(f"LoRA strength {strength!r} must be a number in -10..10")
         path = Path(entry["path"]).expanduser()
+        odd = not_a_file(str(path))
+        if odd:
+            raise UserError(f"LoRA {entry['path']} is {odd}, not a file that can be read",
+                            "give the path of a LoRA file (.safetensors; ComfyUI keeps them in models/loras)")
         if not path.is_file():
             raise UserError(f"no LoRA file at {entry['path']}", "ComfyUI keeps them in models/loras")
         specs.append(LoraSpec(str(path.resolve()), float(strength)))
