@@ -168,8 +168,8 @@ def test_a_lora_patches_a_model_on_a_gpu(tmp_path, monkeypatch):
                "transformer_blocks.1.attn.to_k.lora_B.weight": k_up}
     path = tmp_path / "gpu.safetensors"
     save_file(tensors, str(path))
-    files = {str(path): lora.load_file(str(path))}  # read here, as real CPU tensors (the fake mode cannot read files)
-    monkeypatch.setattr(lora, "load_file", files.__getitem__)
+    files = {str(path): lora.read_pairs(str(path))}  # read and checked here, as real CPU tensors (the fake mode
+    monkeypatch.setattr(lora, "read_pairs", files.__getitem__)  # can neither read files nor look at values)
     cuda = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = registry.build("flux-tiny", cuda, torch.bfloat16, loras=[LoraSpec(str(path), 0.8)])
@@ -177,3 +177,38 @@ def test_a_lora_patches_a_model_on_a_gpu(tmp_path, monkeypatch):
     assert model.lora_reports[0]["merged_modules"] == 2 and model.lora_reports[0]["unmatched_keys"] == 0
     merged = [weights[f"transformer_blocks.{key}.weight"] for key in ("0.attn.to_q", "1.attn.to_k")]
     assert all(w.device == cuda and w.dtype == torch.bfloat16 for w in merged)
+
+
+PEFT_Q = "transformer.transformer_blocks.0.attn.to_q"
+
+
+@pytest.mark.parametrize("tensors, says", [
+    ({f"{PEFT_Q}.lora_A.weight": torch.randn(2, WIDTH), f"{PEFT_Q}.lora_B.weight": torch.randn(WIDTH, 3)},
+     f"{PEFT_Q}: A is [2, {WIDTH}] and B [{WIDTH}, 3]; a LoRA's A is [rank, inputs] and B [outputs, rank], of the "
+     "same rank of at least 1"),
+    ({f"{PEFT_Q}.lora_A.weight": torch.randn(0, WIDTH), f"{PEFT_Q}.lora_B.weight": torch.randn(WIDTH, 0)},
+     f"{PEFT_Q}: A is [0, {WIDTH}] and B [{WIDTH}, 0]; a LoRA's A is [rank, inputs] and B [outputs, rank], of the "
+     "same rank of at least 1"),
+    ({f"{PEFT_Q}.lora_A.weight": torch.randn(2, WIDTH), f"{PEFT_Q}.lora_B.weight": torch.randn(WIDTH, 2),
+      f"{PEFT_Q}.alpha": torch.ones(3)}, f"{PEFT_Q}: alpha has 3 values (shape [3]); it is one number"),
+    ({f"{PEFT_Q}.lora_A.weight": torch.randn(2, WIDTH + 8), f"{PEFT_Q}.lora_B.weight": torch.randn(WIDTH, 2)},
+     f"{PEFT_Q} does not fit the layer it names: A is [2, {WIDTH + 8}] and B [{WIDTH}, 2], and "
+     f"transformer_blocks.0.attn.to_q is a Linear of {WIDTH} inputs and {WIDTH} outputs"),
+    ({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, WIDTH),
+      "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(2 * WIDTH, 2)},
+     "lora_unet_double_blocks_0_img_attn_qkv does not fit the layer it names: A is [2, 64] and B [128, 2], and "
+     "transformer_blocks.0.attn.to_v is a Linear of 64 inputs and 64 outputs (rows 128–192 of the fused "
+     "double_blocks.0.img_attn.qkv.weight)"),
+    ({f"{PEFT_Q}.lora_A.weight": torch.full((2, WIDTH), float("nan")), f"{PEFT_Q}.lora_B.weight": torch.randn(WIDTH, 2)},
+     f"{PEFT_Q}: A holds {2 * WIDTH} NaN or infinite values of {2 * WIDTH}"),
+], ids=["ranks-differ", "rank-zero", "alpha-not-a-number", "wrong-width", "fused-too-short", "not-finite"])
+def test_a_malformed_lora_is_refused_at_load_naming_the_file_the_key_and_the_shapes(tmp_path, tensors, says):
+    """Issue 25 (10): these failed mid-run with raw errors (mat1 and mat2 shapes cannot be multiplied, only one
+    element tensors…, float division by zero) or were reported only as matching nothing."""
+    from xdit_backend.errors import UserError
+
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(UserError) as error:
+        registry.build("flux-tiny", torch.device("cpu"), loras=[LoraSpec(str(path), 1.0)])
+    assert error.value.message == f"LoRA {path}: {says}"

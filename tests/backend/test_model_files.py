@@ -176,6 +176,23 @@ def test_truncated_file_is_named(tiny, tmp_path):
     assert str(path) in info.value.message and "truncated" in info.value.hint
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_file_with_non_finite_weights_is_refused_at_load_naming_the_tensor(tiny, tmp_path, stored):
+    """Issue 25 (9): NaN weights (in fp8: kept as stored, NaN once upcast) gave a NaN latent as a success."""
+    weights = {key: value.to(stored) if value.dim() == 2 else value for key, value in
+               bfl_state_dict(tiny.transformer).items()}
+    broken = weights["double_blocks.0.img_mlp.0.weight"].float()
+    broken[3, 5] = float("nan")
+    weights["double_blocks.0.img_mlp.0.weight"] = broken.to(stored)
+    path = tmp_path / "nan.safetensors"
+    save_file(weights, str(path))
+    with pytest.raises(ModelError) as info:
+        registry.build(str(path), torch.device("cpu"))
+    assert info.value.message == (f"{path}: 1 tensors hold NaN or infinite values once loaded "
+                                  "(transformer_blocks.0.ff.net.0.proj.weight)")
+    assert "re-download" in info.value.hint
+
+
 def test_shapes_matching_no_variant_are_named(tiny, tmp_path):
     weights = bfl_state_dict(tiny.transformer)
     weights["double_blocks.0.img_mlp.0.weight"] = torch.zeros(100, 64)

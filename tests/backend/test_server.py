@@ -216,3 +216,15 @@ def test_an_idle_connection_is_closed_but_one_waiting_for_its_request_is_not():
             waiting.recv(1)
     finally:
         server.close()
+
+
+def test_a_result_with_non_finite_values_is_an_error_not_a_latent(backend1):
+    """Issue 25 (9): an input whose values overflow the computation (here a latent of 1e30s to start from: inputs
+    with NaN or inf are refused when the request is read) gave a NaN latent as a success."""
+    latent = torch.full((1, 16, 8, 8), 1e30)
+    with pytest.raises(BackendError) as error:
+        backend1.sample({**SMALL, "denoise": 0.5}, {"latent": latent})
+    assert error.value.kind == "model_error"
+    assert error.value.message == "the result holds 1024 NaN and 0 infinite values of 1024; nothing is returned" and "NaN or infinite" in error.value.hint
+    result, _ = backend1.sample(SMALL)  # still serving
+    assert torch.isfinite(result["samples"]).all()

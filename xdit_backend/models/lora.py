@@ -43,7 +43,8 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class Pair:
-    """One LoRA module of a file: A [r, in], B [out, r] on the device in the compute dtype; α/r."""
+    """One LoRA module of a file: A [r, in], B [out, r] (read: on the CPU as stored; kept: on the device in the
+    compute dtype); α/r."""
 
     down: torch.Tensor
     up: torch.Tensor
@@ -65,26 +66,9 @@ class LoraFiles:
         return self.files[key]
 
     def _read(self, path: str, dtype: torch.dtype) -> dict[str, Pair | None]:
-        try:
-            tensors = load_file(path)  # on the CPU; each pair moves to the device and casts there
-        except Exception as exc:
-            raise UserError(f"LoRA {path} is not a readable safetensors file ({exc})",
-                            "check the path and the file (an interrupted download?)") from None
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            suffix = next((s for s in (*_DOWN, *_UP, "alpha") if key.endswith("." + s)), None)
-            module = key[: -len(suffix) - 1] if suffix else key
-            parts.setdefault(module, {})[suffix or "unknown"] = tensor
-        modules: dict[str, Pair | None] = {}
-        for module, found in parts.items():
-            down = next((found[k] for k in _DOWN if k in found), None)  # A: [r, in]
-            up = next((found[k] for k in _UP if k in found), None)  # B: [out, r]
-            if down is None or up is None or down.dim() != 2 or up.dim() != 2:
-                modules[module] = None
-                continue
-            scale = float(found["alpha"]) / down.shape[0] if "alpha" in found else 1.0
-            modules[module] = Pair(down.to(self.device, dtype), up.to(self.device, dtype), scale)
-        return modules
+        return {module: None if pair is None else Pair(pair.down.to(self.device, dtype), pair.up.to(self.device, dtype),
+                                                       pair.scale)
+                for module, pair in read_pairs(path).items()}
 
     def keep_only(self, in_use: set[tuple]) -> None:
         """Drop the files no loaded model carries; ``in_use``: (path, mtime, dtype) keys."""
@@ -147,10 +131,13 @@ class Patches:
             merged, unmatched = 0, []
             for module, pair in files.modules(lora.path, self.dtype).items():
                 targets = self._targets(_strip(module)) if pair is not None else []
-                found = [] if not targets else self._bands(pair, targets)
-                if found is None or not targets:
+                if not targets:
                     unmatched.append(module)
                     continue
+                found = self._bands(pair, targets)
+                if isinstance(found, str):
+                    raise UserError(f"LoRA {lora.path}: {module} does not fit the layer it names: {found}",
+                                    "use a LoRA made for this model (its variant and size)")
                 for name, up in found:
                     adapters.setdefault(name, []).append((pair.down, up, pair.scale, strength))
                 merged += 1
@@ -166,18 +153,63 @@ class Patches:
         original = module if module in self.by_original else self.kohya.get(module)
         return [(name, source) for name, source in self.by_original.get(original, []) if name in self.modules]
 
-    def _bands(self, pair: Pair, targets) -> list[tuple[str, torch.Tensor]] | None:
-        """Each held target's rows of B (a view of the rows), or None when a shape does not fit."""
+    def _bands(self, pair: Pair, targets) -> list[tuple[str, torch.Tensor]] | str:
+        """Each held target's rows of B (a view of the rows), or what does not fit when a shape does not."""
         found = []
         for name, source in targets:
             if name in self.elsewhere:  # another PipeFusion stage's block
                 continue
             linear = self.modules[name]
-            up = source.select(pair.up) if source else pair.up  # [out of this target, r]
+            up = source.select(pair.up) if source else pair.up  # [out of this target, r] (fewer: B is too short)
             if up.shape[0] != linear.out_features or pair.down.shape[1] != linear.in_features:
-                return None
+                return (f"A is {list(pair.down.shape)} and B {list(pair.up.shape)}, and {name} is a Linear of "
+                        f"{linear.in_features} inputs and {linear.out_features} outputs"
+                        + (f" (rows {source.rows[0]}–{source.rows[1]} of the fused {source.key})" if source and
+                           source.rows else ""))
             found.append((name, up))
         return found
+
+
+def read_pairs(path: str) -> dict[str, Pair | None]:
+    """A LoRA file's modules as pairs on the CPU, as stored, each checked (``_check_pair``): module → Pair, or
+    None for a module that is not an A/B pair (reported as matching nothing)."""
+    try:
+        tensors = load_file(path)
+    except Exception as exc:
+        raise UserError(f"LoRA {path} is not a readable safetensors file ({exc})",
+                        "check the path and the file (an interrupted download?)") from None
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        suffix = next((s for s in (*_DOWN, *_UP, "alpha") if key.endswith("." + s)), None)
+        module = key[: -len(suffix) - 1] if suffix else key
+        parts.setdefault(module, {})[suffix or "unknown"] = tensor
+    modules: dict[str, Pair | None] = {}
+    for module, found in parts.items():
+        down = next((found[k] for k in _DOWN if k in found), None)  # A: [r, in]
+        up = next((found[k] for k in _UP if k in found), None)  # B: [out, r]
+        if down is None or up is None or down.dim() != 2 or up.dim() != 2:
+            modules[module] = None
+            continue
+        _check_pair(path, module, down, up, found.get("alpha"))
+        scale = float(found["alpha"]) / down.shape[0] if "alpha" in found else 1.0
+        modules[module] = Pair(down, up, scale)
+    return modules
+
+
+def _check_pair(path: str, module: str, down: torch.Tensor, up: torch.Tensor, alpha: torch.Tensor | None) -> None:
+    """A LoRA module's own tensors agree: A [r, in] and B [out, r] of one rank r ≥ 1, alpha one number, all finite
+    (read once per file version, on the CPU)."""
+    where = f"LoRA {path}: {module}"
+    hint = "the file is malformed or not a LoRA: re-download or re-export it"
+    if down.shape[0] < 1 or down.shape[0] != up.shape[1]:
+        raise UserError(f"{where}: A is {list(down.shape)} and B {list(up.shape)}; a LoRA's A is [rank, inputs] and "
+                        "B [outputs, rank], of the same rank of at least 1", hint)
+    if alpha is not None and alpha.numel() != 1:
+        raise UserError(f"{where}: alpha has {alpha.numel()} values (shape {list(alpha.shape)}); it is one number", hint)
+    for name, tensor in (("A", down), ("B", up), ("alpha", alpha)):
+        if tensor is not None and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise UserError(f"{where}: {name} holds {bad} NaN or infinite values of {tensor.numel()}", hint)
 
 
 def _low_rank_addition(pairs: list):

@@ -248,6 +248,11 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     keys = _stage_keys(transformer, family, blocks)
     with _tensors(source, transformer, keys) as tensor_of:
         weights.put(transformer, keys, tensor_of, device, dtype, fp8)
+    broken = storage.non_finite(transformer) if source.kind != "builtin" else []  # a built-in's are drawn, finite
+    if broken:
+        raise ModelError(f"{source.ref}: {len(broken)} tensors hold NaN or infinite values once loaded "
+                         f"({', '.join(broken[:3])}{', …' if len(broken) > 3 else ''})",
+                         "the file is damaged, or a tensor's type was relabelled: re-download or re-convert it")
     table = family.checkpoint.sources(transformer.state_dict().keys(), "", source.config)
     patches = lora.Patches(transformer, table, dtype)  # before a stage drops the other blocks
     model = family.model(transformer, name, family.spec(source.config), patches, dtype,

@@ -78,6 +78,28 @@ class StoredLinear(torch.nn.Linear):
         return f"{name} scaled" if "weight_scale" in self._buffers else name
 
 
+def non_finite(transformer: torch.nn.Module) -> list[str]:
+    """The loaded tensors that hold NaN or infinite values, by name: stored weights as they compute (upcast:
+    a bad fp8 value, scale or GGUF block scale shows), the rest as they are; meta tensors (another PipeFusion
+    stage's) skipped. One flag per tensor stays on the device; the host reads them once, at the end."""
+    flags, names = [], []
+    for name, module in transformer.named_modules():
+        for leaf, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is None or tensor.is_meta:
+                continue
+            if isinstance(module, StoredLinear) and leaf == "weight":
+                value = module.upcast(torch.float32)  # one layer's temporary at a time
+            elif tensor.is_floating_point():
+                value = tensor
+            else:
+                continue
+            flags.append(torch.isfinite(value).all())
+            names.append(f"{name}.{leaf}" if name else leaf)
+    if not flags:
+        return []
+    return [names[i] for i in (~torch.stack(flags)).nonzero().flatten().tolist()]
+
+
 def _row_scale(scale: torch.Tensor, dims: int) -> torch.Tensor:
     """A scalar scale as it is, a per-row [rows] scale as [rows, 1, …] to broadcast over a weight."""
     return scale if scale.dim() == 0 else scale.reshape(-1, *([1] * (dims - 1)))

@@ -14,6 +14,8 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from .. import __version__
 from ..device import compute_dtype
 from ..distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
@@ -234,6 +236,12 @@ class Leader:
         if outcome.stopped:
             job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
             return
+        broken = non_finite(outcome.latent)
+        if broken:
+            job.fail("model_error", f"the result holds {broken}; nothing is returned",
+                     "a weight, a LoRA or an input (latent, reference, conditioning) holds NaN or infinite values, or "
+                     "the computation overflowed: check the files, or try another dtype (bfloat16, float32)")
+            return
         info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
                 "order": {"arrival": job.arrival, "execution": job.execution}}
         if request.cache != "none":
@@ -268,3 +276,12 @@ def loaded_models(records: list[dict]) -> list[dict]:
                                                  "pipefusion_stages": stages, "bytes_per_rank": [0] * len(records)})
             entry["bytes_per_rank"][record["rank"]] += model["bytes"]
     return list(merged.values())
+
+
+def non_finite(latent) -> str | None:
+    """How many of ``latent``'s values are NaN or infinite, said for a message; None when none is (one host
+    read per request: its end)."""
+    nan, infinite = (int(n) for n in torch.stack([latent.isnan().sum(), latent.isinf().sum()]).tolist())
+    if not nan and not infinite:
+        return None
+    return f"{nan} NaN and {infinite} infinite values of {latent.numel()}"
