@@ -176,3 +176,14 @@ def test_random_bytes_never_escape_as_other_errors(data):
         protocol.decode_bytes(data)
     except FrameError:
         pass
+
+
+def test_a_long_reply_string_is_read_and_a_long_request_string_refused():
+    """Issue 25 (11): the client took any reply field over 4096 characters (a long error message or traceback)
+    for a dead backend ("the next request restarts the backend") while the backend was fine."""
+    long = "x" * (protocol.DEFAULT_LIMITS.max_string_chars + 1000)
+    reply = protocol.decode_bytes(protocol.encode_bytes(Message("error", {"kind": "model_error", "message": long})),
+                                  direction="reply")
+    assert reply.fields["message"] == long
+    with pytest.raises(protocol.FrameError, match="field 'model' is longer than 4096 characters"):
+        protocol.decode_bytes(protocol.encode_bytes(Message("sample", {"model": long})))

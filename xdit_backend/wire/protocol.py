@@ -194,7 +194,7 @@ def _decode_message(header: bytes, payload: bytearray, limits: Limits, direction
             fatal=False,
             kind="bad_request",
         )
-    _check_fields(msg_type, fields, schemas[msg_type], limits)
+    _check_fields(msg_type, fields, schemas[msg_type], limits, bound_strings=direction == "request")
     if not payload:
         return Message(msg_type, fields)
     tensor_payload = _tensor_payload()
@@ -226,7 +226,10 @@ def _check_json_depth(value, max_depth: int) -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
-def _check_fields(msg_type: str, fields: dict, schema: dict, limits: Limits) -> None:
+def _check_fields(msg_type: str, fields: dict, schema: dict, limits: Limits, bound_strings: bool = True) -> None:
+    """Every field known to ``msg_type``'s schema and of its type; with ``bound_strings`` (a request: what anyone
+    may send) no string over ``limits.max_string_chars``. A reply's strings (an error's message, a rank's traceback)
+    are the backend's own: only the header's size bounds them, so a long one is not taken for a broken backend."""
     msg_id = fields.get("id", "")
     if not isinstance(msg_id, str) or len(msg_id) > 128:
         raise FrameError("field 'id' must be a string of at most 128 characters", fatal=False)
@@ -253,7 +256,7 @@ def _check_fields(msg_type: str, fields: dict, schema: dict, limits: Limits) -> 
                 fatal=False,
                 kind="bad_request",
             )
-        if isinstance(value, str) and len(value) > limits.max_string_chars:
+        if bound_strings and isinstance(value, str) and len(value) > limits.max_string_chars:
             raise FrameError(f"field {name!r} is longer than {limits.max_string_chars} characters", fatal=False)
 
 
