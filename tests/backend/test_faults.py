@@ -138,7 +138,7 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
     with pytest.raises(BackendError) as info:
         client.sample(fields)
     took = time.monotonic() - started
-    assert info.value.kind == "model_error" and info.value.rank == failing_rank
+    assert info.value.kind == "out_of_memory" and info.value.rank == failing_rank
     assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
@@ -165,7 +165,7 @@ def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backen
     with pytest.raises(BackendError) as info:
         client.sample(fields)  # calls: step 0 whole (warm-up), then 4 patches a step: the 4th is step 1's 3rd
     took = time.monotonic() - started
-    assert info.value.kind == "model_error" and info.value.rank == failing_rank
+    assert info.value.kind == "out_of_memory" and info.value.rank == failing_rank
     assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes

@@ -35,7 +35,7 @@ def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
     assert skipped == {"syncs", "compile", "full-size"}, {n: results[n]["reason"] for n in skipped}
     assert all(r["verdict"] == "PASS" for name, r in results.items() if name not in skipped)
     assert results["families"]["figures"]["wan-tiny_weights_max_diff"] == 0.0
-    assert results["fault"]["figures"]["error_kind"] == "model_error"
+    assert results["fault"]["figures"]["error_kind"] == "out_of_memory"
     stored = results["storage"]["figures"]
     for form, name in (("fp8", "float8_e4m3fn"), ("scaled_fp8", "float8_e4m3fn scaled"), ("gguf_q8_0", "gguf Q8_0"),
                        ("weight_dtype_fp8", "float8_e4m3fn")):

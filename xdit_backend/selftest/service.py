@@ -90,7 +90,7 @@ def fault(ctx: Context, checks: Checks) -> None:
         checks.expect(False, "the request with the injected fault did not fail")
     except BackendError as exc:
         checks.record(error_kind=exc.kind, error=exc.message[:200])
-        checks.expect(exc.kind == "model_error", f"failed with {exc.kind}, not model_error")
+        checks.expect(exc.kind == "out_of_memory", f"failed with {exc.kind}, not out_of_memory")
     result, _ = client.sample({**REQUEST, "width": 128, "height": 128})
     checks.expect(bool(torch.isfinite(result["samples"]).all()), "the request after the fault is not finite")
 

@@ -24,6 +24,7 @@ import torch
 
 from ..distributed.control import PeerLost, StepGate, gather_json, is_peer_failure
 from ..distributed.runtime import Runtime
+from ..memory.fit import NotEnoughMemory
 from ..sampling.stop import GenerationStopped
 from .executor import Executor
 from .request import SampleRequest
@@ -81,6 +82,7 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     mine = None
     if exc is not None:
         mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {exc}"[:2000], "waiting": is_peer_failure(exc),
+                "kind": "out_of_memory" if isinstance(exc, NotEnoughMemory) else "model_error",
                 "traceback": traceback.format_exc()[-4000:]}
     gate.fail()
     failures = gather_json(mine, rt.control)

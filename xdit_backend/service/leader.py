@@ -252,13 +252,14 @@ class Leader:
                           {"samples": outcome.latent}))
 
     def report_failure(self, job: Job, failures: list) -> None:
-        """Name the rank whose own work failed (not one that only timed out waiting for it)."""
+        """Name the rank whose own work failed (not one that only timed out waiting for it), and its kind:
+        ``out_of_memory`` (a refusal before loading or running, or an allocation that failed) or ``model_error``."""
         raised = [f for f in failures if f]
         cause = next((f for f in raised if not f["waiting"]), raised[0] if raised else None)
         if cause is None:
             job.fail("model_error", "the request failed on a rank that reported no error", "see the backend log")
             return
-        job.fail("model_error", f"rank {cause['rank']}: {cause['error']}",
+        job.fail(cause.get("kind", "model_error"), f"rank {cause['rank']}: {cause['error']}",
                  "the other ranks left their collectives and the backend keeps serving; see the backend log "
                  "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])
 
