@@ -141,7 +141,7 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
     assert info.value.kind == "out_of_memory" and info.value.rank == failing_rank
     assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
             "of memory (simulated") in info.value.message
-    assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
+    assert "GB available of" in info.value.message and "shard_weights" in info.value.hint  # the bytes; the fixes
     assert "keeps serving" in info.value.hint and took < 10 + 20, f"took {took:.1f} s"
     assert not fault_file(client.socket_path).exists()  # the failing rank took the fault: this one runs whole
     result, _ = client.sample(fields)
@@ -168,7 +168,7 @@ def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backen
     assert info.value.kind == "out_of_memory" and info.value.rank == failing_rank
     assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
             "of memory (simulated") in info.value.message
-    assert "GB available of" in info.value.message and "shard_weights" in info.value.message  # bytes and fixes
+    assert "GB available of" in info.value.message and "shard_weights" in info.value.hint  # the bytes; the fixes
     assert took < 10 + 20, f"took {took:.1f} s"
     fields["parallel"]["warmup_steps"] = 4  # warm-up over every step: exact
     result, _ = client.sample(fields)

@@ -24,6 +24,7 @@ import torch
 
 from ..distributed.control import PeerLost, StepGate, gather_json, is_peer_failure
 from ..distributed.runtime import Runtime
+from ..errors import UserError
 from ..memory.fit import NotEnoughMemory
 from ..sampling.stop import GenerationStopped
 from .executor import Executor
@@ -81,9 +82,10 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     """
     mine = None
     if exc is not None:
-        mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {exc}"[:2000], "waiting": is_peer_failure(exc),
+        said = exc.message if isinstance(exc, UserError) else str(exc)  # a user error's fixes go in its hint
+        mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {said}"[:2000], "waiting": is_peer_failure(exc),
                 "kind": "out_of_memory" if isinstance(exc, NotEnoughMemory) else "model_error",
-                "traceback": traceback.format_exc()[-4000:]}
+                "hint": exc.hint if isinstance(exc, UserError) else "", "traceback": traceback.format_exc()[-4000:]}
     gate.fail()
     failures = gather_json(mine, rt.control)
     executor.meshes.clear()

@@ -259,9 +259,10 @@ class Leader:
         if cause is None:
             job.fail("model_error", "the request failed on a rank that reported no error", "see the backend log")
             return
-        job.fail(cause.get("kind", "model_error"), f"rank {cause['rank']}: {cause['error']}",
-                 "the other ranks left their collectives and the backend keeps serving; see the backend log "
-                 "for the full traceback", rank=cause["rank"], traceback=cause["traceback"])
+        kept = "the backend keeps serving; see its log for the full traceback"
+        hint = f"{cause['hint']} ({kept})" if cause.get("hint") else f"the other ranks left their collectives and {kept}"
+        job.fail(cause.get("kind", "model_error"), f"rank {cause['rank']}: {cause['error']}", hint,
+                 rank=cause["rank"], traceback=cause["traceback"])
 
 
 def loaded_models(records: list[dict]) -> list[dict]:
