@@ -13,7 +13,7 @@ from xdit_backend.models import registry
 from xdit_backend.models.registry import ModelError
 from xdit_backend.models.resolved import resolve_model
 from xdit_backend.models.storage import StoredLinear
-from xdit_backend.selftest.files import k_quant_blocks
+from xdit_backend.selftest.files import gguf_file as written_gguf
 
 gguf = pytest.importorskip("gguf")  # the optional extra "gguf" (installed in CI)
 from gguf import GGMLQuantizationType as GGML  # noqa: E402
@@ -31,32 +31,11 @@ HIGH_PRECISION = ("time_in.", "txt_in.", "vector_in.", "img_in.", "guidance_in."
 
 
 def gguf_file(state: dict, path, kind: GGML) -> dict[str, torch.Tensor]:
-    """Write a GGUF file as city96's tools/convert.py lays it out (original key names, 1-D tensors
-    and the embedders / final layer in F32, the other matrices in ``kind``, F32 where a row does not
-    fit its blocks); returns the reference: every tensor as the gguf package dequantises it."""
-    writer = gguf.GGUFWriter(str(path), arch="flux")
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    generator = torch.Generator().manual_seed(0)
-    reference = {}
-    for key, value in state.items():
-        data = value.float().numpy()
-        chosen = GGML.F32 if data.ndim == 1 or any(name in key for name in HIGH_PRECISION) else kind
-        if chosen in K_QUANTS and data.shape[1] % gguf.GGML_QUANT_SIZES[chosen][0] == 0:
-            stored = k_quant_blocks(*data.shape, chosen, generator)
-        elif chosen in K_QUANTS:
-            chosen, stored = GGML.F32, data
-        else:
-            try:
-                stored = gguf.quants.quantize(data, chosen)
-            except gguf.QuantError:
-                chosen, stored = GGML.F32, data
-        writer.add_tensor(key, stored, raw_dtype=chosen)
-        reference[key] = torch.from_numpy(gguf.quants.dequantize(stored, chosen).copy()).reshape(value.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return reference
+    """A GGUF file as city96's tools/convert.py lays it out (original key names, 1-D tensors and the embedders /
+    final layer in F32, the other matrices in ``kind``, F32 where a row does not fit its blocks); returns the
+    reference: every tensor as the gguf package dequantises it."""
+    return written_gguf(state, path, kind.name,
+                        plain=lambda key, value: value.dim() == 1 or any(name in key for name in HIGH_PRECISION))
 
 
 @pytest.mark.parametrize("kind", [GGML.Q8_0, GGML.Q4_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.BF16],

@@ -78,10 +78,11 @@ def k_quant_blocks(rows: int, columns: int, kind, generator: torch.Generator, sc
     return raw.reshape(rows, -1).numpy()
 
 
-def gguf_file(original: dict, path: Path, kind: str = "Q8_0") -> dict[str, torch.Tensor]:
-    """A GGUF file in city96's layout: matrices whose rows are whole blocks in ``kind`` (Q8_0: the gguf
-    package's quantizer; a K-quant: random blocks, k_quant_blocks), the rest F32; returns what the gguf
-    package dequantises, float32."""
+def gguf_file(original: dict, path: Path, kind: str = "Q8_0", plain=None) -> dict[str, torch.Tensor]:
+    """A GGUF file in city96's layout: matrices whose rows are whole blocks in ``kind`` (Q8_0 and the other legacy
+    types: the gguf package's quantizer; a K-quant: random blocks, k_quant_blocks), the rest F32, as are the tensors
+    ``plain(key, value)`` names (by default every one that is not a matrix); returns what the gguf package
+    dequantises, float32."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="flux")
@@ -91,12 +92,12 @@ def gguf_file(original: dict, path: Path, kind: str = "Q8_0") -> dict[str, torch
     generator = torch.Generator().manual_seed(0)
     for key, value in original.items():
         data = value.float().numpy()
-        quantized = _matrix(key, value) and data.shape[1] % block == 0
-        if quantized and kind.endswith("_K"):
+        kept_plain = plain(key, value) if plain else not _matrix(key, value)
+        written = gguf.GGMLQuantizationType.F32 if kept_plain or data.shape[-1] % block else chosen
+        if written == chosen and kind.endswith("_K"):
             stored = k_quant_blocks(*data.shape, chosen, generator)
         else:
-            stored = gguf.quants.quantize(data, chosen if quantized else gguf.GGMLQuantizationType.F32)
-        written = chosen if quantized else gguf.GGMLQuantizationType.F32
+            stored = gguf.quants.quantize(data, written)
         writer.add_tensor(key, stored, raw_dtype=written)
         reference[key] = torch.from_numpy(gguf.quants.dequantize(stored, written).copy()).reshape(value.shape)
     writer.write_header_to_file()
