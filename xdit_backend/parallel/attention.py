@@ -109,15 +109,22 @@ CUDNN_CASES = ((4481, 4481, 12, 0, 128), (2241, 4481, 24, 0, 128), (2241, 2241, 
 CHECK_TOLERANCE = (2e-2, 5e-2)  # bfloat16: relative L2 of out, max |Δ lse| between the two kernels
 
 
+def case_inputs(case: tuple, generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> tuple:
+    """q, k, v [1, S, H, D] of a CUDNN_CASES entry (queries, keys, heads, zero heads, D): random, the last heads
+    zero as ulysses pads them, drawn on the CPU and moved."""
+    sq, sk, heads, zero_heads, d = case
+    q, k, v = (torch.randn(1, s, heads, d, generator=generator) for s in (sq, sk, sk))  # [B, S, H, D]
+    for t in (q, k, v):
+        t[:, :, heads - zero_heads:] = 0
+    return tuple(t.to(device, dtype) for t in (q, k, v))
+
+
 def cudnn_check(kernel: Kernel, reference: Kernel, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                 cases=CUDNN_CASES) -> str | None:
     """None when ``kernel`` gives ``reference``'s out and LSE on every case, else what went wrong where."""
     generator = torch.Generator().manual_seed(0)
     for sq, sk, heads, zero_heads, d in cases:
-        q, k, v = (torch.randn(1, s, heads, d, generator=generator) for s in (sq, sk, sk))  # [B, S, H, D]
-        for t in (q, k, v):
-            t[:, :, heads - zero_heads:] = 0  # padded heads: zeros
-        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        q, k, v = case_inputs((sq, sk, heads, zero_heads, d), generator, device, dtype)
         where = f"{sq} queries × {sk} keys, {heads} heads ({zero_heads} zero), D={d}"
         try:
             out, lse = kernel(q, k, v, d ** -0.5)

@@ -111,11 +111,9 @@ def _sequence_parallel_shapes(ctx: Context, checks: Checks, kernel) -> None:
     torch.compile (what a compiled sequence-parallel block runs) against the eager call."""
     out_tol, lse_tol = TOLERANCE[torch.bfloat16]
     generator = torch.Generator().manual_seed(3)
-    for sq, sk, heads, zero_heads, d in attention.CUDNN_CASES:
-        q, k, v = (torch.randn(1, s, heads, d, generator=generator) for s in (sq, sk, sk))  # [B, S, H, D]
-        for t in (q, k, v):
-            t[:, :, heads - zero_heads:] = 0  # ulysses' padded heads
-        q, k, v = (t.to(ctx.device, torch.bfloat16) for t in (q, k, v))
+    for case in attention.CUDNN_CASES:
+        sq, sk, heads, zero_heads, d = case
+        q, k, v = attention.case_inputs(case, generator, ctx.device, torch.bfloat16)
         out, lse = kernel(q, k, v)
         ref_out, ref_lse = _reference(q, k, v, d ** -0.5)
         rel = ((out.double().cpu() - ref_out).norm() / ref_out.norm()).item()

@@ -191,16 +191,16 @@ class Leader:
         return MemoryFit(estimate.weights, room)
 
     def check_roots(self, request: SampleRequest) -> None:
-        """Model and LoRA files: regular files or folders (a FIFO or a device would block the loop that serves
-        the socket at its first read; a symlink loop is named), and only from the configured roots, symlinks
-        and '..' resolved first."""
+        """The model: a regular file or folder (a FIFO or a device would block the loop that serves the socket at
+        its first read; a symlink loop is named; LoRA paths were checked so when the request was read); model and
+        LoRA files only from the configured roots, symlinks and '..' resolved first."""
+        odd = not_a_file(request.model) if request.model not in registry.BUILTINS else None
+        if odd:
+            raise RequestError(f"model {request.model} is {odd}, not a file or folder that can be read",
+                               "give the path of a model file (.safetensors, .gguf) or a diffusers folder")
         files = ([("model", request.model)] if request.model not in registry.BUILTINS else []) + \
             [("LoRA", spec.path) for spec in request.loras]
         for what, path in files:
-            odd = not_a_file(path)
-            if odd:
-                raise RequestError(f"{what} {path} is {odd}, not a file or folder that can be read",
-                                   "give the path of a model file (.safetensors, .gguf) or a diffusers folder")
             if not paths.inside_roots(path, self.model_roots):
                 raise RequestError(f"{what} {path} is outside the model roots this backend serves "
                                    f"({', '.join(map(str, self.model_roots))})",
