@@ -116,6 +116,14 @@ def backends():
     manager.cleanup()
 
 
+@pytest.fixture
+def zygote_launches(monkeypatch):
+    """Every backend ``launcher.start`` starts during the test (a client's auto-start, the demo's, a bench's) is
+    forked from this worker's zygote, as ``Backends.start`` does: for tests whose subject is what runs on the
+    backend, not the user's way to start one (test_lifecycle, test_launcher and ComfyUI's tests keep that)."""
+    monkeypatch.setattr(launcher, "_spawn_serve", ZYGOTE.spawn)
+
+
 class SharedBackends:
     """One backend per world size for the whole session (per pytest-xdist worker), started when a test
     first asks for it and started again when a test left it dead. Tests that kill, stop, idle or restart

@@ -63,7 +63,7 @@ def test_the_formula_counts_bytes_in_the_request_dtype(capsys, backend):
     assert sharded < whole
 
 
-def test_the_cache_bench_reports_consistent_counts_and_distances(capsys):
+def test_the_cache_bench_reports_consistent_counts_and_distances(capsys, zygote_launches):
     """Every step is computed or reused; threshold 0 reuses nothing and is the uncached latent exactly;
     a reused step moves the latent, by less than another seed does."""
     steps, start, end = 6, 2, 1

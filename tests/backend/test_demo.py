@@ -12,7 +12,7 @@ from xdit_backend.models import registry
 FIELDS = {"model": demo.MODEL, "width": 128, "height": 128, "steps": 3, "seed": demo.SEED, "cfg": 3.5}
 
 
-def test_the_demo_passes_on_the_cpu_as_strictly_as_before(capsys):
+def test_the_demo_passes_on_the_cpu_as_strictly_as_before(capsys, zygote_launches):
     assert demo.run_demo(steps=2, size=64, nproc=2) == 0
     assert "(float32; the parity tests allow 1e-4)" in capsys.readouterr().out
 

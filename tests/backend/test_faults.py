@@ -11,7 +11,7 @@ from conftest import LONG, SMALL, Backends, arm_fault, fault_file, serial_of
 from xdit_backend.client import BackendDied, BackendError, Client
 
 
-def test_sigkill_of_rank_1_fails_the_request_and_the_next_one_restarts(backends):
+def test_sigkill_of_rank_1_fails_the_request_and_the_next_one_restarts(backends, zygote_launches):
     client = backends.start(2)
     before = client.status()
     rank1_pid = before["ranks"][1]["pid"]
@@ -63,7 +63,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(backends):
+def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(backends, zygote_launches):
     """Rank 0 holds the socket: the client sees the connection end (no hang), the launcher names
     rank 0, nothing is left behind, and the next request starts a new backend."""
     client = backends.start(2)
@@ -88,7 +88,7 @@ def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(back
     assert torch.equal(result["samples"], reference["samples"])
 
 
-def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_timeout(backends):
+def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_timeout(backends, zygote_launches):
     """SIGSTOP on rank 1 mid-request: rank 0's next collective times out (--collective-timeout 20)
     and the request fails with an error instead of hanging; the next request restarts the backend."""
     client = backends.start(2, collective_timeout=20.0, heartbeat=5.0)

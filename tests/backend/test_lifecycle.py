@@ -30,43 +30,20 @@ def sock():
 
 
 @pytest.fixture(scope="module")
-def started2():
-    """The socket of a 2-rank backend started with ``xdit-backend start``, for the tests that sample on one."""
+def start2():
+    """``xdit-backend start`` of a 2-rank backend: its socket and the status it printed. The tests that sample
+    use it; test_start_status_stop, the module's last test, asks it again and stops it."""
     path = short_socket_dir() / "backend.sock"
     started = cli("start", "--socket", path, "--nproc", 2, "--device", "cpu")
     assert started.returncode == 0, started.stderr
-    yield path
+    yield path, json.loads(started.stdout)
     launcher.stop(path, timeout=15)
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
-def test_start_status_stop(sock):
-    started = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
-    assert started.returncode == 0, started.stderr
-    status = json.loads(started.stdout)
-    assert status["world_size"] == 2
-    assert [r["rank"] for r in status["ranks"]] == [0, 1]
-    assert {r["device"] for r in status["ranks"]} == {"cpu"}
-    assert status["protocol"] == 1 and status["models"] == [] and status["uptime_s"] >= 0
-
-    asked = cli("status", "--socket", sock, "--json")
-    assert asked.returncode == 0
-    assert json.loads(asked.stdout)["pid"] == status["pid"]
-    readable = cli("status", "--socket", sock).stdout
-    assert f"(pid {status['pid']}), world size 2" in readable and "rank 1: cpu" in readable
-    assert "models loaded: none" in readable and "unloads the models never, stops never" in readable
-
-    again = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
-    assert again.returncode == 1 and "already answers" in again.stderr
-
-    stopped = cli("stop", "--socket", sock)
-    assert stopped.returncode == 0 and "stopped" in stopped.stdout
-    for pid in [status["pid"], *(r["pid"] for r in status["ranks"])]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    gone = cli("status", "--socket", sock)
-    assert gone.returncode == 1 and "no backend answers" in gone.stderr
-    assert not sock.exists()
+@pytest.fixture(scope="module")
+def started2(start2):
+    return start2[0]
 
 
 def test_a_rank_that_cannot_start_fails_start_with_its_number(sock):
@@ -170,3 +147,32 @@ def test_sample_pipefusion_flags(started2, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "world 2: pipefusion=2 (4 patches, warm-up 1) (as requested)" in result.stderr
     assert load_file(tmp_path / "p.st")["samples"].shape == (1, 16, 8, 8)
+
+
+def test_start_status_stop(start2):
+    """Last in the module: it stops the backend the other tests sampled on."""
+    sock, status = start2
+    assert status["world_size"] == 2
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    assert {r["device"] for r in status["ranks"]} == {"cpu"}
+    assert status["protocol"] == 1 and status["models"] == [] and status["uptime_s"] >= 0
+
+    asked = cli("status", "--socket", sock, "--json")
+    assert asked.returncode == 0
+    assert json.loads(asked.stdout)["pid"] == status["pid"]
+    readable = cli("status", "--socket", sock).stdout
+    assert f"(pid {status['pid']}), world size 2" in readable and "rank 1: cpu" in readable
+    assert "unloads the models never, stops never" in readable
+    assert "flux-tiny" in readable.split("models loaded:")[1]  # what the tests before sampled on it
+
+    again = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu")
+    assert again.returncode == 1 and "already answers" in again.stderr
+
+    stopped = cli("stop", "--socket", sock)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    for pid in [status["pid"], *(r["pid"] for r in status["ranks"])]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    gone = cli("status", "--socket", sock)
+    assert gone.returncode == 1 and "no backend answers" in gone.stderr
+    assert not sock.exists()

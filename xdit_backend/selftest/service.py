@@ -17,7 +17,7 @@ from ..client import BackendError, Client
 from ..launch import launcher
 from ..launch.options import LaunchOptions
 from ..launch.worker_env import FAULT_ENV
-from .runner import Checks, Context
+from .runner import Checks, Context, Skip
 
 REQUEST = {"model": "flux-tiny", "steps": 4, "seed": 2, "cfg": 3.5}
 
@@ -126,6 +126,9 @@ def step_cache(ctx: Context, checks: Checks) -> None:
 
 
 def demo(ctx: Context, checks: Checks) -> None:
+    if ctx.device.type != "cuda":
+        raise Skip("the demo starts a backend of its own; on the CPU `xdit-backend demo` runs it, as "
+                   "tests/backend/test_demo.py does")
     code = run_demo(steps=2, size=128 if ctx.quick else 256, nproc=1)  # its backend takes the GPU when there is one
     checks.record(exit_code=code)
     checks.expect(code == 0, f"xdit-backend demo exited {code}")
