@@ -195,10 +195,11 @@ FOLDERS = ("unit", "ranks", "backend", "host")  # by cost: in-process, spawned g
 # costliest first, so that no long unit starts last and holds the run up while the other workers wait.
 GROUPS = {  # file: group
     "backend/test_compile.py": "compile", "backend/test_lora_patches.py": "compile",  # the second compiles warm
+    "host/test_comfyui_host.py": "host", "host/test_workflows.py": "host",  # one ComfyUI (tests/host/conftest.py)
 }
 COSTLIEST = (  # by the CPU seconds of a cold run (docs/benchmarks.md), heaviest first; the rest follow by folder
     "compile", "backend/test_selftest.py", "backend/test_lifecycle.py", "backend/test_faults.py",
-    "backend/test_parity.py", "backend/test_step_cache.py", "host/test_comfyui_host.py", "backend/test_pipefusion.py",
+    "backend/test_parity.py", "backend/test_step_cache.py", "host", "backend/test_pipefusion.py",
     "backend/test_concurrency.py", "backend/test_idle.py", "backend/test_server.py",
 )
 

@@ -1,7 +1,7 @@
 """The example workflows: each UI file and its API twin are one graph, and ComfyUI accepts every node and value.
 
 The file checks need only the JSON and the pack's source; the checks against the real /object_info run
-when COMFYUI_DIR points at a ComfyUI checkout (tests/host/test_comfyui_host.py's `host` fixture starts it).
+when COMFYUI_DIR points at a ComfyUI checkout (tests/host/conftest.py's `host` fixture starts it).
 Nodes newer than that checkout (Flux.2's, HunyuanVideo 1.5's) are checked against the entries of
 tests/comfyui_newer_nodes.py, read from ComfyUI's current source; the test ids of
 test_a_node_newer_than_the_snapshot_matches_its_source name each of them.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_newer_nodes import NEWER_NODES, NEWER_OPTIONS, with_newer_nodes
-from host.test_comfyui_host import COMFYUI_DIR, host  # noqa: F401  (host is a fixture used below)
+from host.conftest import COMFYUI_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
@@ -227,7 +227,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 
 
 @pytest.fixture(scope="module")
-def comfy(host):  # noqa: F811  (the fixture imported above)
+def comfy(host):
     """/object_info with an empty probe file in every models/<folder> and in input/: a combo listing one
     reads that folder."""
     folders = host.get("/models")

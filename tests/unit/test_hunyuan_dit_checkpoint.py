@@ -162,7 +162,8 @@ def test_full_size_configs_and_versions_are_read_off_the_shapes(size_conditionin
     shapes = {k: list(v.shape) for k, v in original_state_dict(built).items()}
     read = hunyuan_dit_checkpoint.config_from_shapes(shapes, "", "full.safetensors")
     assert read == config
-    assert HunyuanDiT2DModel(**{**read, "num_layers": 2}).blocks[0].ff.net[0].proj.out_features == 6144
+    with torch.device("meta"):
+        assert HunyuanDiT2DModel(**{**read, "num_layers": 2}).blocks[0].ff.net[0].proj.out_features == 6144
     version = "1.0 / 1.1" if size_conditioning else "1.2"
     assert hunyuan_dit_checkpoint.variant(read) == f"HunyuanDiT {version} (HunyuanDiT-g/2)"
     spec = registry.FAMILIES["hunyuan_dit"].spec(read)
