@@ -59,7 +59,7 @@ def _alive(pid: int) -> bool:
     try:  # a zombie waiting for its parent counts as gone
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return False
 
 
