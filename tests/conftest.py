@@ -4,6 +4,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -66,6 +67,22 @@ def arm_fault(client: Client, rank: int, call: int) -> None:
 
 
 ZYGOTE = Zygote()  # this worker's; started by its first backend, stopped at the session's end
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie waiting for its parent counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
+        return False
 
 
 def pytest_sessionfinish(session):

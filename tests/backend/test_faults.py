@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import LONG, SMALL, Backends, arm_fault, fault_file, serial_of
+from conftest import LONG, SMALL, Backends, arm_fault, fault_file, running, serial_of
 
 from xdit_backend.client import BackendDied, BackendError, Client
 
@@ -46,21 +46,9 @@ def assert_all_gone(status: dict, within: float = 30) -> None:
     """Nothing of the backend ``status`` describes (launcher and ranks) is left after ``within`` s."""
     old = [status["pid"], *(r["pid"] for r in status["ranks"])]
     deadline = time.monotonic() + within
-    while any(_alive(pid) for pid in old):
-        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if _alive(p)]}"
+    while any(running(pid) for pid in old):
+        assert time.monotonic() < deadline, f"processes left behind: {[p for p in old if running(p)]}"
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie waiting for its parent counts as gone
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
-        return False
 
 
 def test_sigkill_of_rank_0_is_noticed_at_once_and_the_next_request_restarts(backends, zygote_launches):

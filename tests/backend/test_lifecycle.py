@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import short_socket_dir
+from conftest import running, short_socket_dir
 from safetensors.torch import load_file
 
 from xdit_backend.client import Client
@@ -103,20 +103,12 @@ def test_shutdown_is_answered_and_ends_every_process(backends):
     client.shutdown()
     deadline = time.monotonic() + 30
     pids = [status["pid"], *(r["pid"] for r in status["ranks"])]
-    while any(_running(pid) for pid in pids):
+    while any(running(pid) for pid in pids):
         assert time.monotonic() < deadline, "the backend did not exit after shutdown"
         time.sleep(0.05)
     assert client.hello_or_none() is None
     state = launcher.read_state(client.socket_path)
     assert state["status"] == "stopped", state.get("failures")
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
-        return False
 
 
 def test_sample_layout_flags(sock, started2, tmp_path):

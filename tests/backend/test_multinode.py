@@ -3,21 +3,14 @@ node 0 holds the socket, and a ulysses=2 request across the two nodes equals ser
 
 import os
 import signal
-import socket
 import time
 
 import pytest
-from conftest import short_socket_dir
+from conftest import free_port, short_socket_dir
 from backend.test_concurrency import FIELDS, serial
 
 from xdit_backend.client import Client
 from xdit_backend.launch import launcher
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_on_loopback_serve_one_backend(zygote_launches):

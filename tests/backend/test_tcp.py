@@ -3,19 +3,13 @@
 import socket
 
 import pytest
-from conftest import SMALL
+from conftest import SMALL, free_port
 from unit.test_protocol import frame
 
 from xdit_backend.client import BackendError, Client
 from xdit_backend.launch import launcher
 from xdit_backend.launch.options import tcp_address
 from xdit_backend.wire import paths, protocol
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ backend uses a private socket.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Host:

@@ -123,8 +123,9 @@ def cudnn_check(kernel: Kernel, reference: Kernel, device: torch.device, dtype: 
                 cases=CUDNN_CASES) -> str | None:
     """None when ``kernel`` gives ``reference``'s out and LSE on every case, else what went wrong where."""
     generator = torch.Generator().manual_seed(0)
-    for sq, sk, heads, zero_heads, d in cases:
-        q, k, v = case_inputs((sq, sk, heads, zero_heads, d), generator, device, dtype)
+    for case in cases:
+        sq, sk, heads, zero_heads, d = case
+        q, k, v = case_inputs(case, generator, device, dtype)
         where = f"{sq} queries × {sk} keys, {heads} heads ({zero_heads} zero), D={d}"
         try:
             out, lse = kernel(q, k, v, d ** -0.5)
