@@ -99,7 +99,7 @@ def main(socket_path: str) -> None:
     from xdit_backend import cli  # noqa: F401  (the launcher's options and parser)
     from xdit_backend.launch import launcher
 
-    for name in launcher.rank_preload(dict(os.environ)):
+    for name in launcher.rank_preload("cpu"):  # the zygote serves CPU backends only
         importlib.import_module(name)
     exits: dict[int, int] = {}
 

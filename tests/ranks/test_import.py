@@ -64,25 +64,36 @@ def test_status_and_stop_load_no_torch(tmp_path):
 CUDA_PROBE = r"""
 import json, sys
 import torch
+# Every question to torch.cuda, and to torch.accelerator (on a CUDA build it counts the GPUs), recorded and
+# answered "no"
 asked = []
-for name in ("is_available", "device_count", "init", "_lazy_init", "get_device_capability", "current_device"):
-    setattr(torch.cuda, name, lambda *a, _name=name, **k: asked.append(_name) or False)
-from xdit_backend.launch.launcher import rank_preload
-for module in rank_preload({}):
+for module, names in ((torch.cuda, ("is_available", "device_count", "init", "_lazy_init", "get_device_capability",
+                                    "current_device")), (torch.accelerator, ("is_available", "device_count"))):
+    for name in names:
+        setattr(module, name, lambda *a, _name=f"{module.__name__}.{name}", **k: asked.append(_name) or False)
+for module in json.loads(sys.argv[1]):
     __import__(module)
 print(json.dumps({"asked": asked, "initialized": torch.cuda.is_initialized()}))
 """
 
 
-def test_what_the_ranks_fork_server_imports_asks_nothing_of_cuda():
-    """The launcher's fork server imports RANK_PRELOAD before forking the ranks: had one of those modules started
-    CUDA there, no rank could use its GPU (CUDA cannot be used in a forked child of a process that started it)."""
-    out = subprocess.run([sys.executable, "-c", CUDA_PROBE], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"asked": [], "initialized": False}
+def _cuda_questions(modules: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", CUDA_PROBE, json.dumps(modules)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_diffusers_is_left_to_the_ranks_when_it_would_ask_cuda_at_import():
-    from xdit_backend.launch.launcher import RANK_MODULE, RANK_PRELOAD, rank_preload
+def test_what_a_cuda_backends_fork_server_imports_asks_nothing_of_cuda():
+    """The launcher's fork server imports the preload before forking the ranks: had one of those modules asked
+    CUDA anything there (even how many GPUs), no rank could use its GPU (the first GPU run failed so: diffusers
+    asks at import). The probe is not blind: diffusers, imported under it, is seen asking."""
+    from xdit_backend.launch.launcher import rank_preload
 
-    assert rank_preload({}) == list(RANK_PRELOAD) and any(m.startswith("diffusers") for m in RANK_PRELOAD)
-    assert rank_preload({"DIFFUSERS_GGUF_CUDA_KERNELS": "true"}) == [RANK_MODULE]
+    assert _cuda_questions(rank_preload("cuda")) == {"asked": [], "initialized": False}
+    assert _cuda_questions(["diffusers.models.transformers"])["asked"], "the probe no longer sees diffusers ask"
+
+
+def test_a_cpu_backends_fork_server_imports_diffusers_for_its_ranks():
+    from xdit_backend.launch.launcher import RANK_PRELOAD, rank_preload
+
+    assert rank_preload("cpu") == list(RANK_PRELOAD) and any(m.startswith("diffusers") for m in RANK_PRELOAD)

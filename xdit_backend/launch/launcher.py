@@ -49,9 +49,6 @@ RANK_MODULE = "xdit_backend.service.worker"  # its main(argv) is a rank
 # from (a module that fails to import there is skipped: the rank imports it itself). diffusers' transformer
 # package imports all its model classes (~2.5 s of the ~5 s diffusers costs on top of torch's ~2 s).
 RANK_PRELOAD = (RANK_MODULE, "diffusers.models.transformers")
-# diffusers asks CUDA for the GPU's capability at import when this is set; a CUDA context made before the fork
-# cannot be used in the ranks, so diffusers is then left to each rank
-CUDA_AT_IMPORT_ENV = "DIFFUSERS_GGUF_CUDA_KERNELS"
 
 
 def rank_main(argv: list[str]) -> None:
@@ -59,10 +56,13 @@ def rank_main(argv: list[str]) -> None:
     importlib.import_module(RANK_MODULE).main(argv)
 
 
-def rank_preload(env: dict[str, str]) -> list[str]:
-    """The modules the fork server imports for ranks that run with ``env``."""
-    cuda_at_import = env.get(CUDA_AT_IMPORT_ENV, "").lower() in ("1", "true", "yes")
-    return [name for name in RANK_PRELOAD if not (cuda_at_import and name.startswith("diffusers"))]
+def rank_preload(device: str) -> list[str]:
+    """The modules the fork server imports for ranks on ``device``. On CUDA, diffusers is left to each rank:
+    importing it asks ``torch.accelerator.is_available()`` (diffusers.utils.torch_utils sets ``torch_device`` at
+    import), which on a CUDA build counts the GPUs and so starts CUDA's driver in the fork server, and no rank
+    forked from it could use its GPU (seen on the first GPU run, torch 2.11 + diffusers 0.42.1). The ranks then
+    import it in parallel, a few seconds of start on the many cores a GPU host has."""
+    return list(RANK_PRELOAD) if device == "cpu" else [RANK_MODULE]
 
 
 # --------------------------------------------------------------------------- state file
@@ -142,7 +142,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}; stop it with "
                           f"`xdit-backend stop --socket {sock}` or choose another --socket")
     _hand_down(_ranks_environment(options))  # before the fork server starts: it and every rank inherit this
-    multiprocessing.set_forkserver_preload(rank_preload(dict(os.environ)))
+    multiprocessing.set_forkserver_preload(rank_preload(options.device))
     if options.tcp:
         ensure_token(Path(options.token_file))  # resolved() named it
     rank_logs = paths.rank_logs(sock)
