@@ -301,7 +301,12 @@ class StageCache:
 
     def read_flag(self, row: torch.Tensor, chunk: tuple[int, int], step: int) -> None:
         """A stage after the decider: the step's decision from the flag row [batch, 1, D] of its first
-        chunk (one host read per step)."""
+        chunk (one host read per step). The read waits on the NCCL receive the row came in with, no longer
+        than the activation it rides on, which the stage needs anyway: if the stage before failed, the link
+        group's timeout (half the control group's) ends the receive, the watchdog aborts that communicator only
+        (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, no heartbeat monitor: worker_env.py) and the read returns, so this
+        rank reaches the step gate while the failed one still waits there (review gpu-paths-2 B3). The flag on
+        gloo instead would add a message per step and end no wait sooner."""
         if self.follows and chunk[0] == 0:
             self.reuse = bool(row[0, 0, 0].item() > 0.5)
             self.cache.trace.append(Decision(step, None, self.reuse))

@@ -29,6 +29,7 @@ SECTIONS = (
     ("lora", "models", "lora"),
     ("storage", "storage", "storage"),
     ("memory", "memory", "memory"),
+    ("nccl", "nccl", "nccl"),
     ("backend", "service", "backend"),
     ("fault", "service", "fault"),
     ("compile", "scale", "compiled"),
