@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..sampling.generate import side_differences
+from ..sampling.stop import GenerationStopped
 from . import attention, sequence
 from .step_cache import StepCache
 
@@ -53,7 +54,20 @@ class Denoiser:
                 self.cache = StepCache(gen.cache, gen.steps, plan.teacache,
                                        self.layout.step_group if self.layout else None, shard)
                 stack.enter_context(self.cache.attached(self.model.transformer, plan))
-            yield self
+            try:
+                yield self
+            except GenerationStopped:  # every rank stopped at the same gate: no peer waits on these groups
+                raise
+            except BaseException:
+                self._forget_groups()
+                raise
+
+    def _forget_groups(self) -> None:
+        """After a failed generation: drop this object's references to the layout's process groups. A group's last
+        reference closes its connections on gloo, which is how a peer still waiting on this rank learns of the
+        failure at once (agreement.py); this object can outlive the generation (a closure cell of the failed
+        sampler loop kept it, seen under Ulysses)."""
+        self.layout = self.cfg_group = self.dp_group = None
 
     def step_done(self, done: int) -> None:
         if self.cache is not None:

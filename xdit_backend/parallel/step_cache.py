@@ -130,6 +130,7 @@ class StepCache:
                     del block.forward
                 else:
                     block.forward = forward
+            self.group = self.shard = None  # the generation's groups: this object outlives it (its counts, its trace)
 
     def _head(self, forward, signature: BlockStreams):
         def head(*args, **kwargs):

@@ -80,9 +80,9 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     The groups go first, and with them every reference to them the failed request left (its frames, through the
     exception's traceback): on gloo a group whose last reference is dropped closes its connections, so a peer
     waiting in a data collective or a PipeFusion receive with this rank fails at once ("Connection closed by
-    peer", a peer failure) and comes to the gate, instead of waiting out half of ``--collective-timeout`` (a
-    PipeFusion stage's peer: 0.5 s instead of 30 at a 60 s timeout; under Ulysses something of the failed
-    request still holds its group, so that peer still waits the timeout). On NCCL the peers' kernels are not
+    peer", a peer failure) and comes to the gate, instead of waiting out half of ``--collective-timeout`` (about
+    1 s instead of 30 at a 60 s timeout, under every layout; Denoiser and StepCache drop their groups when their
+    generation ends, since something of a failed one can outlive it). On NCCL the peers' kernels are not
     told: they wait out that timeout, then the watchdog aborts their communicators and they arrive here too.
     If a rank is gone, the gate's collective fails and PeerLost ends the backend as before.
     """
