@@ -107,9 +107,10 @@ def test_a_rank_that_stops_answering_becomes_an_error_within_the_collective_time
 @pytest.fixture(scope="module")
 def short_timeouts():
     """One world-2 backend for the tests that fail a request with an armed fault (conftest.arm_fault) and
-    go on with the same backend: data collectives wait half of --collective-timeout, 5 s here."""
+    go on with the same backend. Data collectives would wait half of --collective-timeout, 20 s here; a peer
+    told of the failure at once ends well before (about 1 s idle; CI's load has stretched it to 6 s)."""
     manager = Backends()
-    yield manager.start(2, collective_timeout=10.0, heartbeat=4.0)
+    yield manager.start(2, collective_timeout=40.0, heartbeat=4.0)
     manager.cleanup()
 
 
@@ -131,7 +132,7 @@ def test_an_exception_inside_the_model_fails_the_request_and_the_backend_keeps_s
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.hint  # the bytes; the fixes
     assert "keeps serving" in info.value.hint
-    assert took < 5, f"took {took:.1f} s"  # its peer was told at once, not after the group's 5 s timeout
+    assert took < 15, f"took {took:.1f} s"  # its peer was told at once, not after the group's 20 s timeout
     assert not fault_file(client.socket_path).exists()  # the failing rank took the fault: this one runs whole
     result, _ = client.sample(fields)
     assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted
@@ -150,7 +151,7 @@ def test_with_the_step_cache_a_peer_is_told_of_the_failure_at_once(short_timeout
     with pytest.raises(BackendError, match="simulated"):
         short_timeouts.sample(fields)
     took = time.monotonic() - started
-    assert took < 5, f"took {took:.1f} s"  # not the group's 5 s timeout
+    assert took < 15, f"took {took:.1f} s"  # not the group's 20 s timeout
 
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
@@ -172,7 +173,7 @@ def test_an_exception_inside_a_pipefusion_stage_fails_the_request_and_the_backen
     assert (f"rank {failing_rank}: NotEnoughMemory: rank {failing_rank} ran out of memory (MemoryError: CUDA out "
             "of memory (simulated") in info.value.message
     assert "GB available of" in info.value.message and "shard_weights" in info.value.hint  # the bytes; the fixes
-    assert took < 5, f"took {took:.1f} s"  # its peer was told at once, not after the link's 5 s timeout
+    assert took < 15, f"took {took:.1f} s"  # its peer was told at once, not after the link's 20 s timeout
     fields["parallel"]["warmup_steps"] = 4  # warm-up over every step: exact
     result, _ = client.sample(fields)
     assert client.status()["pid"] == before["pid"]  # the same backend: nothing restarted

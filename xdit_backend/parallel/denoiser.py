@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..sampling.generate import side_differences
-from ..sampling.stop import GenerationStopped
 from . import attention, sequence
 from .step_cache import StepCache
 
@@ -56,14 +55,12 @@ class Denoiser:
                 stack.enter_context(self.cache.attached(self.model.transformer, plan))
             try:
                 yield self
-            except GenerationStopped:  # every rank stopped at the same gate: no peer waits on these groups
-                raise
-            except BaseException:
+            except BaseException:  # failed or stopped (rank 0 may stop between blocks, mid-step)
                 self._forget_groups()
                 raise
 
     def _forget_groups(self) -> None:
-        """After a failed generation: drop this object's references to the layout's process groups. A group's last
+        """After a generation that failed or stopped: drop this object's references to the layout's process groups. A group's last
         reference closes its connections on gloo, which is how a peer still waiting on this rank learns of the
         failure at once (agreement.py); this object can outlive the generation (a closure cell of the failed
         sampler loop kept it, seen under Ulysses)."""

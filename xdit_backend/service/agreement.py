@@ -45,16 +45,20 @@ class Outcome:
 
 
 def run_request(rt: Runtime, gate: StepGate, executor: Executor, request: SampleRequest,
-                after_step: Callable[[int, int], bool]) -> Outcome:
+                after_step: Callable[[int, int], bool], stop_requested: Callable[[], bool] | None = None) -> Outcome:
     """Run ``request`` on this rank; ``after_step(done, total)`` meets the gate after each step
-    (rank 0 says there whether to stop). Every rank returns the same kind of Outcome."""
+    (rank 0 says there whether to stop; with ``stop_requested``, rank 0 may also stop between two blocks:
+    Executor.profiled). Every rank returns the same kind of Outcome (rank 0's decides the reply)."""
     gate.begin()
     try:
-        latent, record = executor.profiled(request, after_step)
-    except GenerationStopped:
-        if gate.failed:  # another rank raised: agree on what happened, keep serving
+        latent, record = executor.profiled(request, after_step, stop_requested)
+    except GenerationStopped as stop:
+        _clear_frames(stop)  # the stopped request's layout and links, before its groups are destroyed
+        if gate.failed:  # another rank raised (or rank 0 stopped mid-step): agree on what happened, keep serving
             return Outcome(failures=agree_on_failure(rt, gate, executor, None))
-        return Outcome(stopped=True)  # every rank stopped at the same gate
+        if gate.open:  # rank 0 stopped between two blocks: its peers may be waiting on it in a collective
+            agree_on_failure(rt, gate, executor, None)  # they learn of it at once, as of a failure, and stop
+        return Outcome(stopped=True)  # every rank stopped at the same gate, or rank 0 mid-step
     except PeerLost:
         raise
     except Exception as exc:  # this rank raised (or timed out waiting for one that did)

@@ -28,6 +28,7 @@ from ..parallel.compile import use_compiled
 from ..parallel.denoiser import Denoiser
 from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from ..sampling.generate import generate
+from ..sampling.stop import GenerationStopped
 from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
 from .request import SampleRequest
 from .step_clock import StepClock
@@ -47,6 +48,9 @@ class Executor:
         self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
 
         self.computing = None  # the model (or stage) the last request ran on
+        # Rank 0's "stop now" for the running request (its job cancelled, or the backend stopping), asked before
+        # every block where a stop there is told to every peer at once (``stops_between_blocks``); None: between steps
+        self.stop_requested = None
 
     @property
     def cache_counts(self) -> dict | None:
@@ -89,7 +93,20 @@ class Executor:
         blocks = None if key.stage is None else keep_stage(built.transformer, built.spec.stage_plan, *key.stage)
         if shard_mesh is not None:
             shard.shard_blocks(built, shard_mesh, self.rt.device)
+        for block in shard.blocks_of(built):  # once per model, so a compiled block's hooks never change
+            block.register_forward_pre_hook(self._stop_between_blocks)
         return Entry(built, resident_bytes(built), blocks)
+
+    @property
+    def stops_between_blocks(self) -> bool:
+        """Whether rank 0 may stop a request before any block, mid-step: where every peer still waiting on it
+        learns of it at once (one rank; gloo, whose groups close when agreement.agree_on_failure drops them). On
+        NCCL a peer would wait out half of --collective-timeout instead, so there a request stops at a step's end."""
+        return self.rt.world_size == 1 or self.rt.device.type == "cpu"
+
+    def _stop_between_blocks(self, block, args) -> None:
+        if self.stop_requested is not None and self.stop_requested():
+            raise GenerationStopped("stopped between two blocks")
 
     def loaded(self) -> list[str]:
         """One line per loaded model, least recently used first, with the LoRAs it carries and whether
@@ -224,9 +241,17 @@ class Executor:
             self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
         return denoiser.gather_rows(latent).cpu()
 
-    def profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
+    def profiled(self, request: SampleRequest, after_step, stop_requested=None) -> tuple[torch.Tensor, dict]:
         """``generate`` plus this rank's record: seconds per step, bytes sent (None for a compiled model),
-        peak memory, the compute dtype and the attention that ran."""
+        peak memory, the compute dtype and the attention that ran. ``stop_requested()`` (rank 0's) true stops the
+        request before the next block where ``stops_between_blocks``, else at the step's end (through ``after_step``)."""
+        self.stop_requested = stop_requested if self.stops_between_blocks else None
+        try:
+            return self._profiled(request, after_step)
+        finally:
+            self.stop_requested = None
+
+    def _profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
         if not request.profile:
             return self.generate(request, after_step), {}
         cuda = self.rt.device.type == "cuda"

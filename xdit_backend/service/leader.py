@@ -228,7 +228,7 @@ class Leader:
             job.progress(done, total)
             return self.gate.passes(stop=job.cancelled)
 
-        outcome = run_request(self.rt, self.gate, self.executor, request, after_step)
+        outcome = run_request(self.rt, self.gate, self.executor, request, after_step, lambda: job.cancelled)
         self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
         if outcome.failures is not None:
             self.report_failure(job, outcome.failures)
