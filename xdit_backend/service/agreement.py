@@ -98,7 +98,8 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
                 "hint": exc.hint if isinstance(exc, UserError) else "", "traceback": traceback.format_exc()[-4000:]}
         _clear_frames(exc)
     executor.meshes.clear()
-    gc.collect()  # what still holds a group in a reference cycle (a suspended sampler's frame): gone before the gate
+    if rt.world_size > 1:  # what still holds a group in a reference cycle (a suspended sampler's frame): gone
+        gc.collect()  # before the gate (a few hundred ms of a big process: only where there are peers to tell)
     gate.fail()
     failures = gather_json(mine, rt.control)
     executor.release_memory()  # an out-of-memory's half-built tensors, before the next request
