@@ -28,7 +28,7 @@ from ..distributed.runtime import Runtime
 from ..errors import UserError
 from ..memory.fit import NotEnoughMemory
 from ..sampling.stop import GenerationStopped
-from .executor import Executor
+from .executor import Executor, clear_frames
 from .request import SampleRequest
 
 log = logging.getLogger("xdit_backend.service.agreement")
@@ -53,7 +53,7 @@ def run_request(rt: Runtime, gate: StepGate, executor: Executor, request: Sample
     try:
         latent, record = executor.profiled(request, after_step, stop_requested)
     except GenerationStopped as stop:
-        _clear_frames(stop)  # the stopped request's layout and links, before its groups are destroyed
+        clear_frames(stop)  # the stopped request's layout and links, before its groups are destroyed
         if gate.failed:  # another rank raised (or rank 0 stopped mid-step): agree on what happened, keep serving
             return Outcome(failures=agree_on_failure(rt, gate, executor, None))
         if gate.open:  # rank 0 stopped between two blocks: its peers may be waiting on it in a collective
@@ -96,7 +96,7 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
         mine = {"rank": rt.rank, "error": f"{type(exc).__name__}: {said}"[:2000], "waiting": is_peer_failure(exc),
                 "kind": "out_of_memory" if isinstance(exc, NotEnoughMemory) else "model_error",
                 "hint": exc.hint if isinstance(exc, UserError) else "", "traceback": traceback.format_exc()[-4000:]}
-        _clear_frames(exc)
+        clear_frames(exc)  # the failed request's layout, links and pipeline: they keep its groups alive
     executor.meshes.clear()
     if rt.world_size > 1:  # what still holds a group in a reference cycle (a suspended sampler's frame): gone
         gc.collect()  # before the gate (a few hundred ms of a big process: only where there are peers to tell)
@@ -104,13 +104,3 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
     failures = gather_json(mine, rt.control)
     executor.release_memory()  # an out-of-memory's half-built tensors, before the next request
     return failures
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames ``exc`` and the exceptions it chains to went through: the failed
-    request's layout, links and pipeline, which would keep its process groups alive."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__

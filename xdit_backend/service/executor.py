@@ -200,7 +200,7 @@ class Executor:
         except Exception as exc:
             if not memory_fit.is_out_of_memory(exc):
                 raise
-            traceback.clear_frames(exc.__traceback__)  # its frames hold the request's tensors: release_memory frees them
+            clear_frames(exc)  # its frames hold the request's tensors: release_memory frees them
             raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
         finally:
             self.spare_shared_gpu()
@@ -294,6 +294,16 @@ class Executor:
                         # the step cache's decisions on this rank: (step, statistic, reused) per evaluation
                         "cache_trace": (None if self.last_cache is None else
                                         [[d.step, d.ratio, d.reused] for d in self.last_cache.trace])}
+
+
+def clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames ``exc``, and the exceptions it chains to, went through: a failed
+    request's tensors, layout and pipeline, which would keep its memory and its process groups alive."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _compiled(model) -> bool:
