@@ -30,6 +30,7 @@ from ..errors import EXIT_PEER_LOST
 from ..wire import endpoint, paths
 from ..wire.protocol import Message
 from .options import LaunchError, LaunchOptions, cuda_device_count  # noqa: F401  (what start and serve take and raise)
+from .watch import StoppedRankWatch
 from .worker_env import usable_cpus, worker_environment
 
 
@@ -147,6 +148,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         ensure_token(Path(options.token_file))  # resolved() named it
     rank_logs = paths.rank_logs(sock)
     shutil.rmtree(rank_logs, ignore_errors=True)
+    shutil.rmtree(paths.rank_pids(sock), ignore_errors=True)
     state = {"pid": os.getpid(), "options": options.to_json(), "log": str(paths.log_file(sock)),
              "started": time.time()}
     _write_state(sock, status="starting", **state)
@@ -167,11 +169,14 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
         start_method=start_method,  # the ranks fork from one process that imported RANK_PRELOAD
     )
+    watch = StoppedRankWatch(paths.rank_pids(sock), patience=options.heartbeat / 2).start()
     try:
         elastic_launch(config, rank_main)(options.to_argv())  # each rank reads the same options
     except ChildFailedError as exc:
         failures = [_describe_failure(rank, f) for rank, f in sorted(exc.failures.items())]
-        cause = _root_cause(failures)
+        if watch.cause:  # the watch found this rank stopped and killed it: its SIGKILL says less
+            failures = [watch.cause if f["rank"] == watch.cause["rank"] else f for f in failures]
+        cause = watch.cause or _root_cause(failures)
         _write_state(sock, status="failed", failures=failures, root_cause=cause, **state)
         print(f"xdit-backend: rank {cause['rank']} {cause['what']}", file=sys.stderr)
         return 1
@@ -179,6 +184,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         _write_state(sock, status="stopped", signal=exc.sigval.name, **state)
         return 128 + int(exc.sigval)
     finally:
+        watch.close()
         if sock.exists() and endpoint.answers(sock) is None:
             sock.unlink(missing_ok=True)
     _write_state(sock, status="stopped", **state)

@@ -30,7 +30,8 @@ from ..distributed.runtime import describe_rank, leave_together, start_runtime
 from ..errors import EXIT_PEER_LOST
 from ..launch.idle import IdleClock
 from ..launch.options import LaunchOptions, tcp_address
-from ..wire import protocol
+from ..launch.watch import record_pid
+from ..wire import paths, protocol
 from .follower import follow
 from .leader import Leader
 
@@ -58,6 +59,7 @@ def exit_after_the_cause() -> None:
 
 @record
 def run(options: LaunchOptions) -> None:
+    record_pid(paths.rank_pids(options.socket), int(os.environ.get("RANK", "0")))  # the launcher watches it
     rt = start_runtime(options)
     ranks = gather_json(describe_rank(rt), rt.control)  # also proves every rank is up
     rt = replace(rt, mixed_gpus=len({r["device_name"] for r in ranks}) > 1)

@@ -53,6 +53,11 @@ def rank_logs(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".ranks")
 
 
+def rank_pids(socket_path: Path) -> Path:
+    """Where each rank records its pid when it starts, for the launcher's watch (launch/watch.py)."""
+    return socket_path.with_name(socket_path.name + ".pids")
+
+
 def nccl_trace_prefix(socket_path: Path) -> Path:
     """Where a rank's NCCL flight recorder dumps when a collective times out (the rank's number is
     appended). Beside the socket, not in rank_logs, which the next start clears."""
