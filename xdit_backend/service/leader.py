@@ -111,9 +111,11 @@ class Leader:
         requested unload or shutdown), else send the heartbeat. Returns False when the backend stops."""
         due = self.idle.due(models_loaded=bool(self.executor.loaded()))
         if due == STOP:
+            why = f"the backend stopped after {self.idle.stop_after:g} s without a request (--idle-stop)"
+            if not self.server.refuse_new_if_idle(why):
+                return True  # a request came in at the deadline: it runs, and the idle time counts from its end
             log.info("idle for %.0f s (--idle-stop %g): stopping", self.idle.idle_s(), self.idle.stop_after)
-            self.shut_down(Message("shutdown", {"id": "idle-stop"}),
-                           f"the backend stopped after {self.idle.stop_after:g} s without a request (--idle-stop)")
+            self.shut_down(Message("shutdown", {"id": "idle-stop"}), why)
             return False
         if due == UNLOAD:
             unloaded = self.unload(Message("unload", {"id": "idle-unload"}))

@@ -154,6 +154,15 @@ class SocketServer:
         with self._ready:
             self.shutting_down = why
 
+    def refuse_new_if_idle(self, why: str) -> bool:
+        """``refuse_new(why)`` and True, unless a request is queued: one that arrived after rank 0 stopped
+        waiting for a job and before it decided to stop. Then nothing changes and False: it is served."""
+        with self._ready:
+            if self._queue:
+                return False
+            self.shutting_down = why
+            return True
+
     def fail_all(self, kind: str, message: str, hint: str = "", *, spare: Job | None = None, **extra) -> None:
         """Answer every queued and running job but ``spare`` with the same error (the backend is going away)."""
         with self._ready:
