@@ -1,12 +1,22 @@
 """What a model or LoRA path is, told before anything reads it: a FIFO, a device or a socket would block the
-first read (rank 0's loop with it), and a symlink loop would surface as a RuntimeError from deep in pathlib."""
+first read (rank 0's loop with it), and a symlink loop would surface as a RuntimeError from deep in pathlib.
+A file system that does not answer at all (a hung network mount, a disk that will not wake) blocks even ``stat``:
+``answered_within`` bounds the first look at a path, so rank 0's loop goes on and says why."""
 
 from __future__ import annotations
 
 import errno
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from ..errors import UserError
+
+T = TypeVar("T")
+FIRST_LOOK_S = 60.0  # how long the first look at a model path (stat, the file's header) may take
 
 
 def not_a_file(path: str) -> str | None:
@@ -24,3 +34,27 @@ def not_a_file(path: str) -> str | None:
     if stat.S_ISFIFO(mode):
         return "a FIFO (named pipe)"
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def answered_within(seconds: float, look: Callable[[], T], what: str) -> T:
+    """``look()`` (which reads the metadata or header of the files ``what`` names) on a thread of its own: its
+    answer, its exception, or after ``seconds`` without either a UserError saying the file system did not answer. A thread blocked in
+    the kernel cannot be stopped: it is a daemon thread, left blocked until the file system answers."""
+    answer: dict = {}
+
+    def run() -> None:
+        try:
+            answer["value"] = look()
+        except BaseException as exc:  # handed to the caller's thread as it is
+            answer["error"] = exc
+
+    thread = threading.Thread(target=run, name="xdit-first-look", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise UserError(f"{what} did not answer within {seconds:g} s: its file system is not responding (a hung "
+                        "network mount, a disk that does not wake up?)",
+                        "check the mount (`ls` on the folder hangs the same way), or copy the model to a local disk")
+    if "error" in answer:
+        raise answer["error"]
+    return answer["value"]

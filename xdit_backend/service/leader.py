@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..launch.idle import STOP, UNLOAD, IdleClock
 from ..memory import fit as memory_fit
 from ..models import registry
-from ..models.file_kind import not_a_file
+from ..models import file_kind
 from ..models.resolved import ResolvedModel, resolve_model
 from ..parallel import attention
 from ..sampling.generate import side_differences
@@ -141,9 +141,10 @@ class Leader:
 
     def resolve(self, job: Job) -> tuple[SampleRequest, str]:
         """Check a request and fix its layout and conditioning, so every rank runs exactly the same."""
-        request = SampleRequest.parse(job.message)
-        self.check_roots(request)
-        model = resolve_model(request.model)  # once: validation needs no weights
+        # the request's files looked at once (validation needs no weights), within a bound: a hung mount must not
+        # hold rank 0's loop
+        named = f"model {job.message.fields.get('model')!r} or its LoRA files"
+        request, model = file_kind.answered_within(file_kind.FIRST_LOOK_S, lambda: self.first_look(job), named)
         spec = model.spec
         request.check_model(spec)
         positive, negative = request.sides(spec)
@@ -192,12 +193,18 @@ class Leader:
         room = memory_fit.tightest_room(self.memory) - estimate.activations - estimate.workspace
         return MemoryFit(estimate.weights, room)
 
+    def first_look(self, job: Job) -> tuple[SampleRequest, ResolvedModel]:
+        """The request read (its LoRA paths looked at) and its model resolved: every file it names, touched."""
+        request = SampleRequest.parse(job.message)
+        self.check_roots(request)
+        return request, resolve_model(request.model)
+
     def check_roots(self, request: SampleRequest) -> None:
         """The model: a regular file or folder (a FIFO or a device would block the loop that serves the socket at
         its first read; a symlink loop is named; LoRA paths were checked so when the request was read); model and
         LoRA files only from the configured roots, symlinks and '..' resolved first."""
         a_path = request.model not in registry.BUILTINS
-        odd = not_a_file(request.model) if a_path else None
+        odd = file_kind.not_a_file(request.model) if a_path else None
         if odd:
             raise RequestError(f"model {request.model} is {odd}, not a file or folder that can be read",
                                "give the path of a model file (.safetensors, .gguf) or a diffusers folder")
