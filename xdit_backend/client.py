@@ -106,8 +106,13 @@ class Client:
         fields = {"model": model} if model else {}
         return self._call(Message("unload", fields), timeout=timeout).fields["info"]["unloaded"]
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: float = 30.0) -> None:
+        """Stop the backend. Its reply comes before its ranks have left and its socket closed: this returns once
+        the socket no longer answers (so a status asked next finds no backend), or after ``wait`` seconds."""
         self._call(Message("shutdown"), timeout=60.0)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.hello_or_none() is not None:
+            time.sleep(0.05)
 
     def cancel(self, request_id: str) -> bool:
         return self._call(Message("cancel", {"target": request_id})).fields["info"]["cancelled"]

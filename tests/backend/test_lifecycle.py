@@ -101,12 +101,12 @@ def test_shutdown_is_answered_and_ends_every_process(backends):
     client = backends.start(2)
     status = client.status()
     client.shutdown()
+    assert client.hello_or_none() is None  # it returns once the socket no longer answers: a status finds none
     deadline = time.monotonic() + 30
     pids = [status["pid"], *(r["pid"] for r in status["ranks"])]
     while any(running(pid) for pid in pids):
         assert time.monotonic() < deadline, "the backend did not exit after shutdown"
         time.sleep(0.05)
-    assert client.hello_or_none() is None
     state = launcher.read_state(client.socket_path)
     assert state["status"] == "stopped", state.get("failures")
 
