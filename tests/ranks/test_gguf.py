@@ -83,17 +83,19 @@ def test_a_gguf_type_the_backend_cannot_dequantize_is_named(tiny, tmp_path):
 
 
 def sharded_against_whole(rank: int, paths: list[str]) -> list[tuple[str, int, float]]:
-    """On each rank: every block of each model sharded with FSDP2 over the 2 ranks (the stored
-    weights split on dim 0), against the same model unsharded: (storage, rows held, max difference)."""
+    """On each rank: each model loaded as a sharded backend loads it (each block's stored weights read in this
+    rank's rows only and sharded by FSDP2 on dim 0: shard.RowSharding), against the same model unsharded:
+    (storage, rows held, max difference)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from xdit_backend.parallel import shard
 
     mesh = init_device_mesh("cpu", (2,))
     answers = []
     for path in paths:
-        sharded, whole = registry.build(path, CPU), registry.build(path, CPU)
-        for block in [*sharded.transformer.transformer_blocks, *sharded.transformer.single_transformer_blocks]:
-            fully_shard(block, mesh=mesh)
+        sharded = registry.build(path, CPU, sharding=shard.row_sharding(mesh, CPU))
+        shard.shard_blocks(sharded, mesh, CPU)
+        whole = registry.build(path, CPU)
         weight = sharded.transformer.transformer_blocks[0].attn.to_q.weight
         difference = (forward(sharded.transformer) - forward(whole.transformer)).abs().max().item()
         answers.append((sharded.storage_dtype, weight.to_local().shape[0], difference))

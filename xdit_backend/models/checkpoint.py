@@ -91,14 +91,31 @@ class TensorSource:
     key: str
     rows: tuple[int, int] | None = None  # [start, stop) along dim 0 of the original tensor; None: all of it
     swap_halves: bool = False  # original (shift, scale) modulation, diffusers (scale, shift)
+    part: tuple[int, int] | None = None  # [start, stop) of the diffusers tensor's rows to read (a rank's shard)
 
     def select(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This source's part of the whole original tensor (or of a LoRA delta shaped like it)."""
+        """This source's whole diffusers tensor from the whole original tensor (or of a LoRA delta shaped like
+        it); ``part`` is not applied."""
         return self.convert(tensor[self.row_slice])
 
     @property
     def row_slice(self) -> slice:
         return slice(None) if self.rows is None else slice(*self.rows)
+
+    @property
+    def read_slice(self) -> slice:
+        """The original rows a reader reads: the diffusers tensor's, or only ``part`` of them (the halves a
+        swap exchanges are read whole and cut after: read_converted)."""
+        if self.part is None or self.swap_halves:
+            return self.row_slice
+        start = 0 if self.rows is None else self.rows[0]
+        return slice(start + self.part[0], start + self.part[1])
+
+    def read_converted(self, read: torch.Tensor) -> torch.Tensor:
+        """The diffusers rows wanted (``part``, or all) from the original rows read at ``read_slice``."""
+        if self.part is not None and self.swap_halves:
+            return self.convert(read)[self.part[0]:self.part[1]]
+        return self.convert(read) if self.part is None else read
 
     def convert(self, rows: torch.Tensor) -> torch.Tensor:
         """The selected rows in diffusers' order."""
@@ -115,9 +132,9 @@ def bands(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 def read_tensor(handle, source: TensorSource) -> torch.Tensor:
-    """One diffusers tensor from an open safetensors file (``safe_open``), on the CPU in the file's
-    dtype: only its rows are read."""
-    return source.convert(handle.get_slice(source.key)[source.row_slice])
+    """One diffusers tensor (or its ``part``) from an open safetensors file (safetensors_file.open_file), on the CPU in the
+    file's dtype: only its rows are read."""
+    return source.read_converted(handle.get_slice(source.key)[source.read_slice])
 
 
 @contextmanager

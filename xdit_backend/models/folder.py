@@ -10,9 +10,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import UserError
+from . import safetensors_file
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -29,7 +29,7 @@ def shards(folder: str) -> dict[str, Path]:
                             "re-download the folder, or save it again with save_pretrained") from None
         return {key: root / name for key, name in weight_map.items()}
     if (root / WEIGHTS).is_file():
-        with safe_open(str(root / WEIGHTS), "pt") as handle:
+        with safetensors_file.open_file(str(root / WEIGHTS)) as handle:
             return dict.fromkeys(handle.keys(), root / WEIGHTS)
     found = sorted(p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
     raise UserError(f"{folder} has no {WEIGHTS} nor {INDEX} (found: {', '.join(found) or 'nothing'})",
@@ -37,18 +37,19 @@ def shards(folder: str) -> dict[str, Path]:
                     "are not loaded), or a single .safetensors file")
 
 
-def reader(folder: str, stack: ExitStack) -> Callable[[str], torch.Tensor]:
-    """``read(key)``: one tensor of the folder's weights, on the CPU in its stored dtype. Each shard
-    is opened (memory-mapped) when first needed and closed with ``stack``."""
+def reader(folder: str, stack: ExitStack) -> Callable[..., torch.Tensor]:
+    """``read(key, part=None)``: one tensor of the folder's weights (or only its rows ``part`` = [start, stop)),
+    on the CPU in its stored dtype. Each shard is opened (memory-mapped) when first needed and closed with
+    ``stack``."""
     where = shards(folder)
     handles = {}
 
-    def read(key: str) -> torch.Tensor:
+    def read(key: str, part: tuple[int, int] | None = None) -> torch.Tensor:
         path = where.get(key)
         if path is None:
             raise UserError(f"{folder}: tensor {key!r} is in none of its weight files", "the folder is incomplete: re-download it")
         if path not in handles:
-            handles[path] = stack.enter_context(safe_open(str(path), "pt"))
-        return handles[path].get_tensor(key)
+            handles[path] = stack.enter_context(safetensors_file.open_file(str(path)))
+        return handles[path].get_tensor(key) if part is None else handles[path].get_slice(key)[part[0]:part[1]]
 
     return read

@@ -46,8 +46,8 @@ def original_shape(reader, tensor) -> list[int]:
 
 
 def file_reader(reader) -> Callable[[TensorSource], object]:
-    """``read(source)``: one diffusers tensor's rows from the GGUF file: a plain tensor (F32, F16,
-    BF16) or a storage.Quantized of raw blocks [rows, bytes per row]."""
+    """``read(source)``: one diffusers tensor's rows (or its ``part``'s) from the GGUF file: a plain tensor (F32,
+    F16, BF16) or a storage.Quantized of raw blocks [rows, bytes per row]."""
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     shapes = {name: original_shape(reader, tensor) for name, tensor in tensors.items()}
 
@@ -55,14 +55,14 @@ def file_reader(reader) -> Callable[[TensorSource], object]:
         tensor = tensors[source.key]
         with warnings.catch_warnings():  # the memory map is read-only; the rows are copied out of it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            rows = torch.from_numpy(tensor.data[source.row_slice].copy())
+            rows = torch.from_numpy(tensor.data[source.read_slice].copy())
         kind = tensor.tensor_type.name
         if kind == "BF16":  # kept by the reader as bytes: [rows, 2 × values]
             rows = rows.view(torch.uint8).view(torch.bfloat16)
         if kind in PLAIN:
-            if source.rows is None:
+            if source.rows is None and source.part is None:
                 rows = rows.reshape(shapes[source.key])
-            return source.convert(rows)
-        return Quantized(source.convert(rows.view(torch.uint8)), gguf_type=int(tensor.tensor_type))
+            return source.read_converted(rows)
+        return Quantized(source.read_converted(rows.view(torch.uint8)), gguf_type=int(tensor.tensor_type))
 
     return read

@@ -7,11 +7,10 @@ import json
 import re
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import UserError
 from . import (
@@ -26,6 +25,7 @@ from . import (
     lora,
     pixart_checkpoint,
     qwen_image_checkpoint,
+    safetensors_file,
     scaled_fp8,
     sd3_checkpoint,
     storage,
@@ -142,15 +142,15 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
         except UserError as exc:
             raise ModelError(exc.message, exc.hint) from None
     try:
-        with safe_open(path, "pt") as handle:
+        with safetensors_file.open_file(path) as handle:
             shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
             float8 = any(handle.get_slice(key).get_dtype().startswith("F8") for key in handle.keys())
-    except Exception as exc:  # safetensors raises its own error types for damaged files
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged header, or a file shorter than it says
         raise ModelError(f"{path} is not a readable safetensors file ({exc})",
                          "the file may be truncated (an interrupted download?): check its size, or re-download it") from None
     try:
         scaled_fp8.check(shapes, path)
-        with safe_open(path, "pt") as handle:
+        with safetensors_file.open_file(path) as handle:
             scaled_fp8.formats(handle, path)  # refuses quantization formats other than float8, by layer
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
@@ -221,13 +221,14 @@ def spec(ref: str):
 
 
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
-          blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
+          blocks: tuple[int, int] | None = None, weight_dtype: str = "default", sharding=None):
     """Build or load the model ``ref`` names (build_source)."""
-    return build_source(resolve(ref), ref, device, dtype, loras, blocks, weight_dtype)
+    return build_source(resolve(ref), ref, device, dtype, loras, blocks, weight_dtype, sharding)
 
 
 def build_source(source: ModelSource, name: str, device: torch.device, dtype: torch.dtype = torch.float32,
-                 loras=(), blocks: tuple[int, int] | None = None, weight_dtype: str = "default"):
+                 loras=(), blocks: tuple[int, int] | None = None, weight_dtype: str = "default",
+                 sharding: weights.BlockSharding | None = None):
     """Build or load a model (called ``name``) onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
     else its file or folder), carrying ``loras`` (lora.LoraSpec) as patches (``model.patches``: lora.py).
 
@@ -238,7 +239,9 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     "fp8_e4m3fn" / "fp8_e5m2" stores a 16/32-bit model's in that float8), upcast one layer at a
     time at compute (storage.py). ``blocks`` = (start, end): a PipeFusion stage; only those blocks'
     tensors (and the embeddings around them) are drawn or read, the other blocks stay on the meta
-    device for the caller to drop (parallel/pipefusion.keep_stage).
+    device for the caller to drop (parallel/pipefusion.keep_stage). ``sharding``: each block's tensors
+    are read only in this rank's rows and the block is sharded as soon as they are in (weights.put), so
+    the host and the device never hold more than the shards and the layers outside the blocks.
     """
     family = FAMILIES[source.family]
     fp8 = _weight_dtype(weight_dtype)
@@ -247,7 +250,8 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     transformer = construct(source)
     keys = _stage_keys(transformer, family, blocks)
     with _tensors(source, transformer, keys) as tensor_of:
-        weights.put(transformer, keys, tensor_of, device, dtype, fp8)
+        weights.put(transformer, keys, tensor_of, device, dtype, fp8,
+                    sharding and (sharding, _blocks(transformer, family, blocks)))
     broken = storage.non_finite(transformer) if source.kind != "builtin" else []  # a built-in's are drawn, finite
     if broken:
         raise ModelError(f"{source.ref}: {len(broken)} tensors hold NaN or infinite values once loaded "
@@ -283,6 +287,13 @@ def _stage_keys(transformer, family: Family, blocks: tuple[int, int] | None) -> 
             or blocks[0] <= i < blocks[1]]
 
 
+def _blocks(transformer, family: Family, blocks: tuple[int, int] | None) -> dict[str, torch.nn.Module]:
+    """The blocks to fill, by state-dict prefix ("transformer_blocks.3"): all of them, or a stage's."""
+    named = [(f"{name}.{i}", block) for name in family.block_lists for i, block in enumerate(getattr(transformer, name))]
+    start, end = blocks or (0, len(named))
+    return dict(named[start:end])
+
+
 def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> int | None:
     """Position of the block a parameter belongs to, counting across the block lists; None: no block."""
     match = re.match(r"(\w+)\.(\d+)\.", key)
@@ -297,7 +308,8 @@ def _tensors(source: ModelSource, transformer, keys: list[str]):
     """``tensor_of(key)``: a built-in's drawn tensor, or one tensor read from the file or folder (on
     the CPU, in the stored dtype, memory-mapped), each only when ``weights.put`` asks for it."""
     if source.kind == "builtin":
-        yield weights.drawn(transformer, BUILTINS[source.ref].seed)
+        draw = weights.drawn(transformer, BUILTINS[source.ref].seed)
+        yield lambda key, part=None: draw(key) if part is None else draw(key)[part[0]:part[1]]
         return
 
     def unreadable(exc: Exception) -> ModelError:
@@ -310,12 +322,12 @@ def _tensors(source: ModelSource, transformer, keys: list[str]):
                     else _file_reader(source, keys, stack))
         except UserError as exc:
             raise ModelError(exc.message, exc.hint) from None
-        except Exception as exc:  # safetensors raises its own error types for damaged files
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged header, or a file shorter than it says
             raise unreadable(exc) from None
 
-        def tensor_of(key: str) -> torch.Tensor:
+        def tensor_of(key: str, part: tuple[int, int] | None = None) -> torch.Tensor:
             try:
-                return read(key)
+                return read(key, part)
             except UserError as exc:
                 raise ModelError(exc.message, exc.hint) from None
             except Exception as exc:  # only the read: a device's out-of-memory is not the file's fault
@@ -324,15 +336,16 @@ def _tensors(source: ModelSource, transformer, keys: list[str]):
         yield tensor_of
 
 
-def _file_reader(source: ModelSource, keys: list[str], stack: ExitStack) -> Callable[[str], torch.Tensor]:
-    """``read(key)``: one diffusers tensor from a single file in its family's original layout."""
+def _file_reader(source: ModelSource, keys: list[str], stack: ExitStack) -> Callable[..., torch.Tensor]:
+    """``read(key, part=None)``: one diffusers tensor (or its rows ``part``) from a single file in its family's
+    original layout."""
     table = FAMILIES[source.family].checkpoint.sources(keys, source.prefix, source.config)
     if source.gguf:
         read = gguf_file.file_reader(gguf_blocks.open_reader(source.ref))
-        return lambda key: read(table[key])
-    handle = stack.enter_context(safe_open(source.ref, "pt"))
-    reader = scaled_fp8.ScaledReader(handle, source.ref)  # a weight with a scale: storage.Quantized
-    return lambda key: reader.read(table[key])
+    else:
+        handle = stack.enter_context(safetensors_file.open_file(source.ref))
+        read = scaled_fp8.ScaledReader(handle, source.ref).read  # a weight with a scale: storage.Quantized
+    return lambda key, part=None: read(table[key] if part is None else replace(table[key], part=part))
 
 
 def random_conditioning(name: str, batch: int, seed: int, spec,

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
-from . import gguf_blocks
+from . import gguf_blocks, safetensors_file
 
 FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # weight_dtype → storage
 FLOAT8 = frozenset(FP8.values())
@@ -69,6 +69,15 @@ class StoredLinear(torch.nn.Linear):
         stored = Quantized(self.weight, self._buffers.get("weight_scale"), getattr(self, "gguf_type", None))
         return stored.dequantized(torch.Size((self.out_features, self.in_features)), dtype)
 
+    def upcast_local(self, dtype: torch.dtype) -> torch.Tensor:
+        """``upcast`` of the rows this rank holds: all of them, or its shard's when the weight is sharded."""
+        local, start = _local_rows(self.weight)
+        scale = self._buffers.get("weight_scale")
+        if scale is not None and scale.dim():  # one per row: the shard's rows
+            scale = scale[start:start + local.shape[0]]
+        stored = Quantized(local, scale, getattr(self, "gguf_type", None))
+        return stored.dequantized(torch.Size((local.shape[0], self.in_features)), dtype)
+
     def storage(self) -> str:
         """The stored form's name: float8_e4m3fn, "float8_e4m3fn scaled", "gguf Q4_K"."""
         gguf_type = getattr(self, "gguf_type", None)
@@ -88,9 +97,11 @@ def non_finite(transformer: torch.nn.Module) -> list[str]:
             if tensor is None or tensor.is_meta:
                 continue
             if isinstance(module, StoredLinear) and leaf == "weight":
-                value = module.upcast(torch.float32)  # one layer's temporary at a time
+                if _local_rows(tensor)[0].numel() == 0:  # a shard left empty (fewer rows than ranks)
+                    continue
+                value = module.upcast_local(torch.float32)  # one layer's temporary at a time
             elif tensor.is_floating_point():
-                value = tensor
+                value = _local_rows(tensor)[0]
             else:
                 continue
             flags.append(torch.isfinite(value).all())
@@ -98,6 +109,15 @@ def non_finite(transformer: torch.nn.Module) -> list[str]:
     if not flags:
         return []
     return [names[i] for i in (~torch.stack(flags)).nonzero().flatten().tolist()]
+
+
+def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows of ``tensor`` this rank holds and the first one's index: all from 0, or a sharded parameter's
+    (FSDP2's dim-0 shard: ⌈rows/S⌉ a rank)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    mesh = tensor.device_mesh
+    return tensor.to_local(), mesh.get_local_rank() * math.ceil(tensor.shape[0] / mesh.size())
 
 
 def _row_scale(scale: torch.Tensor, dims: int) -> torch.Tensor:
@@ -116,7 +136,9 @@ def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype
     linear = stored and leaf == "weight" and isinstance(module, torch.nn.Linear)
     if isinstance(value, Quantized):
         if not linear:  # a convolution's or a float32 module's: dequantized at load
-            shape = module._parameters[leaf].shape
+            # its rows as read: all of them, or a rank's share (GGUF blocks are whole rows; ComfyUI's scaled fp8
+            # scales Linear weights only, so a per-row scale never meets a share here)
+            shape = torch.Size((value.data.shape[0], *module._parameters[leaf].shape[1:]))
             moved = Quantized(value.data.to(device), _moved(value.scale, device), value.gguf_type)
             return moved.dequantized(shape, dtype)
         data = value.data.to(device)
@@ -192,7 +214,7 @@ def file_matrix_bytes(path: str, mtime_ns: int) -> tuple[int, int, int]:
             else:  # quantized blocks, as stored
                 kept_bytes, kept_values = kept_bytes + int(tensor.n_bytes), kept_values + int(tensor.n_elements)
         return kept_bytes, kept_values, cast_values
-    with safe_open(path, "pt") as handle:
+    with safetensors_file.open_file(path) as handle:
         for key in handle.keys():
             view = handle.get_slice(key)
             if len(view.get_shape()) < 2:

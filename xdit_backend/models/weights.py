@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
@@ -83,26 +84,70 @@ def _redraw(module: torch.nn.Module, seed: int) -> None:
         module.reset_parameters()
 
 
-def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[[str], object],
-        device: torch.device, dtype: torch.dtype, fp8: torch.dtype | None = None) -> None:
+class BlockSharding(Protocol):
+    """How a rank holds a block's parameters when the blocks are sharded (parallel/shard.py): which rows of a
+    parameter it reads, and what makes the block sharded once those rows are in."""
+
+    def rows(self, length: int) -> tuple[int, int]:
+        """[start, stop) of a parameter's ``length`` dim-0 rows that this rank keeps."""
+
+    def shard(self, block: torch.nn.Module, parts: dict[str, torch.Tensor]) -> None:
+        """Shard ``block``, whose parameters are meta stand-ins of their whole shape in their storage dtype,
+        with ``parts``: this rank's rows of each, by parameter name within the block, on the device."""
+
+
+def put(transformer: torch.nn.Module, keys: Iterable[str], tensor_of: Callable[..., object],
+        device: torch.device, dtype: torch.dtype, fp8: torch.dtype | None = None,
+        sharded: tuple[BlockSharding, dict[str, torch.nn.Module]] | None = None) -> None:
     """Give each state-dict key in ``keys`` its tensor ``tensor_of(key)`` (from anywhere: a CPU
     slice of a file, a drawn module; or a storage.Quantized weight), moved to ``device`` and cast
     there, one key at a time; then move the buffers no key covers (computed at construction) to
     ``device``, in their own dtype. Linear weights keep their storage form (float8, GGUF blocks;
-    ``fp8``: 16/32-bit ones stored in that float8): storage.place."""
+    ``fp8``: 16/32-bit ones stored in that float8): storage.place.
+
+    ``sharded`` = (sharding, the blocks by state-dict prefix): a block's parameters are read only in this
+    rank's rows (``tensor_of(key, part)``) and the block is sharded once they are all in; the host holds
+    one tensor's share at a time, the device the shards and the layers outside the blocks."""
     modules = dict(transformer.named_modules())
     kept_float32 = frozenset(getattr(type(transformer), "_keep_in_fp32_modules", None) or ())
+    sharding, blocks = sharded or (None, {})
+    by_block: dict[str, list[str]] = {prefix: [] for prefix in blocks}
     with torch.no_grad():  # weights, not a computation to differentiate
         for key in keys:
-            owner, _, leaf = key.rpartition(".")
-            float32 = bool(kept_float32.intersection(key.split(".")))
-            tensor = storage.place(modules[owner], leaf, tensor_of(key), device,
-                                   torch.float32 if float32 else dtype, fp8, stored=not float32)
-            _replace(modules[owner], leaf, tensor)
+            prefix = ".".join(key.split(".")[:2])
+            if prefix in by_block:
+                by_block[prefix].append(key)  # once its block's turn comes
+                continue
+            _put_one(modules, key, tensor_of(key), device, dtype, fp8, kept_float32)
+        for prefix, block_keys in by_block.items():
+            parts = {}
+            for key in block_keys:
+                owner, _, leaf = key.rpartition(".")
+                whole = modules[owner]._parameters.get(leaf)
+                if whole is None:  # a buffer: whole on every rank
+                    _put_one(modules, key, tensor_of(key), device, dtype, fp8, kept_float32)
+                    continue
+                part = sharding.rows(whole.shape[0])
+                local = _put_one(modules, key, tensor_of(key, part), device, dtype, fp8, kept_float32)
+                parts[key.removeprefix(prefix + ".")] = local
+                stand_in = torch.empty((whole.shape[0], *local.shape[1:]), dtype=local.dtype, device="meta")
+                _replace(modules[owner], leaf, stand_in)  # the whole shape, in the storage form, on meta
+            sharding.shard(blocks[prefix], parts)
         for module in modules.values():
             for name, buffer in module._buffers.items():
                 if buffer is not None and not buffer.is_meta:
                     module._buffers[name] = buffer.to(device)
+
+
+def _put_one(modules: dict, key: str, value, device: torch.device, dtype: torch.dtype, fp8: torch.dtype | None,
+             kept_float32: frozenset) -> torch.Tensor:
+    """Put one key's ``value`` (storage.place: moved, cast or kept in its storage form) in its module; returns it."""
+    owner, _, leaf = key.rpartition(".")
+    float32 = bool(kept_float32.intersection(key.split(".")))
+    tensor = storage.place(modules[owner], leaf, value, device, torch.float32 if float32 else dtype, fp8,
+                           stored=not float32)
+    _replace(modules[owner], leaf, tensor)
+    return tensor
 
 
 def _replace(module: torch.nn.Module, leaf: str, tensor: torch.Tensor) -> None:

@@ -26,10 +26,12 @@ ranks (across cfg, dp and sequence) run the same work list (schedule.items) thro
 What would break it, a rank skipping a model call, no layout does; validate refuses the one case
 where sharding means nothing (a shard mesh of one rank).
 
-Loading: the executor builds a sharded model on the CPU (a file's tensors are memory-mapped there,
-shared by the ranks through the page cache) and ``fully_shard`` moves each block to the device as
-it shards it, so a device never holds more than the shards, the replicated layers and one whole
-block.
+Loading (``RowSharding``): each block is built on meta, sharded there, materialised on the device and
+filled with only this rank's rows of each parameter, read from the memory-mapped file (the other rows
+are never read): a rank's host and device hold its shards and the layers outside the blocks, never a
+whole block, and the file's pages a rank touches are its own share. On torch 2.7 (one dtype per block in
+FSDP2) the model is built on the CPU and ``fully_shard`` moves each block to the device as it shards
+it: the host holds the whole model, the device the shards and one whole block.
 
 Storage precision: parameters of several dtypes in one block (an fp8 file's float8 matrices next to
 its bf16 norms) are all-gathered as bytes in the same single collective (FSDP2 views them as uint8).
@@ -48,7 +50,7 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..distributed import compat
@@ -60,12 +62,47 @@ def blocks_of(model) -> list[nn.Module]:
     return [block for name in model.spec.stage_plan.block_lists for block in getattr(transformer, name)]
 
 
+class RowSharding:
+    """Loading straight into the shards (models/weights.BlockSharding): each block is built with meta stand-ins
+    of its parameters, sharded on meta, materialised on the device, and given this rank's rows as read from the
+    file, so no rank ever holds a whole block's values (the file's other rows are never read). FSDP2 cuts dim 0
+    as ``torch.chunk`` does: ⌈rows/S⌉ rows a rank, the last ones shorter or empty."""
+
+    def __init__(self, mesh: DeviceMesh, device: torch.device):
+        self.mesh, self.device = mesh, device
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+
+    def rows(self, length: int) -> tuple[int, int]:
+        chunk = math.ceil(length / self.size)
+        return min(length, self.rank * chunk), min(length, (self.rank + 1) * chunk)
+
+    def shard(self, block: nn.Module, parts: dict[str, torch.Tensor]) -> None:
+        real = [(module, name, buffer) for module in block.modules()
+                for name, buffer in module._buffers.items() if buffer is not None and not buffer.is_meta]
+        fully_shard(block, mesh=self.mesh, reshard_after_forward=True)  # meta parameters → meta DTensor shards
+        block.to_empty(device=self.device)  # the shards allocated, uninitialised (and the buffers emptied…)
+        for module, name, buffer in real:  # …so they are put back: a stored weight's scale, computed tables
+            module._buffers[name] = buffer
+        with torch.no_grad():
+            for name, param in block.named_parameters():
+                param.to_local().copy_(parts[name])  # FSDP2 pads it into its own storage at lazy init
+
+
+def row_sharding(mesh: DeviceMesh, device: torch.device) -> RowSharding | None:
+    """A loader that reads only this rank's rows of each block, or None where this torch's FSDP2 takes one
+    dtype per block (2.7: a block's minor-dtype parameters stay whole, so its blocks are built whole on the CPU
+    and sharded after, by shard_blocks)."""
+    return RowSharding(mesh, device) if compat.fsdp_shards_mixed_dtypes() else None
+
+
 def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
-    """Shard every block of ``model`` over ``mesh`` (1-D) with forward prefetch, keep the other
-    layers whole, and put those on ``device``; returns the model."""
+    """Shard every block of ``model`` over ``mesh`` (1-D) with forward prefetch (blocks a RowSharding loaded are
+    sharded already), keep the other layers whole, and put those on ``device``; returns the model."""
     transformer = model.transformer
     blocks = blocks_of(model)
     for block in blocks:
+        if isinstance(block, FSDPModule):
+            continue
         apart = None if compat.fsdp_shards_mixed_dtypes() else minor_dtype_parameters(block)
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=apart)  # moves the block to the mesh's device
     replicated = {p for p in transformer.parameters() if not isinstance(p, DTensor)}

@@ -87,9 +87,11 @@ class Executor:
     def load(self, model: ResolvedModel, key: ModelKey, shard_mesh) -> Entry:
         """Build the model of ``key`` on this rank's device: the whole of it, or only a PipeFusion
         stage's tensors (the other stages' blocks stay on meta and are dropped); with ``shard_mesh``,
-        built on the CPU and each block sharded onto the device (it never holds a whole copy: shard.py)."""
-        device = torch.device("cpu") if shard_mesh is not None else self.rt.device
-        built = model.build(device, getattr(torch, key.compute_dtype), blocks=key.stage, weight_dtype=key.weight_dtype)
+        each block read in this rank's rows only and sharded as it is loaded (shard.RowSharding)."""
+        sharding = None if shard_mesh is None else shard.row_sharding(shard_mesh, self.rt.device)
+        device = torch.device("cpu") if shard_mesh is not None and sharding is None else self.rt.device
+        built = model.build(device, getattr(torch, key.compute_dtype), blocks=key.stage, weight_dtype=key.weight_dtype,
+                            sharding=sharding)
         blocks = None if key.stage is None else keep_stage(built.transformer, built.spec.stage_plan, *key.stage)
         if shard_mesh is not None:
             shard.shard_blocks(built, shard_mesh, self.rt.device)
