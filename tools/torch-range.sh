@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The compatibility subset on other torch releases than CI's pinned one: the unit tests, the compat and
-# mesh tests, and one world-2 backend parity per parallel method (flux-tiny: ulysses, ring, cfg, dp,
+# mesh tests, loading sharded (FSDP2 on meta, filled with each rank's rows), and one world-2 backend parity per
+# parallel method (flux-tiny: ulysses, ring, cfg, dp,
 # PipeFusion, and each with its weights sharded). Each release gets its own venv under $XDIT_TORCH_VENVS
 # (default ~/.cache/xdit-torch-range), kept for the next run; pip's cache keeps the wheels.
 #
@@ -16,6 +17,7 @@ versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(2.7.1 2.15.0)
 root=${XDIT_TORCH_VENVS:-$HOME/.cache/xdit-torch-range}
 subset=(tests/unit tests/ranks/test_compat.py tests/ranks/test_mesh_groups.py tests/ranks/test_shard.py
+        tests/ranks/test_sharded_loading.py "tests/ranks/test_gguf.py::test_stored_weights_shard_with_fsdp2_on_their_rows"
         "tests/backend/test_parity.py::test_layout_equals_serial")
 failed=()
 for version in "${versions[@]}"; do
