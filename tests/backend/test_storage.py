@@ -36,13 +36,11 @@ def parameter_bytes(transformer) -> int:
     return sum(p.numel() * p.element_size() for p in transformer.parameters())
 
 
-def rounded(tiny, fp8: torch.dtype, linear_only: bool):
-    """The reference: flux-tiny with its weights rounded through ``fp8`` (every tensor, as a file
-    stored all in fp8; or only the Linear weights, as weight_dtype does), computed in float32."""
+def rounded(tiny, fp8: torch.dtype):
+    """The reference: flux-tiny with every tensor rounded through ``fp8`` (as a file stored all in fp8, or a
+    16-bit file loaded with weight_dtype fp8, as ComfyUI's UNETLoader does), computed in float32."""
     model = registry.build("flux-tiny", CPU)
-    linears = {f"{name}.weight" for name in linear_weights(model.transformer)}
-    state = {k: v.to(fp8).float() if not linear_only or k in linears else v
-             for k, v in tiny.transformer.state_dict().items()}
+    state = {k: v.to(fp8).float() for k, v in tiny.transformer.state_dict().items()}
     model.transformer.load_state_dict(state)
     return model
 
@@ -61,7 +59,7 @@ def test_an_fp8_file_stays_fp8_at_one_byte_a_value(tiny, tmp_path, fp8):
     assert parameter_bytes(loaded.transformer) == matrix_values * 1 + others * 4
     assert parameter_bytes(loaded.transformer) < parameter_bytes(tiny.transformer) / 3
     assert loaded.dtype == torch.float32 and loaded.storage_dtype == str(fp8).removeprefix("torch.")
-    difference = (forward(loaded.transformer) - forward(rounded(tiny, fp8, False).transformer)).abs().max()
+    difference = (forward(loaded.transformer) - forward(rounded(tiny, fp8).transformer)).abs().max()
     assert difference <= 1e-5
 
 
@@ -74,7 +72,7 @@ def test_weight_dtype_fp8_stores_a_16_bit_file_in_fp8(tiny, tmp_path, name, fp8)
     assert loaded.storage_dtype == str(fp8).removeprefix("torch.")
     bf16 = registry.build("flux-tiny", CPU)
     bf16.transformer.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in tiny.transformer.state_dict().items()})
-    reference = rounded(bf16, fp8, linear_only=True)
+    reference = rounded(bf16, fp8)  # every parameter, not only the Linear weights: as ComfyUI
     assert (forward(loaded.transformer) - forward(reference.transformer)).abs().max() <= 1e-5
     default = registry.build(str(path), CPU)  # default: the file's precision, here the compute dtype's
     assert {w.dtype for w in linear_weights(default.transformer).values()} == {torch.float32}

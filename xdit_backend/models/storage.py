@@ -14,7 +14,9 @@ the Parameter for its gathered one. A scale is a small non-persistent buffer bes
 or one per output row [out, 1]), not sharded.
 
 Everything else (biases, norms, modulation tables, convolutions, the family's
-``_keep_in_fp32_modules``) is put in the compute dtype (or float32) as before.
+``_keep_in_fp32_modules``) is put in the compute dtype (or float32); with weight_dtype fp8_* it is first
+rounded through that fp8, as ComfyUI's UNETLoader builds the whole model in it (Comfy-Org/ComfyUI
+comfy/sd.py load_diffusion_model_state_dict: ``unet_dtype`` is the model's dtype, every layer made in it).
 """
 
 from __future__ import annotations
@@ -130,7 +132,9 @@ def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype
     """The tensor to put as ``module``'s ``leaf`` for a reader's ``value`` (a tensor, or Quantized).
 
     ``stored``: the weight may keep a storage form (a Linear's weight outside the float32 modules);
-    ``fp8``: the request's weight_dtype for 16/32-bit weights (None: "default", the file's precision).
+    ``fp8``: the request's weight_dtype for 16/32-bit weights (None: "default", the file's precision): Linear
+    weights are stored in it, every other floating tensor is rounded through it and kept in ``dtype``, as
+    ComfyUI's UNETLoader rounds every parameter of the model it builds in that dtype.
     A Linear given a storage form becomes a StoredLinear (its scale registered beside the weight);
     everything else comes back in ``dtype``, moved to ``device`` before it is cast."""
     linear = stored and leaf == "weight" and isinstance(module, torch.nn.Linear)
@@ -140,7 +144,9 @@ def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype
             # scales Linear weights only, so a per-row scale never meets a share here)
             shape = torch.Size((value.data.shape[0], *module._parameters[leaf].shape[1:]))
             moved = Quantized(value.data.to(device), _moved(value.scale, device), value.gguf_type)
-            return moved.dequantized(shape, dtype)
+            if fp8 is None:
+                return moved.dequantized(shape, dtype)
+            return rounded_to(moved.dequantized(shape, torch.float32), fp8).to(dtype)
         data = value.data.to(device)
         _store(module, value.gguf_type)
         if value.scale is not None:
@@ -155,9 +161,17 @@ def place(module: torch.nn.Module, leaf: str, value, device: torch.device, dtype
         return tensor
     if linear and fp8 is not None:
         _store(module, None)
-        limit = torch.finfo(fp8).max  # a plain cast overflows to NaN (e4m3fn has no infinity): saturate
-        return tensor.to(torch.float32).clamp_(-limit, limit).to(fp8)
+        return rounded_to(tensor, fp8)
+    if fp8 is not None:  # as ComfyUI, which builds the whole model in that fp8: biases, norms, embeddings rounded
+        return rounded_to(tensor, fp8).to(dtype)
     return tensor.to(dtype)
+
+
+def rounded_to(tensor: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``fp8``, saturated at its largest value (a plain cast overflows to NaN: e4m3fn has no
+    infinity)."""
+    limit = torch.finfo(fp8).max
+    return tensor.to(torch.float32).clamp_(-limit, limit).to(fp8)
 
 
 def _store(module: torch.nn.Linear, gguf_type: int | None) -> None:

@@ -3,7 +3,8 @@
 A built-in Flux (flux-tiny; on a GPU also flux-dev-two-blocks, Flux.1-dev's width, 545 M parameters)
 is written as an fp8 file, a ComfyUI scaled-fp8 file (one float32 ``scale_weight`` per matrix, the
 ``scaled_fp8`` marker), a GGUF Q8_0 file and a GGUF Q4_K file (random blocks: the gguf package cannot quantize
-K-quants), and a bf16 file is loaded with weight_dtype fp8_e4m3fn;
+K-quants), and a bf16 file is loaded with weight_dtype fp8_e4m3fn (against the model with every tensor rounded
+through fp8, as ComfyUI's UNETLoader builds it);
 each is loaded on the device computing in bf16, and:
 - it holds the bytes the fit check counts for it (``memory_fit.needed``'s resident weights): its
   parameters and buffers, and on CUDA the allocated-memory delta of the load;
@@ -25,9 +26,10 @@ from safetensors.torch import save_file
 from ..memory import fit as memory_fit
 from ..models import registry
 from ..models.resolved import resolve_model
+from ..models.storage import rounded_to
 from ..service.model_cache import resident_bytes
 from ..service.step_clock import StepClock
-from .files import BF16, FILES, family_table, original_layout
+from .files import BF16, FILES, FP8, family_table, original_layout
 from .memory import allocated
 from .models import distance, generation
 from .runner import Checks, Context
@@ -93,9 +95,13 @@ def _storage_of(name: str, ctx: Context, checks: Checks, tmp: Path, request: dic
         del dequantised
         _compare(ctx, checks, f"{name}_{form}", name, str(path), "default", reference, base_s, request)
         path.unlink()
-        if form == "fp8":  # a bf16 file with weight_dtype fp8_e4m3fn: the same matrices rounded, the same reference
+        if form == "fp8":  # a bf16 file with weight_dtype fp8_e4m3fn: every tensor rounded through fp8, as ComfyUI
             path = tmp / f"{name}-bf16.safetensors"
             save_file({key: value.to(BF16) for key, value in original.items()}, str(path))
+            rounded = {key: rounded_to(value.to(BF16), FP8).float() for key, value in original.items()}
+            base.transformer.load_state_dict({key: source.select(rounded[source.key]) for key, source in table.items()})
+            reference = generation(base, name, request)
+            del rounded
             _compare(ctx, checks, f"{name}_weight_dtype_fp8", name, str(path), "fp8_e4m3fn", reference, base_s, request)
             path.unlink()
 
