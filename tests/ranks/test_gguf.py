@@ -82,39 +82,52 @@ def test_a_gguf_type_the_backend_cannot_dequantize_is_named(tiny, tmp_path):
     assert "Q8_0" in info.value.hint
 
 
-def sharded_against_whole(rank: int, paths: list[str]) -> list[tuple[str, int, float]]:
+def sharded_against_whole(rank: int, paths: list[str], torch_before_2_13: bool) -> list[tuple[str, int, float]]:
     """On each rank: each model loaded as a sharded backend loads it (each block's stored weights read in this
     rank's rows only and sharded by FSDP2 on dim 0: shard.RowSharding), against the same model unsharded:
-    (storage, rows held, max difference)."""
+    (storage, rows held, max difference). ``torch_before_2_13``: as a torch whose FSDP2 cannot shard an integer
+    parameter (compat.py), which keeps GGUF's blocks whole."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
+    from xdit_backend.distributed import compat
     from xdit_backend.parallel import shard
 
+    if torch_before_2_13:
+        compat.fsdp_shards_integer_parameters = lambda: False
     mesh = init_device_mesh("cpu", (2,))
     answers = []
     for path in paths:
-        sharded = registry.build(path, CPU, sharding=shard.row_sharding(mesh, CPU))
+        loader = shard.row_sharding(mesh, CPU, integer_weights=path.endswith(".gguf"))
+        sharded = registry.build(path, CPU, sharding=loader)
         shard.shard_blocks(sharded, mesh, CPU)
         whole = registry.build(path, CPU)
         weight = sharded.transformer.transformer_blocks[0].attn.to_q.weight
         difference = (forward(sharded.transformer) - forward(whole.transformer)).abs().max().item()
-        answers.append((sharded.storage_dtype, weight.to_local().shape[0], difference))
+        held = weight.to_local() if isinstance(weight, DTensor) else weight  # a sharded weight, or a whole one
+        answers.append((sharded.storage_dtype, held.shape[0], difference))
     return answers
 
 
-def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path):
+@pytest.mark.parametrize("torch_before_2_13", [False, True], ids=["torch", "torch-2.11"])
+def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path, torch_before_2_13):
     """The contract with weight sharding: GGUF blocks and scaled-fp8 weights (per-row scales) are
-    plain Parameters FSDP2 shards on dim 0, and the sharded model computes exactly the unsharded one."""
+    plain Parameters FSDP2 shards on dim 0, and the sharded model computes exactly the unsharded one. Before
+    torch 2.13 FSDP2 cannot shard GGUF's integer blocks: they stay whole on every rank, the result the same."""
     from spawned import on_ranks
     from backend.test_storage import comfy_scaled_file
+
+    from xdit_backend.distributed import compat
 
     gguf_path, fp8_path = tmp_path / "flux-q8.gguf", tmp_path / "flux-scaled.safetensors"
     gguf_file(bfl_state_dict(tiny.transformer), gguf_path, GGML.Q8_0)
     comfy_scaled_file(bfl_state_dict(tiny.transformer), fp8_path, per_row=True)
-    for answers in on_ranks(sharded_against_whole, 2, [str(gguf_path), str(fp8_path)]):
+    for answers in on_ranks(sharded_against_whole, 2, [str(gguf_path), str(fp8_path)], torch_before_2_13):
         (q8, q8_rows, q8_difference), (fp8, fp8_rows, fp8_difference) = answers
         assert q8.startswith("gguf Q8_0") and fp8 == "float8_e4m3fn scaled"
-        assert q8_rows == fp8_rows == 32  # half of to_q's 64 output rows on each rank
+        assert fp8_rows == 32  # half of to_q's 64 output rows on each rank
+        whole = torch_before_2_13 or not compat.fsdp_shards_integer_parameters()  # this torch, or one made to act so
+        assert q8_rows == (64 if whole else 32)
         assert q8_difference == 0 and fp8_difference == 0
 
 

@@ -15,6 +15,11 @@ What is newer than 2.7 and how it is bridged:
   bf16 norms and float32 biases): 2.8 on (pytorch#154103); 2.7 asserts one dtype per block.
   parallel/shard.py then keeps the block's parameters of its minor dtypes whole on every rank (its
   biases and norms: a small share) and shards the rest (``fsdp_shards_mixed_dtypes``).
+- FSDP2 over a frozen integer parameter (GGUF's raw uint8 blocks): 2.13 on, where FSDPParam makes its shard
+  ``nn.Parameter(…, requires_grad=param.requires_grad)``; 2.11 makes it ``nn.Parameter(…)`` first, which an
+  integer tensor refuses ("only Tensors of floating point dtype can require gradients"; seen on 2.11 by
+  tools/torch-range.sh, 2.12 not tried). parallel/shard.py then keeps a GGUF model's quantized matrices whole on
+  every rank and shards the rest (``fsdp_shards_integer_parameters``).
 - ``init_device_mesh(backend_override=)`` and ``DeviceMesh._flatten`` (2.9; private): not used.
   distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
   ``DeviceMesh.from_group``, both the same from 2.7 on.
@@ -50,6 +55,11 @@ def single_tensor_all_gathers() -> tuple[str, ...]:
 def fsdp_shards_mixed_dtypes() -> bool:
     """Whether ``fully_shard`` takes a module whose frozen parameters have several dtypes (torch 2.8 on)."""
     return version() >= (2, 8)
+
+
+def fsdp_shards_integer_parameters() -> bool:
+    """Whether ``fully_shard`` takes a frozen integer parameter (GGUF's uint8 blocks): verified from 2.13 on."""
+    return version() >= (2, 13)
 
 
 def unsupported(text: str | None = None) -> str | None:

@@ -88,11 +88,22 @@ class RowSharding:
                 param.to_local().copy_(parts[name])  # FSDP2 pads it into its own storage at lazy init
 
 
-def row_sharding(mesh: DeviceMesh, device: torch.device) -> RowSharding | None:
-    """A loader that reads only this rank's rows of each block, or None where this torch's FSDP2 takes one
-    dtype per block (2.7: a block's minor-dtype parameters stay whole, so its blocks are built whole on the CPU
-    and sharded after, by shard_blocks)."""
-    return RowSharding(mesh, device) if compat.fsdp_shards_mixed_dtypes() else None
+def row_sharding(mesh: DeviceMesh, device: torch.device, integer_weights: bool = False) -> RowSharding | None:
+    """A loader that reads only this rank's rows of each block, or None where this torch's FSDP2 keeps some of a
+    block's parameters whole (``whole_on_every_rank``: 2.7's minor dtypes; before 2.13 a GGUF model's
+    ``integer_weights``): then the blocks are built whole on the CPU and sharded after, by shard_blocks."""
+    keeps_whole = not compat.fsdp_shards_mixed_dtypes() or (integer_weights and not
+                                                           compat.fsdp_shards_integer_parameters())
+    return None if keeps_whole else RowSharding(mesh, device)
+
+
+def whole_on_every_rank(block: nn.Module) -> set[nn.Parameter] | None:
+    """The parameters of ``block`` this torch's FSDP2 cannot shard, kept whole on every rank (compat.py): on 2.7 those
+    of its minor dtypes, before 2.13 the integer ones (GGUF blocks); None when it shards them all."""
+    whole = set() if compat.fsdp_shards_mixed_dtypes() else minor_dtype_parameters(block)
+    if not compat.fsdp_shards_integer_parameters():
+        whole |= {param for param in block.parameters() if not param.is_floating_point()}
+    return whole or None
 
 
 def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
@@ -103,8 +114,7 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     for block in blocks:
         if isinstance(block, FSDPModule):
             continue
-        apart = None if compat.fsdp_shards_mixed_dtypes() else minor_dtype_parameters(block)
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=apart)  # moves the block to the mesh's device
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole_on_every_rank(block))  # moves the block to the mesh's device
     replicated = {p for p in transformer.parameters() if not isinstance(p, DTensor)}
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
     for block, following in zip(blocks, blocks[1:]):
@@ -125,8 +135,8 @@ def minor_dtype_parameters(block: nn.Module) -> set[nn.Parameter]:
 
 
 def _place_unsharded(transformer: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
-    """Move the parameters FSDP ignored (it leaves them where they are: the layers outside the blocks, and
-    on torch 2.7 a block's minor-dtype ones) and the buffers outside the blocks to ``device``."""
+    """Move the parameters FSDP ignored (it leaves them where they are: the layers outside the blocks, and those
+    ``whole_on_every_rank`` keeps on an older torch) and the buffers outside the blocks to ``device``."""
     inside = {id(module) for block in blocks for module in block.modules()}
     with torch.no_grad():
         for module in transformer.modules():

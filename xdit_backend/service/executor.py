@@ -88,7 +88,7 @@ class Executor:
         """Build the model of ``key`` on this rank's device: the whole of it, or only a PipeFusion
         stage's tensors (the other stages' blocks stay on meta and are dropped); with ``shard_mesh``,
         each block read in this rank's rows only and sharded as it is loaded (shard.RowSharding)."""
-        sharding = None if shard_mesh is None else shard.row_sharding(shard_mesh, self.rt.device)
+        sharding = None if shard_mesh is None else shard.row_sharding(shard_mesh, self.rt.device, model.source.gguf)
         device = torch.device("cpu") if shard_mesh is not None and sharding is None else self.rt.device
         built = model.build(device, getattr(torch, key.compute_dtype), blocks=key.stage, weight_dtype=key.weight_dtype,
                             sharding=sharding)
