@@ -48,3 +48,23 @@ def test_the_cli_flag_asks_for_sharding_with_degrees_only():
     assert sample_args("--ulysses", "2", "--shard-weights")["parallel"] == {"ulysses": 2, "shard_weights": True}
     with pytest.raises(SystemExit, match="--shard-weights goes with degrees"):
         sample_args("--shard-weights")
+
+
+def test_before_torch_2_13_sharding_a_gguf_model_is_not_counted_as_shrinking_it(monkeypatch):
+    """FSDP2 before 2.13 keeps GGUF's integer blocks whole on every rank (compat.py): neither the fit check nor
+    auto's weighing may count them as sharded; a safetensors model still shards."""
+    from types import SimpleNamespace
+
+    from xdit_backend.distributed import compat
+    from xdit_backend.distributed.config import ParallelConfig
+    from xdit_backend.parallel import shard
+    from xdit_backend.service.leader import Leader
+
+    monkeypatch.setattr(compat, "fsdp_shards_integer_parameters", lambda: False)
+    assert not shard.shards_its_matrices(gguf=True) and shard.shards_its_matrices(gguf=False)
+    leader = Leader.__new__(Leader)
+    leader.memory = [{"rank": 0}]  # a gathered record: auto would weigh sharding
+    gguf = SimpleNamespace(source=SimpleNamespace(gguf=True))
+    assert leader.memory_fit(None, gguf, ParallelConfig(ulysses=2, shard_weights=True), 0) is None
+    monkeypatch.setattr(compat, "fsdp_shards_integer_parameters", lambda: True)
+    assert shard.shards_its_matrices(gguf=True)

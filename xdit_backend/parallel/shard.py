@@ -97,6 +97,12 @@ def row_sharding(mesh: DeviceMesh, device: torch.device, integer_weights: bool =
     return None if keeps_whole else RowSharding(mesh, device)
 
 
+def shards_its_matrices(gguf: bool) -> bool:
+    """Whether sharding shrinks a model's weight matrices on this torch: not a GGUF model's before 2.13, whose
+    quantized blocks stay whole on every rank (``whole_on_every_rank``), so the fit check counts them whole."""
+    return not gguf or compat.fsdp_shards_integer_parameters()
+
+
 def whole_on_every_rank(block: nn.Module) -> set[nn.Parameter] | None:
     """The parameters of ``block`` this torch's FSDP2 cannot shard, kept whole on every rank (compat.py): on 2.7 those
     of its minor dtypes, before 2.13 the integer ones (GGUF blocks); None when it shards them all."""

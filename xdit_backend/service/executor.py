@@ -169,7 +169,7 @@ class Executor:
         fit its device, counting what evicting other least-recently-used models would free; the ranks agree
         (one small gather on the control group), then evict, or all raise the refusal of the first rank that
         cannot fit (nothing loaded, evicted or run)."""
-        shard_ranks = len(key.shard_ranks) or 1
+        shard_ranks = (len(key.shard_ranks) or 1) if shard.shards_its_matrices(model.source.gguf) else 1
         tokens, rows = memory_fit.request_shape(request, model.spec, text_tokens)
         estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
                                      request.parallel, tokens, rows)

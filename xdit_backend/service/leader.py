@@ -27,7 +27,7 @@ from ..memory import fit as memory_fit
 from ..models import registry
 from ..models import file_kind
 from ..models.resolved import ResolvedModel, resolve_model
-from ..parallel import attention
+from ..parallel import attention, shard
 from ..sampling.generate import side_differences
 from ..sampling.samplers import ONE_CALL_PER_STEP
 from ..wire import paths, protocol
@@ -185,8 +185,8 @@ class Leader:
                    text_tokens: int) -> MemoryFit | None:
         """What auto weighs to shard the weights: one rank's unsharded weights under ``config`` (the memory
         model's estimate) against the tightest rank's room less the request's activations (memory_fit.py)."""
-        if not self.memory or config.shard_size == 1:
-            return None
+        if not self.memory or config.shard_size == 1 or not shard.shards_its_matrices(model.source.gguf):
+            return None  # nothing to weigh (sharding would not shrink it)
         tokens, rows = memory_fit.request_shape(replace(request, parallel=config), model.spec, text_tokens)
         estimate = memory_fit.needed(model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
                                      1, config, tokens, rows)
