@@ -23,11 +23,18 @@ class Sent(list):
 
 def test_a_look_that_never_returns_becomes_an_error_naming_the_files(monkeypatch):
     released = threading.Event()
+    threads_before = threading.active_count()
     started = time.monotonic()
-    with pytest.raises(UserError, match="model 'x' did not answer within 0.5 s: its file system is not responding"):
-        file_kind.answered_within(0.5, released.wait, "model 'x'")
+    with pytest.raises(UserError, match="model 'x' did not answer within 0.4 s: its file system is not responding"):
+        file_kind.answered_within(0.4, released.wait, "model 'x'")
     assert time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(UserError, match="model 'x' did not answer within"):  # still blocked: refused at once
+        file_kind.answered_within(30, released.wait, "model 'x'")
+    assert time.monotonic() - started < 1 and threading.active_count() == threads_before + 1
     released.set()
+    time.sleep(0.2)
+    assert file_kind.answered_within(5, lambda: 7, "model 'x'") == 7  # it answers again: looked at anew
 
 
 def test_answers_and_errors_of_the_look_come_back_as_they_are():
@@ -39,7 +46,7 @@ def test_answers_and_errors_of_the_look_come_back_as_they_are():
 def test_rank_0_answers_a_request_whose_model_hangs_and_goes_on(monkeypatch):
     released = threading.Event()
     monkeypatch.setattr(leader_module, "resolve_model", lambda ref: released.wait())  # stat on a hung mount
-    monkeypatch.setattr(file_kind, "FIRST_LOOK_S", 0.5)
+    monkeypatch.setattr(file_kind, "FIRST_LOOK_S", 0.6)
     leader = Leader.__new__(Leader)  # the first look needs no ranks
     leader.model_roots = ()
     replies = Sent()
@@ -50,6 +57,6 @@ def test_rank_0_answers_a_request_whose_model_hangs_and_goes_on(monkeypatch):
     assert time.monotonic() - started < 5
     [error] = replies
     assert error.type == "error" and error.fields["kind"] == "bad_request"
-    assert "'/mnt/nfs/flux1-dev.safetensors' or its LoRA files did not answer within 0.5 s" in error.fields["message"]
+    assert "'/mnt/nfs/flux1-dev.safetensors' or its LoRA files did not answer within 0.6 s" in error.fields["message"]
     assert "copy the model to a local disk" in error.fields["hint"]
     released.set()

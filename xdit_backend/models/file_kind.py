@@ -9,6 +9,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -36,10 +37,17 @@ def not_a_file(path: str) -> str | None:
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
+_STILL_BLOCKED: dict[str, tuple[threading.Thread, float]] = {}  # what → its look still blocked, since when
+
+
 def answered_within(seconds: float, look: Callable[[], T], what: str) -> T:
     """``look()`` (which reads the metadata or header of the files ``what`` names) on a thread of its own: its
-    answer, its exception, or after ``seconds`` without either a UserError saying the file system did not answer. A thread blocked in
-    the kernel cannot be stopped: it is a daemon thread, left blocked until the file system answers."""
+    answer, its exception, or after ``seconds`` without either a UserError saying the file system did not
+    answer. A thread blocked in the kernel cannot be stopped: it is a daemon thread, left blocked until the file
+    system answers; while it is, the same ``what`` is refused at once (no wait, no second blocked thread)."""
+    blocked = _STILL_BLOCKED.get(what)
+    if blocked is not None and blocked[0].is_alive():
+        raise _not_answering(what, time.monotonic() - blocked[1])
     answer: dict = {}
 
     def run() -> None:
@@ -49,12 +57,19 @@ def answered_within(seconds: float, look: Callable[[], T], what: str) -> T:
             answer["error"] = exc
 
     thread = threading.Thread(target=run, name="xdit-first-look", daemon=True)
+    started = time.monotonic()
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        raise UserError(f"{what} did not answer within {seconds:g} s: its file system is not responding (a hung "
-                        "network mount, a disk that does not wake up?)",
-                        "check the mount (`ls` on the folder hangs the same way), or copy the model to a local disk")
+        _STILL_BLOCKED[what] = (thread, started)
+        raise _not_answering(what, seconds)
+    _STILL_BLOCKED.pop(what, None)
     if "error" in answer:
         raise answer["error"]
     return answer["value"]
+
+
+def _not_answering(what: str, seconds: float) -> UserError:
+    return UserError(f"{what} did not answer within {seconds:.3g} s: its file system is not responding (a hung "
+                     "network mount, a disk that does not wake up?)",
+                     "check the mount (`ls` on the folder hangs the same way), or copy the model to a local disk")
