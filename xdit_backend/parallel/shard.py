@@ -29,9 +29,10 @@ where sharding means nothing (a shard mesh of one rank).
 Loading (``RowSharding``): each block is built on meta, sharded there, materialised on the device and
 filled with only this rank's rows of each parameter, read from the memory-mapped file (the other rows
 are never read): a rank's host and device hold its shards and the layers outside the blocks, never a
-whole block, and the file's pages a rank touches are its own share. On torch 2.7 (one dtype per block in
-FSDP2) the model is built on the CPU and ``fully_shard`` moves each block to the device as it shards
-it: the host holds the whole model, the device the shards and one whole block.
+whole block, and the file's pages a rank touches are its own share. Where FSDP2 keeps some parameters
+whole (torch 2.7: one dtype per block; before 2.13: a GGUF model's integer blocks; ``whole_on_every_rank``)
+the model is built on the CPU and ``fully_shard`` moves each block to the device as it shards it: the
+host holds the whole model, the device the shards and one whole block.
 
 Storage precision: parameters of several dtypes in one block (an fp8 file's float8 matrices next to
 its bf16 norms) are all-gathered as bytes in the same single collective (FSDP2 views them as uint8).
@@ -120,7 +121,8 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     for block in blocks:
         if isinstance(block, FSDPModule):
             continue
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole_on_every_rank(block))  # moves the block to the mesh's device
+        # moves the block to the mesh's device
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole_on_every_rank(block))
     replicated = {p for p in transformer.parameters() if not isinstance(p, DTensor)}
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
     for block, following in zip(blocks, blocks[1:]):
