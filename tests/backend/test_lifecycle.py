@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from xdit_backend.client import Client
 from xdit_backend.launch import launcher
+from xdit_backend.wire import paths
 
 
 def cli(*args, timeout=240) -> subprocess.CompletedProcess:
@@ -109,6 +110,7 @@ def test_shutdown_is_answered_and_ends_every_process(backends):
         time.sleep(0.05)
     state = launcher.read_state(client.socket_path)
     assert state["status"] == "stopped", state.get("failures")
+    assert not paths.rank_pids(client.socket_path).exists()  # the ranks' pid records go with them
 
 
 def test_sample_layout_flags(sock, started2, tmp_path):

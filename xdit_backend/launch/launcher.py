@@ -185,6 +185,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         return 128 + int(exc.sigval)
     finally:
         watch.close()
+        shutil.rmtree(paths.rank_pids(sock), ignore_errors=True)  # the ranks are gone: nothing to watch
         if sock.exists() and endpoint.answers(sock) is None:
             sock.unlink(missing_ok=True)
     _write_state(sock, status="stopped", **state)
