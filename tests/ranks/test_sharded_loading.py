@@ -70,3 +70,32 @@ def test_a_sharded_load_reads_only_its_rows_and_holds_less_than_an_unsharded_one
     assert whole_mb > 2 * file_mb, (whole_mb, file_mb)
     assert max(halves_mb) < 0.8 * whole_mb, (halves_mb, whole_mb)
     assert max(quarters_mb) < min(halves_mb) - whole_mb / 10, (quarters_mb, halves_mb, whole_mb)  # ≈ whole/4 less
+
+
+def _folder_sharded_against_whole(rank: int, folder: str) -> tuple[int, bool]:
+    """(rows of to_q this rank holds, whether the sharded model computes the unsharded one's bits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from backend.test_model_files import forward
+    from xdit_backend.models import registry
+    from xdit_backend.parallel import shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = registry.build(folder, CPU, sharding=shard.row_sharding(mesh, CPU))
+    shard.shard_blocks(sharded, mesh, CPU)
+    whole = registry.build(folder, CPU)
+    rows = sharded.transformer.transformer_blocks[0].attn.to_q.weight.to_local().shape[0]
+    return rows, torch.equal(forward(sharded.transformer), forward(whole.transformer))
+
+
+def test_a_diffusers_folder_in_several_weight_files_loads_sharded_by_rows(tmp_path):
+    """The folder reader reads a part of each tensor too (``get_slice`` on the file that holds it)."""
+    from spawned import on_ranks
+
+    from xdit_backend.models import registry
+
+    folder = tmp_path / "flux"
+    registry.build("flux-tiny", CPU).transformer.save_pretrained(folder, max_shard_size="20KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    for rows, same in on_ranks(_folder_sharded_against_whole, 2, str(folder)):
+        assert rows == 32 and same  # half of to_q's 64 output rows, and the same bits
