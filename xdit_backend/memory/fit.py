@@ -119,10 +119,26 @@ def eviction_plan(need: int, free: int, loaded: list[tuple[object, int]]) -> lis
     return plan if free + freed >= need else None
 
 
+def host_verdict(whole_bytes: int, host_free: int, rank: int, model: str) -> dict | None:
+    """Where a sharded model is built whole in host memory before it is sharded (torch before 2.8; GGUF before
+    2.13: parallel/shard.builds_whole_first), whether this rank's share of the host holds it: None, or the
+    verdict ``refusal`` words."""
+    if whole_bytes <= host_free:
+        return None
+    return {"rank": rank, "model": model, "host": True, "needed": whole_bytes, "free": host_free}
+
+
 def refusal(verdict: dict) -> NotEnoughMemory:
     """The error every rank raises when ``verdict``'s rank cannot load the model, or cannot run the request on
     the model it holds (``verdict["loaded"]``): the same on all."""
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    if verdict.get("host"):
+        return NotEnoughMemory(
+            f"rank {verdict['rank']} cannot load {verdict['model']} sharded on this torch: it builds the whole model "
+            f"in host memory before sharding it ({gb(verdict['needed'])}), and the host has {gb(verdict['free'])} "
+            "for this rank (its available memory shared by the ranks on it); nothing was loaded",
+            "install torch ≥ 2.8 (≥ 2.13 for a GGUF file), whose sharded loading reads only each rank's share; or run "
+            "fewer ranks on this host, or use an fp8 or GGUF file")
     if verdict.get("loaded"):
         return NotEnoughMemory(
             f"rank {verdict['rank']} cannot run this request on {verdict['model']}, which it holds: the request needs "

@@ -93,9 +93,12 @@ def row_sharding(mesh: DeviceMesh, device: torch.device, integer_weights: bool =
     """A loader that reads only this rank's rows of each block, or None where this torch's FSDP2 keeps some of a
     block's parameters whole (``whole_on_every_rank``: 2.7's minor dtypes; before 2.13 a GGUF model's
     ``integer_weights``): then the blocks are built whole on the CPU and sharded after, by shard_blocks."""
-    keeps_whole = not compat.fsdp_shards_mixed_dtypes() or (integer_weights and not
-                                                           compat.fsdp_shards_integer_parameters())
-    return None if keeps_whole else RowSharding(mesh, device)
+    return None if builds_whole_first(integer_weights) else RowSharding(mesh, device)
+
+
+def builds_whole_first(integer_weights: bool) -> bool:
+    """Whether a sharded model is built whole in host memory before it is sharded, on this torch (row_sharding)."""
+    return not compat.fsdp_shards_mixed_dtypes() or (integer_weights and not compat.fsdp_shards_integer_parameters())
 
 
 def shards_its_matrices(gguf: bool) -> bool:

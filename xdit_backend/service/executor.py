@@ -183,6 +183,12 @@ class Executor:
             verdict = {"rank": self.rt.rank, "model": model.name, "device": str(self.rt.device), "loaded": holds,
                        "needed": need, "weights": estimate.weights, "activations": estimate.activations,
                        "workspace": estimate.workspace, "free": free, "evictable": sum(b for _, b in others)}
+        if verdict is None and not holds and shard_ranks > 1 and shard.builds_whole_first(model.source.gguf):
+            whole = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, 1, None, 0, 1)
+            on_cpu = self.rt.device.type == "cpu"  # there the host is the device: what this rank holds counts
+            host_free = memory_fit.available(torch.device("cpu"), self.held_bytes() if on_cpu else 0,
+                                             self.rt.local_world_size)
+            verdict = memory_fit.host_verdict(whole.weights_resident, host_free, self.rt.rank, model.name)
         verdicts = gather_json(verdict, self.rt.control) if self.rt.world_size > 1 else [verdict]
         refused = next((v for v in verdicts if v), None)
         if refused:
