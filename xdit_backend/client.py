@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from .launch import launcher
 from .launch.options import LaunchOptions, tcp_address
 from .wire import endpoint, paths, protocol
+from .wire.content_hash import content_hash
 from .wire.endpoint import BackendDied, BackendError, Cancelled, NoBackend  # noqa: F401  (the client's errors)
 from .wire.protocol import Connection, Message
 
@@ -43,6 +44,7 @@ class Client:
         self.auto_start = auto_start
         self.launch = launch
         self.connect_timeout = connect_timeout
+        self.inputs_sent: set[str] = set()  # content hashes this client sent to the backend (``evaluate``)
 
     # ------------------------------------------------------------------ connections
 
@@ -125,12 +127,36 @@ class Client:
         ``on_progress(step, total, elapsed_s)`` is called for every step; ``should_cancel()`` is polled
         while waiting and, once it returns True, the request is cancelled on every rank.
         """
+        return self._request("sample", fields, tensors or {}, on_progress, should_cancel, timeout)
+
+    def evaluate(self, fields: dict, tensors: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], *,
+                 should_cancel: Callable[[], bool] | None = None) -> tuple[torch.Tensor, dict]:
+        """One model call (the xDiT MODEL): ``tensors`` x, timestep (and guidance), ``inputs`` the conditioning by
+        key. Each input goes by its content hash, inline only the first time this client sends it; when the
+        backend no longer holds one (evicted, restarted) the call is sent again with every input inline.
+        Returns (the output, info)."""
+        names = {key: content_hash(tensor) for key, tensor in inputs.items()}
+        by_name = {names[key]: tensor.contiguous() for key, tensor in inputs.items()}
+        request = {**fields, "inputs": names}
+        inline = {name: t for name, t in by_name.items() if name not in self.inputs_sent}
+        try:
+            result, info = self._request("evaluate", request, {**tensors, **inline}, None, should_cancel, None)
+        except BackendError as exc:
+            if exc.kind != "missing_inputs":
+                raise
+            self.inputs_sent.clear()
+            result, info = self._request("evaluate", request, {**tensors, **by_name}, None, should_cancel, None)
+        self.inputs_sent.update(by_name)
+        return result["output"], info
+
+    def _request(self, kind: str, fields: dict, tensors: dict, on_progress: ProgressCallback | None,
+                 should_cancel: Callable[[], bool] | None, timeout: float | None) -> tuple[dict, dict]:
         request_id = uuid.uuid4().hex
         conn = self._connect_or_start()
         deadline = time.monotonic() + timeout if timeout else None
         cancel_sent = False
         try:
-            conn.send(Message("sample", {"id": request_id, **fields}, tensors or {}))
+            conn.send(Message(kind, {"id": request_id, **fields}, tensors))
             while True:
                 if not cancel_sent and ((should_cancel and should_cancel())
                                         or (deadline and time.monotonic() > deadline)):

@@ -35,7 +35,7 @@ WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoad
 NUMBER = (int, float)
 
 # How request.py reads a field's wire value into the request (and writes it back for the ranks):
-KINDS = ("text", "int", "float", "bool", "choice", "dtype", "layout", "loras")
+KINDS = ("text", "int", "float", "bool", "choice", "dtype", "layout", "loras", "inputs")
 
 
 @dataclass(frozen=True)
@@ -174,3 +174,21 @@ def flag_fields(args: argparse.Namespace) -> dict:
     """The wire fields the flags of ``add_flags`` gave (absent flags are left out)."""
     return {field.name: getattr(args, field.name) for field in SAMPLE
             if field.cli and getattr(args, field.name, None) is not None}
+
+
+# --------------------------------------------------------------------------- the ``evaluate`` request
+
+# One model evaluation for the xDiT MODEL (nodes/remote_model.py): ComfyUI's own sampler runs in ComfyUI's
+# process and calls the backend once per model call. It takes the model choice and the layout of a sample
+# request; its inputs are tensors (x, timestep, guidance) and the conditioning by content hash.
+EVALUATE_SHARED = ("model", "parallel", "profile", "dtype", "weight_dtype", "loras", "compile")
+INPUTS = Field("inputs", dict, "inputs", {},
+               help="the model's conditioning by key (context, pooled, …): each the content hash "
+                    "(wire/content_hash.py) of a tensor sent inline, once, or held by the backend from an earlier call")
+EVALUATE: tuple[Field, ...] = (*(FIELDS[name] for name in EVALUATE_SHARED), INPUTS)
+MAX_EVALUATE_ROWS = 4 * MAX_BATCH  # a call's batch rows: ComfyUI batches cond, uncond and area chunks
+
+
+def evaluate_wire_types() -> dict[str, type | tuple]:
+    """The JSON types of an ``evaluate`` message's fields, for protocol.py."""
+    return {field.name: field.wire for field in EVALUATE}

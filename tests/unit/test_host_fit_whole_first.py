@@ -45,7 +45,7 @@ def _make_room(monkeypatch, path: str, budget: int):
     request = SimpleNamespace(parallel=ParallelConfig(ulysses=2, shard_weights=True), width=64, height=64, frames=1,
                               batch=1, cfg=1.0, reference_tokens=lambda spec: 0)
     monkeypatch.setenv(memory_fit.TEST_BUDGET_ENV, str(budget))
-    executor.make_room(model, key, request, text_tokens=8)
+    executor.make_room(model, key, request.parallel, *memory_fit.request_shape(request, model.spec, 8))
 
 
 def test_a_load_that_builds_whole_first_is_sized_against_the_host(monkeypatch, tmp_path):

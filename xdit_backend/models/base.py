@@ -46,6 +46,10 @@ class FamilySpec(ABC):
                       of the context ("context_mask") or of another key ("context_mt5_mask").
     comfy_conditioning: ComfyUI conditioning option → request key for the tensors besides the context
                       and the pooled output ({"conditioning_mt5xl": "context_mt5"}); translate.py reads them.
+    comfy_model_inputs: the keyword inputs ComfyUI's own diffusion model of this family takes besides x,
+                      the timestep and the context (comfy/model_base.py ``_apply_model``'s ``extra_conds``) →
+                      the request key each becomes ({"y": "pooled"}; "guidance": Flux's embedded guidance, per
+                      row). None: the xDiT MODEL (nodes/model_call.py) does not run this family yet.
     takes_references: reference latents (ComfyUI's ``reference_latents``: image editing) come as
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies
@@ -68,6 +72,7 @@ class FamilySpec(ABC):
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
+    comfy_model_inputs: ClassVar[dict[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -189,9 +194,12 @@ class DiffusionModel(ABC):
         return sampling.calculate_denoised(sigma, out.float(), x)
 
     @abstractmethod
-    def output(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict, guidance: float | None) -> torch.Tensor:
+    def output(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict,
+               guidance: float | torch.Tensor | None) -> torch.Tensor:
         """The transformer's raw prediction for the whole latent ``x``, in latent shape. Under sequence
-        parallelism the same call runs: the plan's hooks cut the tokens inside (parallel/sequence.py)."""
+        parallelism the same call runs: the plan's hooks cut the tokens inside (parallel/sequence.py).
+        ``guidance``: one scale for every row (the whole-loop path), or [B] (a model call from ComfyUI's
+        sampler: parallel/evaluation.py), for a family with a guidance embedding."""
 
     # PipeFusion (parallel/pipefusion.py): a patch is a band of token rows, [B, C, (T,) rows, w] in
     # the latent; ``tokens`` [n] are its tokens' indices in the whole image sequence (frames × rows ×

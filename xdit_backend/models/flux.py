@@ -30,6 +30,14 @@ def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tenso
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
 
 
+def per_row(guidance: float | torch.Tensor, rows: int, device) -> torch.Tensor:
+    """The guidance scale [rows] float32: one value for every row (the xDiT Sampler), or a value per row as
+    ComfyUI's model call carries it (the xDiT MODEL: FluxGuidance may differ between cond and uncond)."""
+    if torch.is_tensor(guidance):
+        return guidance.to(device, torch.float32)
+    return torch.full((rows,), guidance, device=device)
+
+
 @contextmanager
 def time_embedded_in_float32(time_text_embed, timestep: torch.Tensor, guidance: torch.Tensor | None):
     """For one forward of diffusers' Flux: its time (and guidance) embedding gets 1000·σ and
@@ -87,6 +95,8 @@ class FluxSpec(FamilySpec):
     has_guidance: bool
 
     family = "flux"
+    # comfy/ldm/flux/model.py Flux.forward(x, timestep, context, y, guidance, ref_latents, control, …)
+    comfy_model_inputs = {"y": "pooled", "guidance": "guidance"}
     latent_format = latent_formats.FLUX
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
@@ -131,7 +141,7 @@ class FluxModel(DiffusionModel):
         b, _, h, w = x.shape
         timestep = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
-        guidance = torch.full((b,), guidance, device=self.device) if self.has_guidance else None  # [B] float32
+        guidance = per_row(guidance, b, self.device) if self.has_guidance else None  # [B] float32
         with time_embedded_in_float32(self.transformer.time_text_embed, timestep, guidance):
             velocity = self.transformer(
                 hidden_states=pack(x),  # [B, N = h/2·w/2, 64]

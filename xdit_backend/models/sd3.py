@@ -35,6 +35,8 @@ class SD3Spec(FamilySpec):
     blocks: int
 
     family = "sd3"
+    # comfy/ldm/modules/diffusionmodules/mmdit.py OpenAISignatureMMDITWrapper.forward(x, timesteps, context, y, …)
+    comfy_model_inputs = {"y": "pooled"}
     latent_format = latent_formats.SD3
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(

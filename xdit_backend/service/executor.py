@@ -26,9 +26,12 @@ from ..models.resolved import ResolvedModel, resolve_model
 from ..parallel import attention, shard, traffic
 from ..parallel.compile import use_compiled
 from ..parallel.denoiser import Denoiser
+from ..parallel.evaluation import Evaluation
 from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
 from ..sampling.generate import generate
 from ..sampling.stop import GenerationStopped
+from .evaluate_request import EvaluateRequest
+from .input_store import InputStore
 from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
 from .request import SampleRequest
 from .step_clock import StepClock
@@ -41,6 +44,8 @@ class Executor:
         self.rt = rt
         self.cache = ModelCache()  # one resident base per file version, precision, sharding and stage
         self.lora_files = lora.LoraFiles(rt.device)  # the LoRA tensors the loaded models carry
+        self.inputs = InputStore()  # the xDiT MODEL's conditioning by content hash (evaluate requests)
+        self.evaluations: dict[str, int] = {}  # evaluate requests run, by model name (status shows them)
         # The layouts' data collectives wait half as long as the control group: after a rank raises,
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
         self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
@@ -129,8 +134,10 @@ class Executor:
                 for key, entry in self.cache.entries.items()]
 
     def held_bytes(self) -> int:
-        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry."""
-        return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry (on the CPU,
+        with the xDiT MODEL's conditioning the input store keeps there)."""
+        held = sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+        return held + (self.inputs.nbytes() if self.rt.device.type == "cpu" else 0)
 
     def memory_record(self) -> dict:
         """What ``status`` shows of this rank: its device's memory and its loaded models."""
@@ -163,16 +170,16 @@ class Executor:
         if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
             torch.cuda.empty_cache()
 
-    def make_room(self, model: ResolvedModel, key: ModelKey, request: SampleRequest, text_tokens: int) -> None:
+    def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int) -> None:
         """Before anything is allocated, on every request: every rank checks that the request's activations
         (its size, batch, frames and reference latents) and, when the model is not loaded yet, its weights
         fit its device, counting what evicting other least-recently-used models would free; the ranks agree
         (one small gather on the control group), then evict, or all raise the refusal of the first rank that
-        cannot fit (nothing loaded, evicted or run)."""
+        cannot fit (nothing loaded, evicted or run). ``tokens`` per rank and ``rows`` per forward under
+        ``parallel``: memory_fit.request_shape for a generation."""
         shard_ranks = (len(key.shard_ranks) or 1) if shard.shards_its_matrices(model.source.gguf) else 1
-        tokens, rows = memory_fit.request_shape(request, model.spec, text_tokens)
         estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
-                                     request.parallel, tokens, rows)
+                                     parallel, tokens, rows)
         holds = key in self.cache.entries  # its resident weights are held already
         need = estimate.total - (estimate.weights_resident if holds else 0)
         free = memory_fit.available(self.rt.device, self.held_bytes(), self.rt.local_world_size)
@@ -226,7 +233,7 @@ class Executor:
             stage = bounds[layout.index("pipefusion")]
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
-        self.make_room(model, key, request, text_tokens)
+        self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype,
                            shard_mesh, stage)
         self.computing = entry.model
@@ -249,7 +256,39 @@ class Executor:
             self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
         return denoiser.gather_rows(latent).cpu()
 
-    def profiled(self, request: SampleRequest, after_step, stop_requested=None) -> tuple[torch.Tensor, dict]:
+    def evaluate(self, request: EvaluateRequest, after_step=None) -> torch.Tensor:
+        """One model call of ComfyUI's sampler (the xDiT MODEL) on this rank's share of the layout; returns the
+        output of every row, on the CPU. The inputs are taken first, before anything that could fail on one
+        rank only, so every rank's store changes alike (input_store.py)."""
+        inputs = self.inputs.take(request.inputs, request.inline)
+        try:
+            return self._evaluate(request, inputs)
+        except Exception as exc:
+            if not memory_fit.is_out_of_memory(exc):
+                raise
+            clear_frames(exc)
+            raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
+        finally:
+            self.spare_shared_gpu()
+
+    def _evaluate(self, request: EvaluateRequest, inputs: dict) -> torch.Tensor:
+        layout = self.meshes.get(request.parallel, False) if self.rt.world_size > 1 else None
+        model = resolve_model(request.model)
+        shard_mesh = layout.shard_mesh if layout else None
+        key = self.key(model, request.dtype, request.weight_dtype, shard_mesh)
+        config = request.parallel
+        text = inputs["context"].shape[1] if model.spec.sequence_plan.cuts_text else 0
+        sequence, groups = (config.sequence, config.cfg * config.dp) if config else (1, 1)
+        self.make_room(model, key, config, -(-(request.tokens(model.spec) + text) // sequence),
+                       -(-request.rows // groups))
+        entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh)
+        self.computing = entry.model
+        self.evaluations[key.name] = self.evaluations.get(key.name, 0) + 1
+        return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], inputs,
+                                                      request.tensors.get("guidance"))
+
+    def profiled(self, request: SampleRequest | EvaluateRequest, after_step,
+                 stop_requested=None) -> tuple[torch.Tensor, dict]:
         """``generate`` plus this rank's record: seconds per step, bytes sent (None for a compiled model),
         peak memory, the compute dtype and the attention that ran. ``stop_requested()`` (rank 0's) true stops the
         request before the next block where ``stops_between_blocks``, else at the step's end (through ``after_step``)."""
@@ -260,8 +299,9 @@ class Executor:
             self.stop_requested = None
 
     def _profiled(self, request: SampleRequest, after_step) -> tuple[torch.Tensor, dict]:
+        run = self.evaluate if isinstance(request, EvaluateRequest) else self.generate
         if not request.profile:
-            return self.generate(request, after_step), {}
+            return run(request, after_step), {}
         cuda = self.rt.device.type == "cuda"
         clock = StepClock(self.rt.device)
         if cuda:
@@ -275,7 +315,7 @@ class Executor:
         groups_before = _process_groups()
         started = time.perf_counter()
         with traffic.counting(request.compile, self.rt.control) as sent:  # None when compiled (traffic.py says why)
-            latent = self.generate(request, timed)  # ends on the CPU: a real synchronisation, as in production
+            latent = run(request, timed)  # ends on the CPU: a real synchronisation, as in production
         denoise_s = time.perf_counter() - started
         steps = clock.steps()
         if cuda:

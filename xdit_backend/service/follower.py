@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..distributed.control import StepGate, broadcast_message, gather_json
 from ..distributed.runtime import Runtime
 from .agreement import run_request
+from .evaluate_request import EvaluateRequest
 from .executor import Executor
 from .request import SampleRequest
 
@@ -26,3 +27,5 @@ def follow(rt: Runtime) -> None:
         elif command.type == "sample":
             request = SampleRequest.parse(command)  # rank 0's to_fields(): the request it runs
             run_request(rt, gate, executor, request, lambda done, total: gate.passes())
+        elif command.type == "evaluate":  # one model call of ComfyUI's sampler (the xDiT MODEL)
+            run_request(rt, gate, executor, EvaluateRequest.parse(command), lambda done, total: gate.passes())

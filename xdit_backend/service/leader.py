@@ -33,7 +33,9 @@ from ..sampling.samplers import ONE_CALL_PER_STEP
 from ..wire import paths, protocol
 from ..wire.protocol import Message
 from .agreement import run_request
+from .evaluate_request import EvaluateRequest
 from .executor import Executor
+from .input_store import MissingInputs
 from .request import RequestError, SampleRequest
 from .server import Job, SocketServer
 
@@ -58,6 +60,7 @@ class Leader:
         self.idle = idle or IdleClock(0.0, 0.0)  # never, unless the launch options say when
         self.memory: list[dict] = []  # every rank's last memory record, by rank (refresh_memory)
         self.memory_at = 0.0
+        self.evaluations: dict[str, int] = {}  # the executor's counts, as the socket server's thread may read them
 
     def status(self) -> dict:
         return {
@@ -71,6 +74,7 @@ class Leader:
             "attention_kernel": self.attention_kernel,
             "topology": self.rt.topology.to_json(),
             "models": loaded_models(self.memory),
+            "evaluations": self.evaluations,  # the xDiT MODEL's calls run, by model
             "uptime_s": round(time.time() - self.rt.started, 3),
             "idle": self.idle.to_json(),
             "socket": str(self.server.path),
@@ -102,6 +106,8 @@ class Leader:
                     job.reply(Message("result", {"elapsed_s": 0.0, "info": {"unloaded": unloaded}}))
                 elif job.type == "sample":
                     self.sample(job)
+                elif job.type == "evaluate":
+                    self.evaluate(job)
             finally:
                 self.server.finish(job)
                 self.idle.request_ended()
@@ -259,6 +265,83 @@ class Leader:
             info["profile"] = outcome.profile
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
                           {"samples": outcome.latent}))
+
+    def resolve_evaluation(self, job: Job) -> tuple[EvaluateRequest, str]:
+        """Check a model call and fix its layout, so every rank runs exactly the same; its inputs must be inline or
+        held (MissingInputs names the others: the client sends them again)."""
+        named = f"model {job.message.fields.get('model')!r} or its LoRA files"
+
+        def first_look():
+            request = EvaluateRequest.parse(job.message)
+            self.check_roots(request)
+            return request, resolve_model(request.model)
+
+        request, model = file_kind.answered_within(file_kind.FIRST_LOOK_S, first_look, named)
+        store = self.executor.inputs
+        missing = store.missing(request.inputs, request.inline)
+        if missing:
+            raise MissingInputs(missing)
+        store.check_inline(request.inline)
+        spec = model.spec
+        inputs = {key: request.inline.get(name, store.tensors.get(name)) for key, name in request.inputs.items()}
+        request.check_model(spec, inputs)
+        text = inputs["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        facts = RequestFacts(request.rows, request.tokens(spec), 2.0 if request.rows > 1 else 1.0, request.rows > 1,
+                             max(1, request.x.shape[-2] // spec.patch[1]), text,
+                             compute_dtype(request.dtype, self.rt.device).itemsize)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width)
+        if request.parallel is None:
+            config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology)
+            why = f"auto: {why}"
+        else:
+            config, why = request.parallel, "as requested"
+            # rows are padded to the row groups and a single row runs on both CFG halves: neither is refused
+            padded = replace(facts, batch=config.dp, cfg_scale=2.0, has_negative=True)
+            config.validate(self.rt.world_size, model_facts, padded, self.devices())
+        if config.pipefusion > 1:
+            raise RequestError(f"pipefusion={config.pipefusion}: PipeFusion overlaps the steps of a generation, and "
+                               "the xDiT MODEL's calls come one at a time from ComfyUI's sampler, which the backend "
+                               "cannot see ahead of", "use the xDiT Sampler for PipeFusion, or a layout without it "
+                               "(ulysses, ring, cfg, dp)")
+        fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
+        return EvaluateRequest.parse(Message("evaluate", fields, request.tensors)), f"{config.describe()} ({why})"
+
+    def evaluate(self, job: Job) -> None:
+        """One model call of ComfyUI's sampler (the xDiT MODEL), run by every rank in its layout."""
+        try:
+            request, layout = self.resolve_evaluation(job)
+        except MissingInputs as exc:
+            job.fail("missing_inputs", exc.message, exc.hint)
+            return
+        except UserError as exc:
+            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint)
+            return
+        broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
+        loaded = self.executor.loaded()
+        outcome = run_request(self.rt, self.gate, self.executor, request, lambda done, total: True,
+                              lambda: job.cancelled)
+        self.evaluations = dict(self.executor.evaluations)  # a new dict: the server's thread reads the old one whole
+        if outcome.failures is not None or self.executor.loaded() != loaded:
+            self.refresh_memory()  # a model loaded or evicted (not at every call: a gather on every rank)
+        if outcome.failures is not None:
+            self.report_failure(job, outcome.failures)
+            return
+        if outcome.stopped:
+            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason})")
+            return
+        broken = non_finite(outcome.latent)
+        if broken:
+            job.fail("model_error", f"the model's output holds {broken}; nothing is returned",
+                     "a weight, a LoRA or an input (x, conditioning) holds NaN or infinite values, or the computation "
+                     "overflowed: check the files, or try another dtype (bfloat16, float32)")
+            return
+        info = {"world_size": self.rt.world_size, "layout": layout, "rows": request.rows,
+                "loras": self.executor.computing.lora_reports, "evaluations": sum(self.executor.evaluations.values()),
+                "inputs_held": len(self.executor.inputs.tensors), "inputs_evicted": self.executor.inputs.evicted}
+        if outcome.profile is not None:
+            info["profile"] = outcome.profile
+        job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
+                          {"output": outcome.latent}))
 
     def report_failure(self, job: Job, failures: list) -> None:
         """Name the rank whose own work failed (not one that only timed out waiting for it), and its kind:

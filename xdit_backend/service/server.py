@@ -24,7 +24,7 @@ from ..wire.protocol import Connection, FrameError, Message, error_message
 
 log = logging.getLogger("xdit_backend.service.server")
 
-QUEUED_TYPES = ("sample", "unload", "shutdown")
+QUEUED_TYPES = ("sample", "evaluate", "unload", "shutdown")
 MAX_CONNECTIONS = 64
 _REFUSAL_DRAIN_S = 1.0  # how long a refused peer may go on sending before its socket is closed
 

@@ -61,6 +61,7 @@ REQUEST_FIELDS: dict[str, dict[str, type | tuple]] = {
     "hello": {"client": str, "token": str},  # the token: required as the first frame over TCP
     "status": {},
     "sample": schema.wire_types(),  # the request's fields, declared in schema.py
+    "evaluate": schema.evaluate_wire_types(),  # one model call of ComfyUI's own sampler (the xDiT MODEL)
     "cancel": {"target": str},
     "unload": {"model": str},
     "shutdown": {},

@@ -1,0 +1,130 @@
+"""The xDiT MODEL's model call: what ComfyUI's sampler hands its diffusion model → an ``evaluate`` request.
+
+ComfyUI's ``BaseModel._apply_model`` (comfy/model_base.py) computes the model input, the timestep and the
+family's extra inputs, then calls ``self.diffusion_model(xc, t, context=…, control=…, transformer_options=…,
+**extra_conds)``. In the xDiT MODEL that diffusion model is ``RemoteDiffusionModel``: it holds no weights, and
+its forward sends those inputs to the backend (one ``evaluate`` request) and returns the output. Everything
+else — the sampler, the guider, model sampling, CFG functions, conditioning assembly (areas, masks, timestep
+ranges, combine), the latent format — is ComfyUI's own, running in ComfyUI's process.
+
+What would act inside the forward (patches on the blocks or the attention, a replaced attention, diffusion-model
+wrappers, a ControlNet's residuals) cannot run on the backend: it is refused by name, never dropped. No ComfyUI
+import here: remote_model.py builds the ComfyUI side, so these rules are testable without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from xdit_backend.errors import UserError
+
+# transformer_options ComfyUI's sampler sets on every call, which change nothing inside the model
+# (comfy/samplers.py calc_cond_batch, CFGGuider.sample: which rows are cond/uncond, the schedule)
+INERT = {"cond_or_uncond", "uuids", "sigmas", "sample_sigmas", "callbacks", "wrappers", "patches", "patches_replace"}
+# wrapper kinds (comfy/patcher_extension.py WrappersMP) that run around the sampler or apply_model in ComfyUI's
+# process; DIFFUSION_MODEL wrappers run inside the diffusion model's forward, which is the backend's
+SAMPLER_SIDE_WRAPPERS = {"outer_sample", "prepare_sampling", "sampler_sample", "calc_cond_batch", "apply_model",
+                         "predict_noise"}
+# what a refused input is, for the message
+INSIDE_THE_MODEL = {
+    "patches": "patches on the model's blocks or attention",
+    "patches_replace": "a replaced attention or block",
+    "optimized_attention_override": "an attention override",
+    "control": "a ControlNet (Apply ControlNet)",
+    "ref_latents": "reference latents (ReferenceLatent)",
+    "attention_mask": "an attention mask (a Redux or style model's mask)",
+    "c_concat": "an image concatenated to the latent (image-to-video, inpainting models)",
+}
+
+
+class ModelCallError(UserError):
+    """A model call the backend cannot run: the message names what and where it came from, the hint the way out."""
+
+
+def _named(functions) -> str:
+    """Where patch functions come from, for a message: their modules and names (ComfyUI records no node)."""
+    names = []
+    for function in functions if isinstance(functions, (list, tuple)) else [functions]:
+        target = getattr(function, "__func__", function)
+        module = getattr(target, "__module__", "") or ""
+        names.append(f"{module}.{getattr(target, '__qualname__', type(target).__name__)}".strip("."))
+    return ", ".join(sorted(set(names)))
+
+
+def check_transformer_options(options: dict) -> None:
+    """Refuse what would act inside the diffusion model's forward, naming it and where it came from."""
+    use = "use a ComfyUI model loader for this workflow, or take the node that adds it out of the model's path"
+    for key in ("patches", "patches_replace"):
+        given = {name: fns for name, fns in (options.get(key) or {}).items() if fns}
+        if given:
+            first, fns = next(iter(given.items()))
+            where = _named(list(fns.values()) if isinstance(fns, dict) else fns)
+            raise ModelCallError(f"the model carries {INSIDE_THE_MODEL[key]} ({', '.join(given)}, from {where}), "
+                                 "which runs inside the diffusion model: the xDiT MODEL runs the diffusion model on "
+                                 "the backend and cannot run it", use)
+    for kind, by_key in (options.get("wrappers") or {}).items():
+        if kind not in SAMPLER_SIDE_WRAPPERS and any(by_key.values()):
+            raise ModelCallError(f"the model carries a {kind!r} wrapper (from {', '.join(by_key) or 'a node'}), which "
+                                 "wraps the diffusion model itself: the xDiT MODEL runs the diffusion model on the "
+                                 "backend and cannot run it", use)
+    for key, value in options.items():
+        if key in INERT or value is None or value == {} or value == []:
+            continue
+        what = INSIDE_THE_MODEL.get(key, f"the transformer option {key!r}")
+        raise ModelCallError(f"the model carries {what}, which the xDiT MODEL cannot honour on the backend", use)
+
+
+def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, control,
+                 transformer_options: dict, extra: dict) -> tuple[dict, dict]:
+    """ComfyUI's diffusion-model inputs → (the call's tensors x, timestep, guidance; the conditioning by request
+    key), on the CPU in float32; refused by name where the backend cannot run them."""
+    if spec.comfy_model_inputs is None:
+        raise ModelCallError(f"the xDiT MODEL does not run {spec.family} models yet",
+                             "use the xDiT Sampler for this model (the whole sampling loop on the backend)")
+    if control is not None:
+        raise ModelCallError(f"the model call carries {INSIDE_THE_MODEL['control']}, which the backend does not "
+                             "run yet", "remove the ControlNet from the conditioning, or use ComfyUI's own model "
+                             "loader")
+    check_transformer_options(transformer_options or {})
+    if context is None:
+        raise ModelCallError("the model call carries no text conditioning (context)", "connect a text encoder's output")
+    rows = x.shape[0]
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", torch.float32).contiguous()
+
+    tensors = {"x": host(x), "timestep": host(timestep).reshape(-1).expand(rows).contiguous()}
+    inputs = {"context": host(context)}
+    for name, value in extra.items():
+        if value is None:
+            continue
+        key = spec.comfy_model_inputs.get(name)
+        if key is None:
+            what = INSIDE_THE_MODEL.get(name, f"the input {name!r}")
+            raise ModelCallError(f"the model call carries {what}, which the xDiT MODEL does not run for {spec.family} "
+                                 "models yet", "take the node that adds it out of the conditioning's path, or use "
+                                 "ComfyUI's own model loader for this workflow")
+        if key == "guidance":
+            tensors["guidance"] = host(value).reshape(-1).expand(rows).contiguous()  # [N]
+        else:
+            inputs[key] = host(value)
+    return tensors, inputs
+
+
+class RemoteDiffusionModel(torch.nn.Module):
+    """ComfyUI's ``diffusion_model``, standing in for the transformer the backend holds: no weights here (ComfyUI's
+    memory manager sees an empty module), and each forward is one ``evaluate`` request through ``send(tensors,
+    inputs) → output``. Its dtype is float32: ComfyUI casts x and the conditioning to it, and the backend casts
+    them to its compute dtype, rounding once as ComfyUI's own model would."""
+
+    def __init__(self, spec, send: Callable[[dict, dict], torch.Tensor]):
+        super().__init__()
+        self.spec = spec
+        self.send = send
+        self.dtype = torch.float32
+
+    def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
+        tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra)
+        return self.send(tensors, inputs).to(x.device)
