@@ -1,0 +1,179 @@
+"""The xDiT Model in the real ComfyUI (issue 26): ComfyUI's own samplers, guiders, schedulers, model-sampling
+nodes, CFG functions and conditioning nodes run on a MODEL whose transformer is the backend's, and give the
+latent they give on ComfyUI's own model of the same file (UNETLoader), in every layout of the host's two-rank
+backend. What acts inside the forward is refused by name."""
+
+import json
+
+import pytest
+
+from host.conftest import COMFYUI_DIR
+
+pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkout: set COMFYUI_DIR "
+                                "(and run with a Python that has ComfyUI's requirements) to test the pack in ComfyUI")
+
+LAYOUTS = {"ulysses": {"ulysses": 2}, "ring": {"ring": 2}, "cfg": {"cfg_parallel": True}, "dp": {"dp": 2}}
+
+
+def parallel_node(degrees: dict) -> dict:
+    inputs = {"gpus": "", "auto": False, "ulysses": 1, "ring": 1, "pipefusion": 1, "num_pipeline_patch": 0,
+              "warmup_steps": 1, "cfg_parallel": False, "dp": 1, **degrees}
+    return {"class_type": "XDiTParallelConfig", "inputs": inputs}
+
+
+def models(layout: str = "ulysses", size: int = 64) -> dict:
+    """Both models of the tiny SD3 file: ``own`` (ComfyUI's UNETLoader) and ``xmodel`` (the xDiT Model), and
+    the stand-in prompts ``cond`` and ``uncond``."""
+    return {
+        "cond": {"class_type": "XDiTStandInConditioning",
+                 "inputs": {"seed": 5, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "uncond": {"class_type": "XDiTStandInConditioning",
+                   "inputs": {"seed": 6, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+        "empty": {"class_type": "EmptySD3LatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "own": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-sd3.safetensors", "weight_dtype": "default"}},
+        "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "tiny-sd3.safetensors",
+                                                                    "weight_dtype": "fp32"}},
+        "parallel": parallel_node(LAYOUTS[layout]),
+        "xmodel": {"class_type": "XDiTModel", "inputs": {"model": ["load", 0], "parallel": ["parallel", 0]}},
+    }
+
+
+def on_both(host, prompt: dict, tail: dict, out: str, tag: str) -> tuple:
+    """Run ``tail`` (nodes whose model input is ["MODEL", 0]) once on each model; the latents of node ``out``."""
+    latents = []
+    for model in ("own", "xmodel"):
+        nodes = json.loads(json.dumps(tail).replace('["MODEL", 0]', f'["{model}", 0]'))
+        prefix = f"latents/xmodel-{tag}-{model}"
+        full = {**prompt, **nodes, "save": {"class_type": "SaveLatent",
+                                            "inputs": {"samples": [out, 0], "filename_prefix": prefix}}}
+        prompt_id = host.queue(full)
+        assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+        latents.append(host.latest_latent(f"xmodel-{tag}-{model}"))
+    return tuple(latents)
+
+
+def assert_same(own, xdit) -> None:
+    relative = ((own - xdit).abs().max() / own.abs().max()).item()
+    assert relative <= 1e-4, relative
+
+
+def ksampler(model: str = '["MODEL", 0]', positive="cond", cfg: float = 4.0, sampler: str = "euler",
+             scheduler: str = "simple", steps: int = 4) -> dict:
+    return {"ks": {"class_type": "KSampler", "inputs": {
+        "model": json.loads(model), "seed": 11, "steps": steps, "cfg": cfg, "sampler_name": sampler,
+        "scheduler": scheduler, "denoise": 1.0, "positive": [positive, 0], "negative": ["uncond", 0],
+        "latent_image": ["empty", 0]}}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ksampler_on_the_xdit_model_gives_ksamplers_latent_on_comfyuis_own_model(host, layout):
+    assert_same(*on_both(host, models(layout), ksampler(), "ks", f"ksampler-{layout}"))
+
+
+def test_sampler_custom_advanced_with_a_guider_sampler_and_scheduler_the_backend_never_ported(host):
+    tail = {"noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": 3}},
+            "guider": {"class_type": "CFGGuider", "inputs": {"model": ["MODEL", 0], "positive": ["cond", 0],
+                                                             "negative": ["uncond", 0], "cfg": 3.0}},
+            "select": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "res_multistep"}},
+            "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["MODEL", 0], "scheduler": "kl_optimal",
+                                                                  "steps": 4, "denoise": 1.0}},
+            "custom": {"class_type": "SamplerCustomAdvanced", "inputs": {
+                "noise": ["noise", 0], "guider": ["guider", 0], "sampler": ["select", 0], "sigmas": ["sigmas", 0],
+                "latent_image": ["empty", 0]}}}
+    assert_same(*on_both(host, models("cfg"), tail, "custom", "custom-advanced"))
+
+
+def test_regional_prompts_with_two_areas_and_a_timestep_range(host):
+    """ConditioningSetArea twice (chunks of two sizes, one an odd number of latent cells a side, which the
+    backend pads to the patch as ComfyUI's model does) combined with a prompt limited to the first half of the
+    schedule by ConditioningSetTimestepRange."""
+    tail = {"left": {"class_type": "ConditioningSetArea", "inputs": {
+                "conditioning": ["uncond", 0], "width": 64, "height": 128, "x": 0, "y": 0, "strength": 1.0}},
+            "right": {"class_type": "ConditioningSetArea", "inputs": {
+                "conditioning": ["cond", 0], "width": 72, "height": 64, "x": 56, "y": 32, "strength": 0.8}},
+            "early": {"class_type": "ConditioningSetTimestepRange", "inputs": {
+                "conditioning": ["cond", 0], "start": 0.0, "end": 0.5}},
+            "areas": {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["left", 0],
+                                                                      "conditioning_2": ["right", 0]}},
+            "all": {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["areas", 0],
+                                                                    "conditioning_2": ["early", 0]}},
+            **ksampler(positive="all")}
+    assert_same(*on_both(host, models("ulysses", size=128), tail, "ks", "areas"))
+
+
+def test_model_sampling_and_cfg_function_nodes_run_in_comfyui_on_the_backends_calls(host):
+    tail = {"shifted": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["MODEL", 0], "shift": 6.0}},
+            "zero_star": {"class_type": "CFGZeroStar", "inputs": {"model": ["shifted", 0]}},
+            **ksampler(model='["zero_star", 0]', sampler="dpmpp_2m", scheduler="beta")}
+    assert_same(*on_both(host, models("cfg"), tail, "ks", "shift-zero-star"))
+
+
+def test_the_xdit_models_ksampler_equals_the_xdit_sampler(host):
+    prompt = {**models("ulysses"), **ksampler(model='["xmodel", 0]'),
+              "xs": {"class_type": "XDiTSampler", "inputs": {
+                  "model": ["load", 0], "parallel": ["parallel", 0], "seed": 11, "steps": 4, "cfg": 4.0,
+                  "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
+                  "negative": ["uncond", 0], "latent_image": ["empty", 0]}},
+              "save_ks": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0],
+                                                                 "filename_prefix": "latents/xmodel-vs-ks"}},
+              "save_xs": {"class_type": "SaveLatent", "inputs": {"samples": ["xs", 0],
+                                                                 "filename_prefix": "latents/xmodel-vs-xs"}}}
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    assert_same(host.latest_latent("xmodel-vs-ks"), host.latest_latent("xmodel-vs-xs"))
+
+
+def test_a_patch_inside_the_forward_is_refused_by_name(host):
+    prompt = {**models("ulysses"),
+              "pag": {"class_type": "PerturbedAttentionGuidance", "inputs": {"model": ["xmodel", 0], "scale": 3.0}},
+              **ksampler(model='["pag", 0]'),
+              "save": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0], "filename_prefix": "latents/pag"}}}
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "error"
+    message = host.error_of(prompt_id)["exception_message"]
+    assert "replaced attention or block" in message and "perturbed_attention" in message, message
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    """ComfyUI imported into this process (on the CPU) and the pack as the package ``comfyui_xdit``, as ComfyUI
+    imports it from custom_nodes."""
+    import sys
+
+    from host.conftest import ROOT
+
+    packages = tmp_path_factory.mktemp("packages")
+    (packages / "comfyui_xdit").symlink_to(ROOT)
+    sys.path[:0] = [COMFYUI_DIR, str(packages)]
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import importlib
+
+    return tuple(importlib.import_module(f"comfyui_xdit.nodes.{name}") for name in ("remote_model", "choices"))
+
+
+def test_at_world_1_the_xdit_model_gives_comfyuis_latent(backend1, pack, tmp_path):
+    """KSampler's own code (comfy.sample.sample) on ComfyUI's model of the tiny SD3 file and on the xDiT MODEL
+    whose calls go to a one-rank backend."""
+    import comfy.sample
+    import comfy.sd
+    import torch
+
+    from host.conftest import tiny_sd3_file
+
+    remote_model, choices = pack
+    path = str(tmp_path / "tiny-sd3.safetensors")
+    tiny_sd3_file(path)
+    own = comfy.sd.load_diffusion_model(path)
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32")).result[0]
+    xmodel.model.diffusion_model.send.client = backend1  # the session's one-rank backend, not the nodes' own
+    generator = torch.Generator().manual_seed(5)
+    positive, negative = ([[torch.randn(1, 8, 64, generator=generator),
+                            {"pooled_output": torch.randn(1, 32, generator=generator)}]] for _ in range(2))
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 11)
+    own_latent, xdit_latent = (comfy.sample.sample(model, noise, 4, 4.0, "euler", "simple", positive, negative,
+                                                   latent, seed=11) for model in (own, xmodel))
+    assert_same(own_latent, xdit_latent)
+    assert xmodel.model.diffusion_model.send.last_info["layout"].startswith("serial")

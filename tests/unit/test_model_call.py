@@ -1,0 +1,72 @@
+"""The xDiT MODEL's model call (nodes/model_call.py): ComfyUI's diffusion-model inputs become an evaluate
+request's tensors, and what would act inside the forward is refused by name, never dropped (no ComfyUI needed)."""
+
+import pytest
+import torch
+from conftest import load_node_module
+
+from xdit_backend.models import registry
+
+model_call = load_node_module("model_call")
+FLUX, SD3, WAN = (registry.spec(name) for name in ("flux-tiny", "sd3-tiny", "wan-tiny"))
+X, T, CONTEXT = torch.randn(2, 16, 8, 8), torch.tensor([0.5, 0.5]), torch.randn(2, 8, 64)
+PLAIN = {"cond_or_uncond": [0, 1], "uuids": ["a", "b"], "sigmas": torch.tensor([0.5]), "wrappers": {},
+         "patches": {}, "patches_replace": {}, "sample_sigmas": torch.linspace(1, 0, 5)}
+
+
+def patch_function(*args):
+    return args
+
+
+def test_flux_sends_x_the_timestep_per_row_its_guidance_and_its_conditioning():
+    tensors, inputs = model_call.call_tensors(FLUX, X, torch.tensor([0.5]), CONTEXT, None, PLAIN,
+                                              {"y": torch.randn(2, 32), "guidance": torch.tensor([3.5, 3.5])})
+    assert sorted(tensors) == ["guidance", "timestep", "x"] and tensors["timestep"].shape == (2,)
+    assert sorted(inputs) == ["context", "pooled"] and inputs["pooled"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"patches": {"attn1_patch": [patch_function]}}, "patches on the model's blocks or attention (attn1_patch, from "),
+    ({"patches_replace": {"dit": {("double_block", 0): patch_function}}}, "a replaced attention or block (dit"),
+    ({"optimized_attention_override": patch_function}, "an attention override"),
+    ({"wrappers": {"diffusion_model": {"SomeNode": [patch_function]}}}, "'diffusion_model' wrapper (from SomeNode)"),
+    ({"a_new_option": 1}, "the transformer option 'a_new_option'"),
+])
+def test_what_acts_inside_the_forward_is_refused_by_name(options, named):
+    with pytest.raises(model_call.ModelCallError) as refused:
+        model_call.call_tensors(SD3, X, T, CONTEXT, None, {**PLAIN, **options}, {"y": torch.randn(2, 32)})
+    assert named in refused.value.message
+    if "patch" in named:
+        assert "test_model_call.patch_function" in refused.value.message  # where it came from
+
+
+def test_sampler_side_wrappers_pass():
+    model_call.call_tensors(SD3, X, T, CONTEXT, None, {**PLAIN, "wrappers": {"outer_sample": {"n": [patch_function]},
+                                                                             "apply_model": {"m": [patch_function]}}},
+                            {"y": torch.randn(2, 32)})
+
+
+@pytest.mark.parametrize("spec, extra, named", [
+    (FLUX, {"ref_latents": [torch.randn(1, 16, 8, 8)]}, "reference latents (ReferenceLatent)"),
+    (FLUX, {"attention_mask": torch.ones(2, 8)}, "an attention mask"),
+    (SD3, {"guidance": torch.tensor([3.5, 3.5])}, "the input 'guidance'"),
+])
+def test_an_input_the_family_does_not_take_yet_is_refused_by_name(spec, extra, named):
+    with pytest.raises(model_call.ModelCallError) as refused:
+        model_call.call_tensors(spec, X, T, CONTEXT, None, PLAIN, {"y": torch.randn(2, 32), **extra})
+    assert named in refused.value.message
+
+
+def test_a_controlnet_and_a_family_not_yet_on_the_xdit_model_are_refused():
+    with pytest.raises(model_call.ModelCallError, match="ControlNet"):
+        model_call.call_tensors(SD3, X, T, CONTEXT, object(), PLAIN, {"y": torch.randn(2, 32)})
+    with pytest.raises(model_call.ModelCallError, match="does not run wan models yet"):
+        model_call.call_tensors(WAN, X, T, CONTEXT, None, PLAIN, {})
+
+
+def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_device():
+    sent = []
+    stand_in = model_call.RemoteDiffusionModel(SD3, lambda tensors, inputs: sent.append(inputs) or tensors["x"] * 2)
+    assert not list(stand_in.parameters()) and stand_in.dtype == torch.float32
+    out = stand_in(X, T, context=CONTEXT, control=None, transformer_options=PLAIN, y=torch.randn(2, 32))
+    assert torch.equal(out, X * 2) and sorted(sent[0]) == ["context", "pooled"]
