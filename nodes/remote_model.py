@@ -51,8 +51,26 @@ def comfy_model(path: str, diffusion_model: torch.nn.Module):
     model = config.get_model(state_dict, "", device=torch.device("cpu"))
     model.diffusion_model = diffusion_model
     model.memory_usage_factor = 0.0  # the activations live on the backend's GPUs, not in ComfyUI's process
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                           offload_device=mm.unet_offload_device())
+    return remote_patcher(comfy.model_patcher.ModelPatcher)(model, load_device=mm.get_torch_device(),
+                                                           offload_device=mm.unet_offload_device())
+
+
+def remote_patcher(model_patcher: type) -> type:
+    """ComfyUI's ModelPatcher, refusing weight patches: ComfyUI's LoRA loaders and model-merging nodes patch the
+    weights in ComfyUI's process, and this model's weights are on the backend (ComfyUI would match none of the
+    LoRA's keys and only log it). ``clone`` keeps the class, so every node downstream gets it too."""
+
+    class RemoteModelPatcher(model_patcher):
+        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+            if patches:
+                raise ValueError(
+                    f"xDiT: a LoRA loader (LoraLoader, LoraLoaderModelOnly) or a model-merging node patches "
+                    f"{len(patches)} weights of the xDiT Model in ComfyUI's process, but its weights are on the "
+                    "backend, so the patch would be lost\nchain xDiT LoRA between xDiT Load Diffusion Model and "
+                    "xDiT Model instead (the same LoRA files and strengths, patched on the backend)")
+            return super().add_patches(patches, strength_patch, strength_model)
+
+    return RemoteModelPatcher
 
 
 class BackendCalls:

@@ -101,6 +101,26 @@ def test_regional_prompts_with_two_areas_and_a_timestep_range(host):
     assert_same(*on_both(host, models("ulysses", size=128), tail, "ks", "areas"))
 
 
+@pytest.mark.parametrize("guider", ["BasicGuider", "DualCFGGuider", "PerpNegGuider"])
+def test_comfyuis_other_guiders_run_on_the_xdit_model(host, guider):
+    inputs = {"BasicGuider": {"conditioning": ["cond", 0]},
+              "DualCFGGuider": {"cond1": ["cond", 0], "cond2": ["other", 0], "negative": ["uncond", 0],
+                                "cfg_conds": 3.0, "cfg_cond2_negative": 2.0, "style": "regular"},
+              "PerpNegGuider": {"positive": ["cond", 0], "negative": ["uncond", 0], "empty_conditioning": ["other", 0],
+                                "cfg": 3.0, "neg_scale": 1.5}}[guider]
+    tail = {"other": {"class_type": "XDiTStandInConditioning",
+                      "inputs": {"seed": 7, "tokens": 8, "context_dim": 64, "pooled_dim": 32}},
+            "noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": 3}},
+            "guider": {"class_type": guider, "inputs": {"model": ["MODEL", 0], **inputs}},
+            "select": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler_ancestral"}},
+            "sigmas": {"class_type": "BasicScheduler", "inputs": {"model": ["MODEL", 0], "scheduler": "normal",
+                                                                  "steps": 3, "denoise": 1.0}},
+            "custom": {"class_type": "SamplerCustomAdvanced", "inputs": {
+                "noise": ["noise", 0], "guider": ["guider", 0], "sampler": ["select", 0], "sigmas": ["sigmas", 0],
+                "latent_image": ["empty", 0]}}}
+    assert_same(*on_both(host, models("ring"), tail, "custom", guider))
+
+
 def test_model_sampling_and_cfg_function_nodes_run_in_comfyui_on_the_backends_calls(host):
     tail = {"shifted": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["MODEL", 0], "shift": 6.0}},
             "zero_star": {"class_type": "CFGZeroStar", "inputs": {"model": ["shifted", 0]}},
@@ -121,6 +141,27 @@ def test_the_xdit_models_ksampler_equals_the_xdit_sampler(host):
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
     assert_same(host.latest_latent("xmodel-vs-ks"), host.latest_latent("xmodel-vs-xs"))
+
+
+def test_a_lora_through_comfyuis_loader_is_refused_naming_the_xdit_lora_node(host):
+    import torch
+    from safetensors.torch import save_file
+
+    loras = host.base / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 128),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(128, 4)},
+              str(loras / "tiny-sd3-lora.safetensors"))
+    prompt = {**models("ulysses"),
+              "lora": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["xmodel", 0],
+                                                                       "lora_name": "tiny-sd3-lora.safetensors",
+                                                                       "strength_model": 1.0}},
+              **ksampler(model='["lora", 0]'),
+              "save": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0], "filename_prefix": "latents/lora"}}}
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "error"
+    message = host.error_of(prompt_id)["exception_message"]
+    assert "chain xDiT LoRA between xDiT Load Diffusion Model and xDiT Model" in message, message
 
 
 def test_a_patch_inside_the_forward_is_refused_by_name(host):
@@ -177,3 +218,27 @@ def test_at_world_1_the_xdit_model_gives_comfyuis_latent(backend1, pack, tmp_pat
                                                    latent, seed=11) for model in (own, xmodel))
     assert_same(own_latent, xdit_latent)
     assert xmodel.model.diffusion_model.send.last_info["layout"].startswith("serial")
+
+
+def test_every_sampler_and_scheduler_comfyui_offers_runs_on_the_xdit_model(host):
+    """Every name in KSampler's sampler and scheduler lists (as this ComfyUI offers them: /object_info), each in a
+    KSampler of one prompt per model, three steps: the same latents on both models."""
+    info = host.get("/object_info/KSampler")["KSampler"]["input"]["required"]
+    samplers, schedulers = info["sampler_name"][0], info["scheduler"][0]
+    runs = [(name, "simple") for name in samplers] + [("euler", name) for name in schedulers]
+    tail = {}
+    for i, (sampler, scheduler) in enumerate(runs):
+        node = ksampler(sampler=sampler, scheduler=scheduler, steps=3)["ks"]
+        tail[f"ks{i}"] = node
+        tail[f"save{i}"] = {"class_type": "SaveLatent", "inputs": {"samples": [f"ks{i}", 0],
+                                                                   "filename_prefix": f"latents/every-MODEL-{i}-"}}
+    latents = {}
+    for model in ("own", "xmodel"):
+        nodes = json.loads(json.dumps(tail).replace('["MODEL", 0]', f'["{model}", 0]').replace("MODEL-", f"{model}-"))
+        prompt_id = host.queue({**models("cfg"), **nodes})
+        assert host.follow(prompt_id, timeout=600)[0] == "success", host.why(prompt_id)
+        latents[model] = [host.latest_latent(f"every-{model}-{i}-") for i in range(len(runs))]
+    differ = [f"{run}: {((a - b).abs().max() / a.abs().max()).item():.3g}"
+              for run, a, b in zip(runs, latents["own"], latents["xmodel"])
+              if ((a - b).abs().max() / a.abs().max()).item() > 1e-4]
+    assert not differ and len(runs) > 40, differ
