@@ -204,4 +204,27 @@ class PipefusionError:
 
 
 # ``xdit-backend bench <name>``, in the order ``bench --help`` lists them
-BENCHES = (Transport(), Layouts(), Overhead(), Scaling(), Memory(), VersusDiffusers(), Cache(), PipefusionError())
+class ModelCall:
+    name = "model-call"
+    help = "the xDiT MODEL's step (one request per model call) against the xDiT Sampler's, side by side"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default="flux-tiny",
+                            help="a built-in model: flux-tiny, flux-dev-two-blocks (Flux.1-dev's width, two blocks)…")
+        parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="backend sizes (default 1 2)")
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+        parser.add_argument("--dtype", choices=schema.DTYPE_NAMES, default="auto")
+        parser.add_argument("--width", type=int, default=512)
+        parser.add_argument("--height", type=int, default=512)
+        parser.add_argument("--steps", type=int, default=8)
+        parser.add_argument("--repeats", type=int, default=3)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .model_call import run_model_call_bench
+
+        return run_model_call_bench(args.model, tuple(args.worlds), args.width, args.height, args.steps,
+                                    args.repeats, args.dtype, args.device)
+
+
+BENCHES = (Transport(), Layouts(), Overhead(), Scaling(), Memory(), VersusDiffusers(), Cache(), PipefusionError(),
+           ModelCall())
