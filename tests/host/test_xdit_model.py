@@ -242,3 +242,80 @@ def test_every_sampler_and_scheduler_comfyui_offers_runs_on_the_xdit_model(host)
               for run, a, b in zip(runs, latents["own"], latents["xmodel"])
               if ((a - b).abs().max() / a.abs().max()).item() > 1e-4]
     assert not differ and len(runs) > 40, differ
+
+
+def comfyuis_flux(path: str, state_dict: dict):
+    """ComfyUI's own Flux model of a tiny BFL-layout file: its detection fixes Flux's width at 3072, so the sizes
+    are set from flux-tiny's config before ComfyUI builds its model, then the file's weights are loaded."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import torch
+
+    config = comfy.model_detection.model_config_from_unet(state_dict, "")
+    config.unet_config.update(hidden_size=64, num_heads=4, context_in_dim=64, vec_in_dim=32, axes_dim=[4, 6, 6])
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(state_dict, "")
+    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}])
+def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """A tiny Flux file in BFL's layout: ComfyUI's own Flux model of it and the xDiT Model (two ranks), KSampler
+    with cfg 3 and FluxGuidance's guidance different on the two sides (so each call's rows carry their own)."""
+    import comfy.sample
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_model_files import bfl_state_dict
+    from xdit_backend.models import registry
+
+    remote_model, choices = pack
+    path = str(tmp_path / "tiny-flux.safetensors")
+    save_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    own = comfyuis_flux(path, load_file(path))
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
+                                                choices.ParallelChoice(layout)).result[0]
+    xmodel.model.diffusion_model.send.client = backend2
+    generator = torch.Generator().manual_seed(8)
+    positive, negative = ([[torch.randn(1, 8, 64, generator=generator),
+                            {"pooled_output": torch.randn(1, 32, generator=generator), "guidance": guidance}]]
+                          for guidance in (2.5, 6.0))
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 4)
+    own_latent, xdit_latent = (comfy.sample.sample(model, noise, 4, 3.0, "euler", "simple", positive, negative,
+                                                   latent, seed=4) for model in (own, xmodel))
+    assert_same(own_latent, xdit_latent)
+    assert xmodel.model.diffusion_model.send.last_info["rows"] == 2
+
+
+def test_comfyuis_progress_and_cancel_work_and_the_backend_counts_the_calls(host):
+    """ComfyUI's progress bar moves with its own sampler's steps; its Cancel stops the run within a call (the
+    stand-in's client cancels the running call; ComfyUI stops between calls); the backend counts the calls it
+    ran (status) and keeps serving."""
+    import time
+
+    from xdit_backend.client import Client
+
+    client = Client(host.socket)
+    prompt = {**models("ulysses"), **ksampler(model='["xmodel", 0]', steps=2000),
+              "save": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0], "filename_prefix": "latents/stop"}}}
+    seen = []
+
+    def interrupt_at_the_third_step(data):
+        seen.append(data)
+        if len(seen) == 3:
+            host.post("/interrupt", {})
+
+    before = sum(client.status()["evaluations"].values()) if client.hello_or_none() else 0
+    started = time.monotonic()
+    outcome, progress = host.follow(host.queue(prompt), on_progress=interrupt_at_the_third_step)
+    assert outcome == "interrupted" and 3 <= progress[-1][0] < 2000
+    assert time.monotonic() - started < 120
+    counts = client.status()["evaluations"]
+    ran = sum(counts.values()) - before
+    assert 3 <= ran < 50, counts  # a few calls past the interrupt at most, never the 2000 steps
+    prompt["ks"]["inputs"]["steps"] = 2
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
