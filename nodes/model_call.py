@@ -91,6 +91,10 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
     if context is None:
         raise ModelCallError("the model call carries no text conditioning (context)", "connect a text encoder's output")
     rows = x.shape[0]
+    if timestep.numel() not in (1, rows):
+        raise ModelCallError(f"the model call carries a timestep per token ({list(timestep.shape)}: Wan 2.2 TI2V's "
+                             "fixed first frame), which the xDiT MODEL does not run yet",
+                             "use the xDiT Sampler for this model")
 
     def host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to("cpu", torch.float32).contiguous()

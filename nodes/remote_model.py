@@ -11,12 +11,19 @@ dp, weight sharding).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from comfy_api.latest import io
 
 from .choices import ModelChoice, ParallelChoice
 from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
 from .model_call import RemoteDiffusionModel
+
+
+# The input layers whose weight's shape ComfyUI's BaseModel reads off the diffusion model (comfy/model_base.py:
+# WAN21.concat_cond, patch_embedding; Flux.concat_cond, img_in): given to the stand-in as meta tensors, no weights.
+INPUT_LAYERS = ("patch_embedding", "img_in")
 
 
 def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -49,6 +56,9 @@ def comfy_model(path: str, diffusion_model: torch.nn.Module):
     config.set_inference_dtype(torch.float32, None)  # what ComfyUI casts x and the conditioning to (model_call.py)
     config.unet_config["disable_unet_model_creation"] = True
     model = config.get_model(state_dict, "", device=torch.device("cpu"))
+    for name in INPUT_LAYERS:  # what ComfyUI's model reads off its transformer to count the input's channels
+        if f"{name}.weight" in state_dict:
+            setattr(diffusion_model, name, SimpleNamespace(weight=state_dict[f"{name}.weight"]))  # a meta tensor
     model.diffusion_model = diffusion_model
     model.memory_usage_factor = 0.0  # the activations live on the backend's GPUs, not in ComfyUI's process
     return remote_patcher(comfy.model_patcher.ModelPatcher)(model, load_device=mm.get_torch_device(),

@@ -319,3 +319,39 @@ def test_comfyuis_progress_and_cancel_work_and_the_backend_counts_the_calls(host
     prompt["ks"]["inputs"]["steps"] = 2
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+
+
+def test_wan_text_to_video_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """A tiny Wan 2.1 T2V file in the original layout: ComfyUI's own WanModel of it (its detection reads the heads
+    as width / 128 and fixes the text and frequency widths, so those are set from wan-tiny's config) and the xDiT
+    Model under ulysses=2; a 5-D video latent of 5 frames, KSampler with cfg 5 and uni_pc."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import comfy.sample
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    remote_model, choices = pack
+    path = str(tmp_path / "tiny-wan.safetensors")
+    save_file(original_state_dict(registry.build("wan-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    state_dict = load_file(path)
+    config = comfy.model_detection.model_config_from_unet(state_dict, "")
+    config.unet_config.update(num_heads=2, text_dim=64, freq_dim=32)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(state_dict, "")
+    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    own = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
+                                                choices.ParallelChoice({"ulysses": 2})).result[0]
+    xmodel.model.diffusion_model.send.client = backend2
+    generator = torch.Generator().manual_seed(9)
+    positive, negative = ([[torch.randn(1, 8, 64, generator=generator), {}]] for _ in range(2))
+    latent = torch.zeros(1, 16, 2, 8, 8)  # 5 frames
+    noise = comfy.sample.prepare_noise(latent, 6)
+    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 4, 5.0, "uni_pc", "simple", positive, negative,
+                                                   latent, seed=6) for m in (own, xmodel))
+    assert_same(own_latent, xdit_latent)

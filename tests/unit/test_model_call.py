@@ -8,7 +8,7 @@ from conftest import load_node_module
 from xdit_backend.models import registry
 
 model_call = load_node_module("model_call")
-FLUX, SD3, WAN = (registry.spec(name) for name in ("flux-tiny", "sd3-tiny", "wan-tiny"))
+FLUX, SD3, PIXART = (registry.spec(name) for name in ("flux-tiny", "sd3-tiny", "pixart-tiny"))
 X, T, CONTEXT = torch.randn(2, 16, 8, 8), torch.tensor([0.5, 0.5]), torch.randn(2, 8, 64)
 PLAIN = {"cond_or_uncond": [0, 1], "uuids": ["a", "b"], "sigmas": torch.tensor([0.5]), "wrappers": {},
          "patches": {}, "patches_replace": {}, "sample_sigmas": torch.linspace(1, 0, 5)}
@@ -60,8 +60,8 @@ def test_an_input_the_family_does_not_take_yet_is_refused_by_name(spec, extra, n
 def test_a_controlnet_and_a_family_not_yet_on_the_xdit_model_are_refused():
     with pytest.raises(model_call.ModelCallError, match="ControlNet"):
         model_call.call_tensors(SD3, X, T, CONTEXT, object(), PLAIN, {"y": torch.randn(2, 32)})
-    with pytest.raises(model_call.ModelCallError, match="does not run wan models yet"):
-        model_call.call_tensors(WAN, X, T, CONTEXT, None, PLAIN, {})
+    with pytest.raises(model_call.ModelCallError, match="does not run pixart models yet"):
+        model_call.call_tensors(PIXART, X, T, CONTEXT, None, PLAIN, {})
 
 
 def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_device():
@@ -70,3 +70,8 @@ def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_
     assert not list(stand_in.parameters()) and stand_in.dtype == torch.float32
     out = stand_in(X, T, context=CONTEXT, control=None, transformer_options=PLAIN, y=torch.randn(2, 32))
     assert torch.equal(out, X * 2) and sorted(sent[0]) == ["context", "pooled"]
+
+
+def test_a_timestep_per_token_is_refused():
+    with pytest.raises(model_call.ModelCallError, match="timestep per token"):
+        model_call.call_tensors(SD3, X, torch.rand(2, 16), CONTEXT, None, PLAIN, {"y": torch.randn(2, 32)})

@@ -61,6 +61,8 @@ class WanSpec(FamilySpec):
     channels: int  # 16 (Wan 2.1, Wan 2.2-A14B) or 48 (Wan 2.2-TI2V-5B)
 
     family = "wan"
+    # comfy/ldm/wan/model.py WanModel.forward(x, timestep, context, clip_fea, time_dim_concat, …): text to video
+    comfy_model_inputs = {}
     video = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
