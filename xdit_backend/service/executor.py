@@ -134,10 +134,9 @@ class Executor:
                 for key, entry in self.cache.entries.items()]
 
     def held_bytes(self) -> int:
-        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry (on the CPU,
-        with the xDiT MODEL's conditioning the input store keeps there)."""
-        held = sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
-        return held + (self.inputs.nbytes() if self.rt.device.type == "cpu" else 0)
+        """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry. (The xDiT MODEL's
+        conditioning, input_store.py, is in host memory, which the fit check reads as it is.)"""
+        return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
 
     def memory_record(self) -> dict:
         """What ``status`` shows of this rank: its device's memory and its loaded models."""
