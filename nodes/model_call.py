@@ -99,6 +99,8 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
     def host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to("cpu", torch.float32).contiguous()
 
+    if one_frame(spec, x):
+        x = x[:, :, 0]  # [N, C, 1, h, w] → [N, C, h, w]: the backend's image latent
     tensors = {"x": host(x), "timestep": host(timestep).reshape(-1).expand(rows).contiguous()}
     inputs = {"context": host(context)}
     for name, value in extra.items():
@@ -117,6 +119,12 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
     return tensors, inputs
 
 
+def one_frame(spec, x: torch.Tensor) -> bool:
+    """ComfyUI carries this image family's latent with a frame axis of one (Qwen-Image's latent format is Wan
+    2.1's: translate.has_frame_axis); the backend takes it without."""
+    return spec.latent_format.video and not spec.video and x.dim() == 5 and x.shape[2] == 1
+
+
 class RemoteDiffusionModel(torch.nn.Module):
     """ComfyUI's ``diffusion_model``, standing in for the transformer the backend holds: no weights here (ComfyUI's
     memory manager sees an empty module), and each forward is one ``evaluate`` request through ``send(tensors,
@@ -131,4 +139,5 @@ class RemoteDiffusionModel(torch.nn.Module):
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
         tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra)
-        return self.send(tensors, inputs).to(x.device)
+        out = self.send(tensors, inputs)
+        return (out[:, :, None] if one_frame(self.spec, x) else out).to(x.device)

@@ -355,3 +355,41 @@ def test_wan_text_to_video_gives_comfyuis_latent(backend2, pack, tmp_path):
     own_latent, xdit_latent = (comfy.sample.sample(m, noise, 4, 5.0, "uni_pc", "simple", positive, negative,
                                                    latent, seed=6) for m in (own, xmodel))
     assert_same(own_latent, xdit_latent)
+
+
+def test_qwen_image_gives_comfyuis_latent_with_its_frame_axis(backend2, pack, tmp_path):
+    """A tiny Qwen-Image file in ComfyUI's layout: ComfyUI's own QwenImageTransformer2DModel of it (sizes from
+    qwen-image-tiny's config; its detection reads only the channels and blocks) and the xDiT Model under ring=2.
+    ComfyUI carries Qwen-Image's latent with a frame axis of one, [B, 16, 1, h, w]: the stand-in sends it
+    without and gives it back with."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import comfy.sample
+    import torch
+    from safetensors.torch import save_file
+
+    from ranks.test_qwen_image import TINY, tiny_file
+
+    remote_model, choices = pack
+    path = str(tmp_path / "tiny-qwen-image.safetensors")
+    state_dict = tiny_file()
+    save_file(state_dict, path)
+    config = comfy.model_detection.model_config_from_unet(state_dict, "")
+    config.unet_config.update({k: TINY[k] for k in ("attention_head_dim", "num_attention_heads",
+                                                    "joint_attention_dim", "axes_dims_rope")})
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(state_dict, "")
+    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    own = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
+                                                choices.ParallelChoice({"ring": 2})).result[0]
+    xmodel.model.diffusion_model.send.client = backend2
+    generator = torch.Generator().manual_seed(10)
+    positive, negative = ([[torch.randn(1, 8, 64, generator=generator), {}]] for _ in range(2))
+    latent = torch.zeros(1, 16, 1, 8, 12)
+    noise = comfy.sample.prepare_noise(latent, 2)
+    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 4, 2.5, "euler", "simple", positive, negative,
+                                                   latent, seed=2) for m in (own, xmodel))
+    assert xdit_latent.shape == (1, 16, 1, 8, 12)
+    assert_same(own_latent, xdit_latent)

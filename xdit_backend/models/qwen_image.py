@@ -85,6 +85,9 @@ class QwenImageSpec(FamilySpec):
     rope_axes: tuple[int, int, int]  # RoPE channels per axis (frame, row, column)
 
     family = "qwen_image"
+    # comfy/ldm/qwen_image/model.py QwenImageTransformer2DModel.forward(x, timestep, context, attention_mask,
+    # guidance, ref_latents, …): text to image (reference latents: the xDiT Sampler)
+    comfy_model_inputs = {}
     latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
     takes_references = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
