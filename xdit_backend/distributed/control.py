@@ -63,7 +63,10 @@ def broadcast_bytes(data: bytes | None, group, src: int = 0) -> bytes:
 
 
 def broadcast_message(message: protocol.Message | None, group, src: int = 0) -> protocol.Message | None:
-    """Broadcast one protocol message (tensors included) from ``src``; None is a heartbeat."""
+    """Broadcast one protocol message (tensors included) from ``src``; None is a heartbeat. A group of one rank
+    has no one to tell: the message is returned as it is (not encoded and decoded for nobody)."""
+    if dist.get_world_size(group) == 1:
+        return message
     frame = protocol.encode_bytes(message) if message is not None else b""
     data = broadcast_bytes(frame if dist.get_rank() == src else None, group, src)
     if not data:

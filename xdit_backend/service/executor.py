@@ -46,6 +46,7 @@ class Executor:
         self.lora_files = lora.LoraFiles(rt.device)  # the LoRA tensors the loaded models carry
         self.inputs = InputStore()  # the xDiT MODEL's conditioning by content hash (evaluate requests)
         self.evaluations: dict[str, int] = {}  # evaluate requests run, by model name (status shows them)
+        self.estimates: dict[tuple, object] = {}  # the memory model's estimates by (key, layout, tokens, rows)
         # The layouts' data collectives wait half as long as the control group: after a rank raises,
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
         self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
@@ -177,8 +178,13 @@ class Executor:
         cannot fit (nothing loaded, evicted or run). ``tokens`` per rank and ``rows`` per forward under
         ``parallel``: memory_fit.request_shape for a generation."""
         shard_ranks = (len(key.shard_ranks) or 1) if shard.shards_its_matrices(model.source.gguf) else 1
-        estimate = memory_fit.needed(model, getattr(torch, key.compute_dtype), key.weight_dtype, shard_ranks,
-                                     parallel, tokens, rows)
+        shape = (key, parallel, tokens, rows)
+        estimate = self.estimates.get(shape)
+        if estimate is None:  # the memory model walks every parameter (~6 ms for Flux.1-dev): once per shape
+            if len(self.estimates) > 256:
+                self.estimates.clear()
+            estimate = self.estimates[shape] = memory_fit.needed(model, getattr(torch, key.compute_dtype),
+                                                                 key.weight_dtype, shard_ranks, parallel, tokens, rows)
         holds = key in self.cache.entries  # its resident weights are held already
         need = estimate.total - (estimate.weights_resident if holds else 0)
         free = memory_fit.available(self.rt.device, self.held_bytes(), self.rt.local_world_size)
