@@ -85,3 +85,18 @@ def test_the_cache_bench_reports_consistent_counts_and_distances(capsys, zygote_
         if row["threshold"] == "0":
             assert reused == 0 and distance == 0, row
         assert (distance > 0) == (reused > 0) and distance < seeds, row
+
+
+def test_the_model_call_bench_runs_both_ways_in_and_gets_the_same_latent(capsys, zygote_launches):
+    """``bench model-call`` in smoke mode: the xDiT MODEL's Euler (one evaluate request per step) and the xDiT
+    Sampler's give the same latent bit for bit; a step sends the latent and gets the output back, the
+    conditioning only once."""
+    from xdit_backend.bench.model_call import run_model_call_bench
+
+    assert run_model_call_bench("flux-tiny", (1,), 64, 64, 3, 1) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | serial |")]
+    assert len(row) == 1, row
+    cells = [cell.strip() for cell in row[0].strip("|").split("|")]
+    assert cells[5] == f"{16 * 8 * 8 * 4 + 2 * 4} + {16 * 8 * 8 * 4}"  # x, timestep, guidance out; output back
+    assert cells[6] == str((8 * 64 + 32) * 4)  # flux-tiny's context [1, 8, 64] and pooled [1, 32], once
+    assert cells[7] == "0"
