@@ -27,9 +27,17 @@ INPUT_LAYERS = ("patch_embedding", "img_in")
 
 
 def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The file's tensors as ``meta`` tensors of their shapes and dtypes: what ComfyUI's detection reads."""
+    """The file's tensors as ``meta`` tensors of their shapes and dtypes: what ComfyUI's detection reads. A GGUF
+    file (which ComfyUI's core cannot read) gives its tensors' original shapes, in bf16 (the blocks' logical
+    values; ComfyUI's detection reads the keys and shapes)."""
     from xdit_backend.models.safetensors_file import DTYPES, open_file
 
+    if path.lower().endswith(".gguf"):
+        from xdit_backend.models.gguf_blocks import gguf_package
+        from xdit_backend.models.gguf_file import shapes
+
+        return {key: torch.empty(shape, dtype=torch.bfloat16, device="meta")
+                for key, shape in shapes(gguf_package().GGUFReader(path), path).items()}
     with open_file(path) as file:
         return {key: torch.empty(view.get_shape(), dtype=DTYPES[view.get_dtype()], device="meta")
                 for key in file.keys() for view in (file.get_slice(key),)}

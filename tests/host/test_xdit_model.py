@@ -260,10 +260,11 @@ def comfyuis_flux(path: str, state_dict: dict):
     return comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}])
-def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
-    """A tiny Flux file in BFL's layout: ComfyUI's own Flux model of it and the xDiT Model (two ranks), KSampler
-    with cfg 3 and FluxGuidance's guidance different on the two sides (so each call's rows carry their own)."""
+@pytest.mark.parametrize("layout", [{}, {"ulysses": 2}, {"ring": 2}, {"cfg": 2}],
+                         ids=["world1", "ulysses", "ring", "cfg"])
+def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend, pack, tmp_path, layout):
+    """A tiny Flux file in BFL's layout: ComfyUI's own Flux model of it and the xDiT Model (one or two ranks),
+    KSampler with cfg 3 and FluxGuidance's guidance different on the two sides (each call's rows carry their own)."""
     import comfy.sample
     import torch
     from safetensors.torch import load_file, save_file
@@ -277,7 +278,7 @@ def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend2, pack, t
     own = comfyuis_flux(path, load_file(path))
     xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
                                                 choices.ParallelChoice(layout)).result[0]
-    xmodel.model.diffusion_model.send.client = backend2
+    xmodel.model.diffusion_model.send.client = backend(2 if layout else 1)
     generator = torch.Generator().manual_seed(8)
     positive, negative = ([[torch.randn(1, 8, 64, generator=generator),
                             {"pooled_output": torch.randn(1, 32, generator=generator), "guidance": guidance}]]
@@ -393,3 +394,79 @@ def test_qwen_image_gives_comfyuis_latent_with_its_frame_axis(backend2, pack, tm
                                                    latent, seed=2) for m in (own, xmodel))
     assert xdit_latent.shape == (1, 16, 1, 8, 12)
     assert_same(own_latent, xdit_latent)
+
+
+def test_a_gguf_file_which_comfyuis_core_cannot_read_runs_on_the_xdit_model(backend2, pack, tmp_path):
+    """A Q8_0 GGUF of the tiny Flux (city96's layout): ComfyUI's detection reads its keys and shapes from the GGUF
+    header, the backend keeps its blocks quantized; ComfyUI's own Flux model given the same values dequantised
+    (what ComfyUI-GGUF would compute) gives the same latent."""
+    import comfy.sample
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from backend.test_model_files import bfl_state_dict
+    from ranks.test_gguf import gguf_file
+    from xdit_backend.models import registry
+
+    remote_model, choices = pack
+    path = tmp_path / "tiny-flux-Q8_0.gguf"
+    dequantised = gguf_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer),
+                            path, GGMLQuantizationType.Q8_0)
+    own = comfyuis_flux(str(path), {k: v.float() for k, v in dequantised.items()})
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(str(path), "float32"),
+                                                choices.ParallelChoice({"ulysses": 2})).result[0]
+    xmodel.model.diffusion_model.send.client = backend2
+    generator = torch.Generator().manual_seed(12)
+    pooled = torch.randn(1, 32, generator=generator)
+    positive = [[torch.randn(1, 8, 64, generator=generator), {"pooled_output": pooled}]]
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 5)
+    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 3, 1.0, "euler", "simple", positive, [], latent,
+                                                   seed=5) for m in (own, xmodel))
+    assert_same(own_latent, xdit_latent)
+
+
+def model_node(class_type: str, **inputs) -> dict:
+    return {"patched": {"class_type": class_type, "inputs": {"model": ["MODEL", 0], **inputs}},
+            **ksampler(model='["patched", 0]', steps=3)}
+
+
+def conditioning_node(class_type: str, extra: dict | None = None, **inputs) -> dict:
+    return {**(extra or {}), "conditioned": {"class_type": class_type, "inputs": inputs},
+            **ksampler(positive="conditioned", steps=3)}
+
+
+SOLID = {"solid": {"class_type": "SolidMask", "inputs": {"value": 0.7, "width": 32, "height": 64}}}
+MORE_NODES = {
+    "KSamplerAdvanced": {"ks": {"class_type": "KSamplerAdvanced", "inputs": {
+        "model": ["MODEL", 0], "add_noise": "enable", "noise_seed": 11, "steps": 6, "cfg": 4.0,
+        "sampler_name": "heun", "scheduler": "karras", "positive": ["cond", 0], "negative": ["uncond", 0],
+        "latent_image": ["empty", 0], "start_at_step": 1, "end_at_step": 4, "return_with_leftover_noise": "enable"}}},
+    "SamplerCustom": {"select": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "dpmpp_3m_sde"}},
+                      "sigmas": {"class_type": "BasicScheduler", "inputs": {
+                          "model": ["MODEL", 0], "scheduler": "linear_quadratic", "steps": 3, "denoise": 1.0}},
+                      "ks": {"class_type": "SamplerCustom", "inputs": {
+                          "model": ["MODEL", 0], "add_noise": True, "noise_seed": 4, "cfg": 3.5,
+                          "positive": ["cond", 0], "negative": ["uncond", 0], "sampler": ["select", 0],
+                          "sigmas": ["sigmas", 0], "latent_image": ["empty", 0]}}},
+    "ModelSamplingAuraFlow": model_node("ModelSamplingAuraFlow", shift=1.73),
+    "ModelSamplingDiscrete": model_node("ModelSamplingDiscrete", sampling="v_prediction", zsnr=False),
+    "CFGNorm": model_node("CFGNorm", strength=0.8),
+    "RescaleCFG": model_node("RescaleCFG", multiplier=0.7),
+    "APG": model_node("APG", eta=1.0, norm_threshold=5.0, momentum=-0.5),
+    "Mahiro": model_node("Mahiro"),
+    "ConditioningSetAreaPercentage": conditioning_node("ConditioningSetAreaPercentage", conditioning=["cond", 0],
+                                                      width=0.5, height=0.75, x=0.25, y=0.0, strength=1.2),
+    "ConditioningSetMask": conditioning_node("ConditioningSetMask", SOLID, conditioning=["cond", 0],
+                                            mask=["solid", 0], strength=1.0, set_cond_area="default"),
+    "ConditioningConcat": conditioning_node("ConditioningConcat", conditioning_to=["cond", 0],
+                                           conditioning_from=["uncond", 0]),
+    "ConditioningAverage": conditioning_node("ConditioningAverage", conditioning_to=["cond", 0],
+                                            conditioning_from=["uncond", 0], conditioning_to_strength=0.3),
+    "ConditioningZeroOut": conditioning_node("ConditioningZeroOut", conditioning=["cond", 0]),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_NODES))
+def test_more_samplers_model_patches_and_conditioning_nodes_run_as_on_comfyuis_model(host, name):
+    assert_same(*on_both(host, models("cfg"), MORE_NODES[name], "ks", f"more-{name}"))
