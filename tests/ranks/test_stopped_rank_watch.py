@@ -46,3 +46,38 @@ def test_a_process_stopped_past_the_patience_is_named_and_killed_and_the_others_
 def test_a_rank_records_its_own_pid(tmp_path):
     record_pid(tmp_path / "pids", 3)
     assert (tmp_path / "pids" / "3").read_text() == str(os.getpid())
+
+
+def test_a_process_in_io_wait_without_progress_is_named_as_hung_and_one_making_progress_is_left(tmp_path,
+                                                                                                monkeypatch):
+    """A hung network mount needs root to make; the kernel's view of one is what the watch reads: state D with
+    I/O counters that do not move. Here /proc's answers for two real processes are those of a hung read (rank 0)
+    and of a slow disk (rank 1: D too, but its counters move)."""
+    from xdit_backend.launch import watch as watch_module
+
+    hung, slow = _sleeper(), _sleeper()
+    pids = tmp_path / "pids"
+    for rank, process in enumerate((hung, slow)):
+        _record(pids, rank, process)
+    reads = {slow.pid: 0}
+
+    def counters(pid):
+        if pid == slow.pid:
+            reads[pid] += 4096
+            return (reads[pid], 0, reads[pid], 0)
+        return (100, 0, 100, 0)
+
+    monkeypatch.setattr(watch_module, "process_state", lambda pid: "D")
+    monkeypatch.setattr(watch_module, "io_counters", counters)
+    watch = StoppedRankWatch(pids, patience=30.0, hung_after=1.0).start()
+    watch.interval = 0.1
+    try:
+        assert hung.wait(timeout=10) == -signal.SIGKILL
+        assert watch.cause["rank"] == 0 and "waited on I/O for" in watch.cause["what"]
+        assert "hung network mount" in watch.cause["what"]
+        assert slow.poll() is None  # a slow disk: left reading
+    finally:
+        watch.close()
+        for process in (hung, slow):
+            process.kill()
+            process.wait()
