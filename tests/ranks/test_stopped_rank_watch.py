@@ -64,8 +64,8 @@ def test_a_process_in_io_wait_without_progress_is_named_as_hung_and_one_making_p
     def counters(pid):
         if pid == slow.pid:
             reads[pid] += 4096
-            return (reads[pid], 0, reads[pid], 0)
-        return (100, 0, 100, 0)
+            return (reads[pid], 0, reads[pid], 0, 0, 0, 0)
+        return (100, 0, 100, 0, 7, 3, 1)
 
     monkeypatch.setattr(watch_module, "process_state", lambda pid: "D")
     monkeypatch.setattr(watch_module, "io_counters", counters)

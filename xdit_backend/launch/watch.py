@@ -13,9 +13,9 @@ it). The next request restarts the backend, as after any rank's death.
 A rank hung in a read (a network mount that stopped answering while a model loads: its first look at the file is
 bounded on rank 0, file_kind.answered_within, but every rank's reads of the weights are the kernel's) sits in
 state ``D``, uninterruptible I/O, and again nobody can say which rank or why. A slow disk shows ``D`` too, for
-minutes while a large file loads, but its read counters move (``/proc/<pid>/io``); a rank in ``D`` whose
-counters have not moved for ``hung_after`` seconds (60, file_kind.FIRST_LOOK_S) is recorded as hung on its file
-system and killed (a hung NFS read is killable: NFS waits in TASK_KILLABLE, which shows as ``D``).
+minutes while a large file loads, but its read counters, page faults or CPU time move (``io_counters``); a rank
+in ``D`` whose counters have not moved for ``hung_after`` seconds (60, file_kind.FIRST_LOOK_S) is recorded as hung
+on its file system and killed (a hung NFS read is killable: NFS waits in TASK_KILLABLE, which shows as ``D``).
 
 Each rank writes its pid into ``paths.rank_pids`` when it starts (worker.py); a multi-node backend's launcher
 on each node watches that node's ranks. Without /proc (not Linux) the watch sees nothing and stays quiet.
@@ -50,12 +50,17 @@ def process_state(pid: int) -> str | None:
 
 
 def io_counters(pid: int) -> tuple[int, ...] | None:
-    """``pid``'s characters and bytes read and written so far (/proc/<pid>/io); None when unreadable."""
+    """What moves while ``pid`` makes progress: the characters and bytes it read and wrote (/proc/<pid>/io), its
+    major page faults and its CPU time (/proc/<pid>/stat: a memory-mapped file read over NFS counts in neither
+    byte count, but faults its pages in and copies them). None when unreadable."""
     try:
         fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, ValueError):
         return None
-    return tuple(int(fields.get(name, 0)) for name in ("rchar", "wchar", "read_bytes", "write_bytes"))
+    # after "pid (command)": state is field 3, majflt 12, utime 14, stime 15 (proc(5)), here 0, 9, 11, 12
+    return (*(int(fields.get(name, 0)) for name in ("rchar", "wchar", "read_bytes", "write_bytes")),
+            int(stat[9]), int(stat[11]), int(stat[12]))
 
 
 class StoppedRankWatch:
