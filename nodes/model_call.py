@@ -125,19 +125,55 @@ def one_frame(spec, x: torch.Tensor) -> bool:
     return spec.latent_format.video and not spec.video and x.dim() == 5 and x.shape[2] == 1
 
 
+class RunPosition:
+    """Where each call stands in ComfyUI's sampling run, for the backend's step cache (``evaluate``'s generation,
+    step, steps, slot, cond_rows fields): the step is the schedule position of the call's noise level (ComfyUI's
+    ``sample_sigmas``: the entries at or above it, less one), the slot its place among the calls of that step
+    (slot 0 decides), the cond rows the first run of chunks ComfyUI marked cond (``cond_or_uncond``: 0; it batches
+    uncond first). A new run begins
+    when the schedule changes or the step goes back."""
+
+    def __init__(self):
+        self.run, self.schedule, self.step, self.calls = 0, None, -1, 0
+
+    def fields(self, options: dict, rows: int) -> dict:
+        schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
+        if schedule is None or sigma is None:
+            raise ModelCallError("the step cache needs ComfyUI's schedule of the run (sample_sigmas), which this "
+                                 "sampler does not give", "take the xDiT Step Cache node out of the xDiT Model's path")
+        schedule = schedule.detach().float().cpu()
+        level = float(sigma.reshape(-1)[0])
+        step = max(0, int((schedule >= level * (1 - 1e-6)).sum()) - 1)
+        key = tuple(schedule.tolist())
+        if key != self.schedule or step < self.step:
+            self.run, self.schedule, self.step, self.calls = self.run + 1, key, step, 0
+        elif step > self.step:
+            self.step, self.calls = step, 0
+        slot, self.calls = self.calls, self.calls + 1
+        chunks = list(options.get("cond_or_uncond") or [0])
+        first = chunks.index(0) if 0 in chunks else len(chunks)
+        count = next((i for i, kind in enumerate(chunks[first:]) if kind != 0), len(chunks) - first)
+        per_chunk = rows // len(chunks)
+        return {"generation": f"{id(self):x}-{self.run}", "step": step, "steps": max(1, len(key) - 1), "slot": slot,
+                "cond_start": per_chunk * first, "cond_rows": per_chunk * count}
+
+
 class RemoteDiffusionModel(torch.nn.Module):
     """ComfyUI's ``diffusion_model``, standing in for the transformer the backend holds: no weights here (ComfyUI's
     memory manager sees an empty module), and each forward is one ``evaluate`` request through ``send(tensors,
-    inputs) → output``. Its dtype is float32: ComfyUI casts x and the conditioning to it, and the backend casts
-    them to its compute dtype, rounding once as ComfyUI's own model would."""
+    inputs, fields) → output`` (``fields``: where the call stands in its run, with ``step_cache``). Its dtype is
+    float32: ComfyUI casts x and the conditioning to it, and the backend casts them to its compute dtype, rounding
+    once as ComfyUI's own model would."""
 
-    def __init__(self, spec, send: Callable[[dict, dict], torch.Tensor]):
+    def __init__(self, spec, send: Callable[[dict, dict, dict], torch.Tensor], step_cache: bool = False):
         super().__init__()
         self.spec = spec
         self.send = send
         self.dtype = torch.float32
+        self.position = RunPosition() if step_cache else None
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
         tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra)
-        out = self.send(tensors, inputs)
+        fields = {} if self.position is None else self.position.fields(transformer_options or {}, x.shape[0])
+        out = self.send(tensors, inputs, fields)
         return (out[:, :, None] if one_frame(self.spec, x) else out).to(x.device)

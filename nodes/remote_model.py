@@ -98,13 +98,14 @@ class BackendCalls:
     def __init__(self, choice: ModelChoice, parallel: ParallelChoice | None):
         self.choice, self.parallel = choice, parallel
         fields = choice.request_fields()
-        self.fields = {name: fields[name] for name in ("model", "dtype", "weight_dtype", "loras", "compile")
+        self.fields = {name: fields[name] for name in ("model", "dtype", "weight_dtype", "loras", "compile", "cache",
+                                                       "cache_threshold", "cache_start", "cache_end")
                        if name in fields}
         self.fields["parallel"] = (parallel or ParallelChoice()).request_value()
         self.client = None
         self.last_info: dict = {}
 
-    def __call__(self, tensors: dict, inputs: dict) -> torch.Tensor:
+    def __call__(self, tensors: dict, inputs: dict, position: dict) -> torch.Tensor:
         import comfy.model_management as mm
 
         from xdit_backend.client import BackendError, Cancelled
@@ -117,7 +118,7 @@ class BackendCalls:
                 mm.soft_empty_cache()
             self.client = client
         try:
-            output, self.last_info = self.client.evaluate(self.fields, tensors, inputs,
+            output, self.last_info = self.client.evaluate({**self.fields, **position}, tensors, inputs,
                                                           should_cancel=mm.processing_interrupted)
         except Cancelled:
             if mm.processing_interrupted():
@@ -159,13 +160,10 @@ class XDiTModelNode(io.ComfyNode):
         if model.ref in registry.BUILTINS:
             raise ValueError(f"xDiT: the [test] model {model.ref} has no file for ComfyUI to read its kind from\n"
                              "use a model file, or the xDiT Sampler for the [test] models")
-        if model.cache != "none":
-            raise ValueError("xDiT: the step cache runs inside the backend's sampling loop, which the xDiT Model "
-                             "leaves to ComfyUI\nuse the xDiT Sampler with the xDiT Step Cache node, or take the "
-                             "step cache node out")
         if model.shift is not None:
             raise ValueError("xDiT: the loader's shift is the xDiT Sampler's; the xDiT Model samples with ComfyUI's "
                              "model sampling\nset the loader's shift to 0 and use ModelSamplingFlux / "
                              "ModelSamplingSD3 after the xDiT Model")
         spec = registry.spec(model.ref)
-        return io.NodeOutput(comfy_model(model.ref, RemoteDiffusionModel(spec, BackendCalls(model, parallel))))
+        stand_in = RemoteDiffusionModel(spec, BackendCalls(model, parallel), step_cache=model.cache != "none")
+        return io.NodeOutput(comfy_model(model.ref, stand_in))

@@ -181,12 +181,22 @@ def flag_fields(args: argparse.Namespace) -> dict:
 # One model evaluation for the xDiT MODEL (nodes/remote_model.py): ComfyUI's own sampler runs in ComfyUI's
 # process and calls the backend once per model call. It takes the model choice and the layout of a sample
 # request; its inputs are tensors (x, timestep, guidance) and the conditioning by content hash.
-EVALUATE_SHARED = ("model", "parallel", "profile", "dtype", "weight_dtype", "loras", "compile")
-INPUTS = Field("inputs", dict, "inputs", {},
-               help="the model's conditioning by key (context, pooled, …): each the content hash "
-                    "(wire/content_hash.py) of a tensor sent inline, once, or held by the backend from an earlier call")
-EVALUATE: tuple[Field, ...] = (*(FIELDS[name] for name in EVALUATE_SHARED), INPUTS)
+EVALUATE_SHARED = ("model", "parallel", "profile", "dtype", "weight_dtype", "loras", "compile", "cache",
+                   "cache_threshold", "cache_start", "cache_end")
 MAX_EVALUATE_ROWS = 4 * MAX_BATCH  # a call's batch rows: ComfyUI batches cond, uncond and area chunks
+EVALUATE: tuple[Field, ...] = (
+    *(FIELDS[name] for name in EVALUATE_SHARED),
+    Field("inputs", dict, "inputs", {},
+          help="the model's conditioning by key (context, pooled, …): each the content hash "
+               "(wire/content_hash.py) of a tensor sent inline, once, or held by the backend from an earlier call"),
+    # where the call stands in ComfyUI's sampling run, for the step cache (ignored without one)
+    Field("generation", str, "text", "", help="the sampling run the call belongs to (its step cache's state)"),
+    Field("step", int, "int", 0, 0, MAX_STEPS, help="the schedule position of the call's noise level"),
+    Field("steps", int, "int", 1, 1, MAX_STEPS, help="the run's steps (its schedule's length − 1)"),
+    Field("slot", int, "int", 0, 0, 4 * MAX_BATCH, help="the call's place among the calls of its step (0 decides)"),
+    Field("cond_start", int, "int", 0, 0, MAX_EVALUATE_ROWS, help="the first row of x that is the cond side"),
+    Field("cond_rows", int, "int", 0, 0, MAX_EVALUATE_ROWS, help="the cond side's rows from cond_start"),
+)
 
 
 def evaluate_wire_types() -> dict[str, type | tuple]:

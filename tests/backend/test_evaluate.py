@@ -104,3 +104,50 @@ def test_status_counts_the_calls_per_model(backend1):
     status = backend1.status()
     assert status["evaluations"]["flux-tiny"] == before + 1
     assert "flux-tiny" in {m["name"] for m in status["models"]}
+
+
+def euler_through_calls(client, fields: dict, conditioning: dict, steps: int, cfg: float, seed: int,
+                        cache: dict) -> tuple[torch.Tensor, list]:
+    """KSampler's Euler with cfg (cond and uncond batched, cond first, as ComfyUI batches them) for flux-tiny at
+    64², one evaluate request per step, as the xDiT MODEL's stand-in sends them; the final latent in VAE space and
+    each call's info."""
+    from xdit_backend.sampling import schedulers
+    from xdit_backend.sampling.generate import comfy_noise
+
+    spec = resolve_model("flux-tiny").spec
+    sampling = spec.model_sampling(None)
+    sigmas = schedulers.sigmas("simple", sampling, steps, 1.0, sampler="euler").float()
+    shape = spec.latent_shape(1, 64, 64)
+    x = sampling.noise_scaling(sigmas[0], comfy_noise(shape, seed), torch.zeros(shape))
+    inputs = {key: torch.cat([conditioning[key], conditioning[f"negative_{key}"]]) for key in ("context", "pooled")}
+    infos = []
+    for i in range(steps):
+        sigma = sigmas[i:i + 1].expand(2)
+        tensors = {"x": sampling.calculate_input(sigma, torch.cat([x, x])), "timestep": sampling.timestep(sigma),
+                   "guidance": torch.full((2,), 3.5)}
+        position = {"generation": "run-1", "step": i, "steps": steps, "slot": 0, "cond_start": 0, "cond_rows": 1}
+        out, info = client.evaluate({**fields, **cache, **position}, tensors, inputs)
+        infos.append(info)
+        cond, uncond = sampling.calculate_denoised(sigma, out, torch.cat([x, x])).chunk(2)
+        denoised = uncond + (cond - uncond) * cfg
+        x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+    return spec.latent_format.process_out(sampling.inverse_noise_scaling(sigmas[-1], x)), infos
+
+
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"ulysses": 2}), (2, {"cfg": 2})])
+def test_the_step_cache_across_calls_decides_as_the_xdit_samplers_and_gives_its_latent(backend, world, layout):
+    """The xDiT MODEL's calls with a step cache (fbcache): the backend keeps one cache for the run across its calls
+    and decides at the same steps as the xDiT Sampler's loop with the same cache, every rank agreeing, so the two
+    give the same latent and the same counts, some steps reused."""
+    from conftest import flux_tiny_conditioning
+
+    client = backend(world)
+    conditioning = {k: v[:1] for k, v in flux_tiny_conditioning(seed=3).items()}
+    cache = {"cache": "fbcache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 1}
+    parallel = ParallelConfig(**layout).to_json() if layout else {}
+    sample = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 8, "seed": 4, "cfg": 2.5, "dtype": "float32",
+              "parallel": parallel, **cache}
+    result, info = client.sample(sample, conditioning)
+    latent, infos = euler_through_calls(client, {**FIELDS, "parallel": parallel}, conditioning, 8, 2.5, 4, cache)
+    assert infos[-1]["cache"] == info["cache"] and info["cache"]["reused"] > 0, ([i["cache"] for i in infos], info)
+    assert (latent - result["samples"]).abs().max() <= 1e-5

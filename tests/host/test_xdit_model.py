@@ -470,3 +470,32 @@ MORE_NODES = {
 @pytest.mark.parametrize("name", list(MORE_NODES))
 def test_more_samplers_model_patches_and_conditioning_nodes_run_as_on_comfyuis_model(host, name):
     assert_same(*on_both(host, models("cfg"), MORE_NODES[name], "ks", f"more-{name}"))
+
+
+def test_the_step_cache_node_on_the_xdit_model_gives_the_xdit_samplers_cached_latent(host):
+    """xDiT Step Cache before the xDiT Model: ComfyUI's KSampler runs the loop, the backend keeps the run's cache
+    across its calls and skips the same steps as the xDiT Sampler with the same cache (same latent)."""
+    prompt = {**models("cfg"),
+              "cached": {"class_type": "XDiTStepCache", "inputs": {"model": ["load", 0], "cache": "fbcache",
+                                                                   "threshold": 0.5, "start": 1, "end": 1}},
+              "xcached": {"class_type": "XDiTModel", "inputs": {"model": ["cached", 0], "parallel": ["parallel", 0]}},
+              **ksampler(model='["xcached", 0]', steps=8),
+              "xs": {"class_type": "XDiTSampler", "inputs": {
+                  "model": ["cached", 0], "parallel": ["parallel", 0], "seed": 11, "steps": 8, "cfg": 4.0,
+                  "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
+                  "negative": ["uncond", 0], "latent_image": ["empty", 0]}},
+              "save_ks": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0],
+                                                                 "filename_prefix": "latents/cached-ks"}},
+              "save_xs": {"class_type": "SaveLatent", "inputs": {"samples": ["xs", 0],
+                                                                 "filename_prefix": "latents/cached-xs"}},
+              "plain": {"class_type": "XDiTSampler", "inputs": {
+                  "model": ["load", 0], "parallel": ["parallel", 0], "seed": 11, "steps": 8, "cfg": 4.0,
+                  "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
+                  "negative": ["uncond", 0], "latent_image": ["empty", 0]}},
+              "save_plain": {"class_type": "SaveLatent", "inputs": {"samples": ["plain", 0],
+                                                                    "filename_prefix": "latents/cached-plain"}}}
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    cached = host.latest_latent("cached-ks")
+    assert_same(cached, host.latest_latent("cached-xs"))
+    assert (cached - host.latest_latent("cached-plain")).abs().max() > 1e-4  # some steps were reused

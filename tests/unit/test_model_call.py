@@ -66,7 +66,7 @@ def test_a_controlnet_and_a_family_not_yet_on_the_xdit_model_are_refused():
 
 def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_device():
     sent = []
-    stand_in = model_call.RemoteDiffusionModel(SD3, lambda tensors, inputs: sent.append(inputs) or tensors["x"] * 2)
+    stand_in = model_call.RemoteDiffusionModel(SD3, lambda tensors, inputs, _: sent.append(inputs) or tensors["x"] * 2)
     assert not list(stand_in.parameters()) and stand_in.dtype == torch.float32
     out = stand_in(X, T, context=CONTEXT, control=None, transformer_options=PLAIN, y=torch.randn(2, 32))
     assert torch.equal(out, X * 2) and sorted(sent[0]) == ["context", "pooled"]
@@ -75,3 +75,24 @@ def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_
 def test_a_timestep_per_token_is_refused():
     with pytest.raises(model_call.ModelCallError, match="timestep per token"):
         model_call.call_tensors(SD3, X, torch.rand(2, 16), CONTEXT, None, PLAIN, {"y": torch.randn(2, 32)})
+
+
+def test_the_run_position_numbers_steps_slots_and_runs_as_the_backends_step_cache_needs_them():
+    position = model_call.RunPosition()
+    schedule = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+
+    def call(sigma, chunks=(0, 1), rows=2, sigmas=schedule):
+        return position.fields({"sample_sigmas": sigmas, "sigmas": torch.tensor([sigma] * rows),
+                                "cond_or_uncond": list(chunks)}, rows)
+
+    first = call(1.0)
+    assert (first["step"], first["steps"], first["slot"], first["cond_start"], first["cond_rows"]) == (0, 4, 0, 0, 1)
+    assert (call(1.0, chunks=(1, 0))["cond_start"], call(1.0, chunks=(1, 0))["cond_rows"]) == (1, 1)  # uncond first
+    assert call(1.0, chunks=(1,), rows=1)["slot"] == 3 and call(1.0, chunks=(1,), rows=1)["cond_rows"] == 0
+    assert (call(0.75)["step"], call(0.6)["step"], call(0.6)["slot"]) == (1, 1, 2)  # heun's second call: step 1
+    again = call(1.0)  # the step went back: a new run
+    assert again["generation"] != first["generation"] and again["slot"] == 0
+    other = call(1.0, sigmas=torch.tensor([1.0, 0.5, 0.0]))
+    assert other["generation"] != again["generation"] and other["steps"] == 2
+    with pytest.raises(model_call.ModelCallError, match="sample_sigmas"):
+        position.fields({"sigmas": torch.tensor([1.0])}, 1)

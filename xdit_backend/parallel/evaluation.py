@@ -50,9 +50,12 @@ class Evaluation:
         return config.cfg * config.dp, self.layout.index("cfg") * config.dp + self.layout.index("dp")
 
     def run(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, torch.Tensor],
-            guidance: torch.Tensor | None) -> torch.Tensor:
+            guidance: torch.Tensor | None, cache=None, step: int = 0, slot: int = 0,
+            cond_rows: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """The model's raw output for x [N, C, (T,) h, w] (float32, on the CPU, x's shape), from timestep [N],
-        the conditioning ``inputs`` (key → [N, ...]) and guidance [N] or None."""
+        the conditioning ``inputs`` (key → [N, ...]) and guidance [N] or None. With ``cache`` (a StepCache kept
+        across the calls of a sampling run), the call is its ``slot``-th of ``step``; slot 0 decides, from the
+        cond rows ``cond_rows`` (first, count: this rank's share of them)."""
         groups, group = self.row_groups()
         n = x.shape[0]
         per = -(-n // groups)
@@ -64,19 +67,39 @@ class Evaluation:
 
         padded = pad_to_patch(x, self.model.spec.patch)
         cond = {key: rows(t) for key, t in inputs.items()}
-        with self.sequence_parallel():
+        with self.sequence_parallel() as stack:
+            if cache is not None:
+                self.attach_cache(stack, cache, step, slot, self.cond_share(*cond_rows, n, group * per, per))
             out = self.model.output(rows(padded).to(dtype), rows(timestep.float()), cond,
                                     None if guidance is None else rows(guidance.float()))  # [per, C, ...]
         out = self.gather(out.float())[:n]  # [N, C, (T,) h', w']
         return out[(slice(None), slice(None), *(slice(0, size) for size in x.shape[2:]))].cpu()  # the padding cropped
 
-    def sequence_parallel(self):
+    def sequence_parallel(self) -> ExitStack:
+        """Sequence parallelism attached for this call (its ``shard`` attribute: the tokens' Shard, or None)."""
         stack = ExitStack()
+        stack.shard = None
         if self.layout is not None and self.layout.config.sequence > 1:
             attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
                                        attention.local_attention(self.model.device))
             stack.callback(attached.detach)
+            stack.shard = attached.shard
         return stack
+
+    @staticmethod
+    def cond_share(start: int, count: int, rows: int, first: int, per: int) -> slice | None:
+        """This rank's rows [first, first + per) that are among the cond rows [start, start + count) of the call's
+        ``rows`` real ones (not the padding): local, or None."""
+        low, high = max(start, first), min(start + count, rows, first + per)
+        return slice(low - first, high - first) if high > low else None
+
+    def attach_cache(self, stack: ExitStack, cache, step: int, slot: int, rows: slice | None) -> None:
+        """The step cache on the model for this call, agreeing over the ranks that run the same blocks."""
+        stack.enter_context(cache.attached(self.model.transformer, self.model.spec.cache_plan))
+        cache.group = self.layout.step_group if self.layout is not None else None
+        cache.shard = stack.shard
+        cache.step_done(step)
+        stack.enter_context(cache.call(slot, slot == 0, rows))
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         """This row group's [per, ...] → every group's [groups · per, ...] in row-group order: over dp, then cfg."""

@@ -86,6 +86,7 @@ class StepCache:
     trace: list[Decision] = field(default_factory=list)
     _call: _Call | None = None
     _reuse: bool = False
+    _skip: bool = False  # this call skips the span's blocks: reused, and its slot has a residual from a computed call
     _previous: torch.Tensor | None = None  # fbcache: r at the last computed step; teacache: the last probe
     _accumulated: float = 0.0
     _slots: dict = field(default_factory=dict)  # slot → {"head": first block's image output, "tail": residual}
@@ -144,7 +145,9 @@ class StepCache:
                 self._reuse = self.decide(image_out, image_in, signature.argument(signature.probe, args, kwargs),
                                           call.rows)
             slot = self._slots.setdefault(call.slot, {})
-            if self._reuse:
+            # a slot first seen at a reused step (the xDiT MODEL's calls: an area chunk that joins later) computes
+            self._skip = self._reuse and "tail" in slot
+            if self._skip:
                 return signature.returned({**outs, signature.image: image_out + slot["tail"]})
             slot["head"] = image_out
             return out
@@ -154,7 +157,7 @@ class StepCache:
     def _rest(self, forward, signature: BlockStreams, tail: bool):
         def rest(*args, **kwargs):
             call = self._call
-            if call is not None and self._reuse:  # skipped: the streams go through unchanged
+            if call is not None and self._skip:  # skipped: the streams go through unchanged
                 return signature.returned({name: signature.argument(name, args, kwargs) for name in signature.names})
             out = forward(*args, **kwargs)
             if call is not None and tail:

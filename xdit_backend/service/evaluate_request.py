@@ -21,7 +21,7 @@ from ..models import lora
 from ..models.base import shape_fits, shape_text
 from ..wire import protocol
 from ..wire.content_hash import is_content_hash
-from .request import RequestError, _read, _write
+from .request import RequestError, SampleRequest, _read, _write
 
 CALL_TENSORS = ("x", "timestep", "guidance")
 INPUT_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -39,10 +39,21 @@ class EvaluateRequest:
     weight_dtype: str
     loras: tuple[lora.LoraSpec, ...]
     compile: bool
+    cache: str
+    cache_threshold: float | None
+    cache_start: int
+    cache_end: int
     inputs: dict[str, str]  # request key → content hash
+    generation: str  # the sampling run (its step cache), as the client names it
+    step: int  # the schedule position of the call's noise level
+    steps: int
+    slot: int  # among the calls of its step (0: the one the step cache decides at)
+    cond_start: int  # rows [cond_start, cond_start + cond_rows) of x are the cond side (the step cache decides
+    cond_rows: int  # from them; ComfyUI batches uncond first)
     tensors: dict[str, torch.Tensor]  # x, timestep, guidance, and the inputs sent inline by hash
 
-    cache = "none"  # no step cache: ComfyUI's sampler decides nothing per call with the backend
+    def cache_options(self):
+        return SampleRequest.cache_options(self)
 
     @property
     def x(self) -> torch.Tensor:

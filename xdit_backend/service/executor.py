@@ -28,6 +28,7 @@ from ..parallel.compile import use_compiled
 from ..parallel.denoiser import Denoiser
 from ..parallel.evaluation import Evaluation
 from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
+from ..parallel.step_cache import StepCache
 from ..sampling.generate import generate
 from ..sampling.stop import GenerationStopped
 from .evaluate_request import EvaluateRequest
@@ -52,6 +53,7 @@ class Executor:
         self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
+        self.run_caches: tuple | None = None  # (the sampling run, its step cache): the xDiT MODEL's, across calls
 
         self.computing = None  # the model (or stage) the last request ran on
         # Rank 0's "stop now" for the running request (its job cancelled, or the backend stopping), asked before
@@ -277,7 +279,7 @@ class Executor:
             self.spare_shared_gpu()
 
     def _evaluate(self, request: EvaluateRequest, inputs: dict) -> torch.Tensor:
-        layout = self.meshes.get(request.parallel, False) if self.rt.world_size > 1 else None
+        layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
         model = resolve_model(request.model)
         shard_mesh = layout.shard_mesh if layout else None
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh)
@@ -289,8 +291,23 @@ class Executor:
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh)
         self.computing = entry.model
         self.evaluations[key.name] = self.evaluations.get(key.name, 0) + 1
+        cache = self.run_cache(request, key)
         return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], inputs,
-                                                      request.tensors.get("guidance"))
+                                                      request.tensors.get("guidance"), cache, request.step,
+                                                      request.slot, (request.cond_start, request.cond_rows))
+
+    def run_cache(self, request: EvaluateRequest, key: ModelKey) -> StepCache | None:
+        """The step cache of the sampling run ``request`` belongs to, kept across its calls (the xDiT MODEL): a new
+        one when the run, the model, the layout or the cache's settings change. The same on every rank: they all see every call."""
+        if request.cache == "none":
+            self.last_cache = self.run_caches = None
+            return None
+        options = request.cache_options()
+        identity = (request.generation, key, request.parallel, options, request.steps)
+        if self.run_caches is None or self.run_caches[0] != identity:
+            self.run_caches = (identity, StepCache(options, request.steps, self.computing.spec.cache_plan.teacache))
+        self.last_cache = self.run_caches[1]
+        return self.last_cache
 
     def profiled(self, request: SampleRequest | EvaluateRequest, after_step,
                  stop_requested=None) -> tuple[torch.Tensor, dict]:

@@ -338,6 +338,9 @@ class Leader:
         info = {"world_size": self.rt.world_size, "layout": layout, "rows": request.rows,
                 "loras": self.executor.computing.lora_reports, "evaluations": sum(self.executor.evaluations.values()),
                 "inputs_held": len(self.executor.inputs.tensors), "inputs_evicted": self.executor.inputs.evicted}
+        if request.cache != "none":
+            info["cache"] = self.executor.cache_counts  # the run's so far; the same on every rank
+            info["cache_reused"] = self.executor.last_cache.trace[-1].reused if request.slot == 0 else None
         if outcome.profile is not None:
             info["profile"] = outcome.profile
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
