@@ -108,24 +108,16 @@ class BackendCalls:
     def __call__(self, tensors: dict, inputs: dict, position: dict) -> torch.Tensor:
         import comfy.model_management as mm
 
-        from xdit_backend.client import BackendError, Cancelled
-
-        from .sampler import _readable, _shares_comfyui_gpu, backend_client
+        from .sampler import _shares_comfyui_gpu, backend_client, comfyui_errors
 
         if self.client is None:
             client, running = backend_client(self.parallel)
             if _shares_comfyui_gpu(mm.get_torch_device(), running):
                 mm.soft_empty_cache()
             self.client = client
-        try:
+        with comfyui_errors():
             output, self.last_info = self.client.evaluate({**self.fields, **position}, tensors, inputs,
                                                           should_cancel=mm.processing_interrupted)
-        except Cancelled:
-            if mm.processing_interrupted():
-                raise mm.InterruptProcessingException() from None
-            raise
-        except BackendError as exc:
-            raise RuntimeError(_readable(exc)) from None
         return output
 
 

@@ -7,6 +7,7 @@ ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend ca
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from socket import gethostname
 
@@ -127,7 +128,6 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
     import comfy.model_management as mm
     import comfy.utils
 
-    from xdit_backend.client import BackendError, Cancelled
     from xdit_backend.errors import UserError
     from xdit_backend.models import registry
 
@@ -159,16 +159,28 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         mm.unload_all_models()
         mm.soft_empty_cache()
     progress = comfy.utils.ProgressBar(fields.get("steps", 1))
-    try:
+    with comfyui_errors():
         result, _ = client.sample(request, tensors, on_progress=lambda step, total, _: progress.update_absolute(step, total),
                                   should_cancel=mm.processing_interrupted)
+    return {"samples": translate.to_comfyui(result["samples"], spec)}
+
+
+@contextmanager
+def comfyui_errors():
+    """The backend's errors as ComfyUI shows them: a cancel ComfyUI asked for (its Cancel) as ComfyUI's interrupt,
+    any other as its message and its fix."""
+    import comfy.model_management as mm
+
+    from xdit_backend.client import BackendError, Cancelled
+
+    try:
+        yield
     except Cancelled:
         if mm.processing_interrupted():
             raise mm.InterruptProcessingException() from None
         raise
     except BackendError as exc:
         raise RuntimeError(_readable(exc)) from None
-    return {"samples": translate.to_comfyui(result["samples"], spec)}
 
 
 def backend_client(parallel: ParallelChoice | None):

@@ -194,32 +194,6 @@ def pack(tmp_path_factory):
     return tuple(importlib.import_module(f"comfyui_xdit.nodes.{name}") for name in ("remote_model", "choices"))
 
 
-def test_at_world_1_the_xdit_model_gives_comfyuis_latent(backend1, pack, tmp_path):
-    """KSampler's own code (comfy.sample.sample) on ComfyUI's model of the tiny SD3 file and on the xDiT MODEL
-    whose calls go to a one-rank backend."""
-    import comfy.sample
-    import comfy.sd
-    import torch
-
-    from host.conftest import tiny_sd3_file
-
-    remote_model, choices = pack
-    path = str(tmp_path / "tiny-sd3.safetensors")
-    tiny_sd3_file(path)
-    own = comfy.sd.load_diffusion_model(path)
-    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32")).result[0]
-    xmodel.model.diffusion_model.send.client = backend1  # the session's one-rank backend, not the nodes' own
-    generator = torch.Generator().manual_seed(5)
-    positive, negative = ([[torch.randn(1, 8, 64, generator=generator),
-                            {"pooled_output": torch.randn(1, 32, generator=generator)}]] for _ in range(2))
-    latent = torch.zeros(1, 16, 8, 8)
-    noise = comfy.sample.prepare_noise(latent, 11)
-    own_latent, xdit_latent = (comfy.sample.sample(model, noise, 4, 4.0, "euler", "simple", positive, negative,
-                                                   latent, seed=11) for model in (own, xmodel))
-    assert_same(own_latent, xdit_latent)
-    assert xmodel.model.diffusion_model.send.last_info["layout"].startswith("serial")
-
-
 def test_every_sampler_and_scheduler_comfyui_offers_runs_on_the_xdit_model(host):
     """Every name in KSampler's sampler and scheduler lists (as this ComfyUI offers them: /object_info), each in a
     KSampler of one prompt per model, three steps: the same latents on both models."""
@@ -242,53 +216,6 @@ def test_every_sampler_and_scheduler_comfyui_offers_runs_on_the_xdit_model(host)
               for run, a, b in zip(runs, latents["own"], latents["xmodel"])
               if ((a - b).abs().max() / a.abs().max()).item() > 1e-4]
     assert not differ and len(runs) > 40, differ
-
-
-def comfyuis_flux(path: str, state_dict: dict):
-    """ComfyUI's own Flux model of a tiny BFL-layout file: its detection fixes Flux's width at 3072, so the sizes
-    are set from flux-tiny's config before ComfyUI builds its model, then the file's weights are loaded."""
-    import comfy.model_detection
-    import comfy.model_patcher
-    import torch
-
-    config = comfy.model_detection.model_config_from_unet(state_dict, "")
-    config.unet_config.update(hidden_size=64, num_heads=4, context_in_dim=64, vec_in_dim=32, axes_dim=[4, 6, 6])
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model(state_dict, "")
-    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
-
-
-@pytest.mark.parametrize("layout", [{}, {"ulysses": 2}, {"ring": 2}, {"cfg": 2}],
-                         ids=["world1", "ulysses", "ring", "cfg"])
-def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend, pack, tmp_path, layout):
-    """A tiny Flux file in BFL's layout: ComfyUI's own Flux model of it and the xDiT Model (one or two ranks),
-    KSampler with cfg 3 and FluxGuidance's guidance different on the two sides (each call's rows carry their own)."""
-    import comfy.sample
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from backend.test_model_files import bfl_state_dict
-    from xdit_backend.models import registry
-
-    remote_model, choices = pack
-    path = str(tmp_path / "tiny-flux.safetensors")
-    save_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer), path)
-    own = comfyuis_flux(path, load_file(path))
-    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
-                                                choices.ParallelChoice(layout)).result[0]
-    xmodel.model.diffusion_model.send.client = backend(2 if layout else 1)
-    generator = torch.Generator().manual_seed(8)
-    positive, negative = ([[torch.randn(1, 8, 64, generator=generator),
-                            {"pooled_output": torch.randn(1, 32, generator=generator), "guidance": guidance}]]
-                          for guidance in (2.5, 6.0))
-    latent = torch.zeros(1, 16, 8, 8)
-    noise = comfy.sample.prepare_noise(latent, 4)
-    own_latent, xdit_latent = (comfy.sample.sample(model, noise, 4, 3.0, "euler", "simple", positive, negative,
-                                                   latent, seed=4) for model in (own, xmodel))
-    assert_same(own_latent, xdit_latent)
-    assert xmodel.model.diffusion_model.send.last_info["rows"] == 2
 
 
 def test_comfyuis_progress_and_cancel_work_and_the_backend_counts_the_calls(host):
@@ -320,110 +247,6 @@ def test_comfyuis_progress_and_cancel_work_and_the_backend_counts_the_calls(host
     prompt["ks"]["inputs"]["steps"] = 2
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
-
-
-def test_wan_text_to_video_gives_comfyuis_latent(backend2, pack, tmp_path):
-    """A tiny Wan 2.1 T2V file in the original layout: ComfyUI's own WanModel of it (its detection reads the heads
-    as width / 128 and fixes the text and frequency widths, so those are set from wan-tiny's config) and the xDiT
-    Model under ulysses=2; a 5-D video latent of 5 frames, KSampler with cfg 5 and uni_pc."""
-    import comfy.model_detection
-    import comfy.model_patcher
-    import comfy.sample
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from unit.test_wan_checkpoint import original_state_dict
-    from xdit_backend.models import registry
-
-    remote_model, choices = pack
-    path = str(tmp_path / "tiny-wan.safetensors")
-    save_file(original_state_dict(registry.build("wan-tiny", torch.device("cpu"), torch.float32).transformer), path)
-    state_dict = load_file(path)
-    config = comfy.model_detection.model_config_from_unet(state_dict, "")
-    config.unet_config.update(num_heads=2, text_dim=64, freq_dim=32)
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model(state_dict, "")
-    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    own = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
-    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
-                                                choices.ParallelChoice({"ulysses": 2})).result[0]
-    xmodel.model.diffusion_model.send.client = backend2
-    generator = torch.Generator().manual_seed(9)
-    positive, negative = ([[torch.randn(1, 8, 64, generator=generator), {}]] for _ in range(2))
-    latent = torch.zeros(1, 16, 2, 8, 8)  # 5 frames
-    noise = comfy.sample.prepare_noise(latent, 6)
-    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 4, 5.0, "uni_pc", "simple", positive, negative,
-                                                   latent, seed=6) for m in (own, xmodel))
-    assert_same(own_latent, xdit_latent)
-
-
-def test_qwen_image_gives_comfyuis_latent_with_its_frame_axis(backend2, pack, tmp_path):
-    """A tiny Qwen-Image file in ComfyUI's layout: ComfyUI's own QwenImageTransformer2DModel of it (sizes from
-    qwen-image-tiny's config; its detection reads only the channels and blocks) and the xDiT Model under ring=2.
-    ComfyUI carries Qwen-Image's latent with a frame axis of one, [B, 16, 1, h, w]: the stand-in sends it
-    without and gives it back with."""
-    import comfy.model_detection
-    import comfy.model_patcher
-    import comfy.sample
-    import torch
-    from safetensors.torch import save_file
-
-    from ranks.test_qwen_image import TINY, tiny_file
-
-    remote_model, choices = pack
-    path = str(tmp_path / "tiny-qwen-image.safetensors")
-    state_dict = tiny_file()
-    save_file(state_dict, path)
-    config = comfy.model_detection.model_config_from_unet(state_dict, "")
-    config.unet_config.update({k: TINY[k] for k in ("attention_head_dim", "num_attention_heads",
-                                                    "joint_attention_dim", "axes_dims_rope")})
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model(state_dict, "")
-    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    own = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
-    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"),
-                                                choices.ParallelChoice({"ring": 2})).result[0]
-    xmodel.model.diffusion_model.send.client = backend2
-    generator = torch.Generator().manual_seed(10)
-    positive, negative = ([[torch.randn(1, 8, 64, generator=generator), {}]] for _ in range(2))
-    latent = torch.zeros(1, 16, 1, 8, 12)
-    noise = comfy.sample.prepare_noise(latent, 2)
-    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 4, 2.5, "euler", "simple", positive, negative,
-                                                   latent, seed=2) for m in (own, xmodel))
-    assert xdit_latent.shape == (1, 16, 1, 8, 12)
-    assert_same(own_latent, xdit_latent)
-
-
-def test_a_gguf_file_which_comfyuis_core_cannot_read_runs_on_the_xdit_model(backend2, pack, tmp_path):
-    """A Q8_0 GGUF of the tiny Flux (city96's layout): ComfyUI's detection reads its keys and shapes from the GGUF
-    header, the backend keeps its blocks quantized; ComfyUI's own Flux model given the same values dequantised
-    (what ComfyUI-GGUF would compute) gives the same latent."""
-    import comfy.sample
-    import torch
-    from gguf import GGMLQuantizationType
-
-    from backend.test_model_files import bfl_state_dict
-    from ranks.test_gguf import gguf_file
-    from xdit_backend.models import registry
-
-    remote_model, choices = pack
-    path = tmp_path / "tiny-flux-Q8_0.gguf"
-    dequantised = gguf_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer),
-                            path, GGMLQuantizationType.Q8_0)
-    own = comfyuis_flux(str(path), {k: v.float() for k, v in dequantised.items()})
-    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(str(path), "float32"),
-                                                choices.ParallelChoice({"ulysses": 2})).result[0]
-    xmodel.model.diffusion_model.send.client = backend2
-    generator = torch.Generator().manual_seed(12)
-    pooled = torch.randn(1, 32, generator=generator)
-    positive = [[torch.randn(1, 8, 64, generator=generator), {"pooled_output": pooled}]]
-    latent = torch.zeros(1, 16, 8, 8)
-    noise = comfy.sample.prepare_noise(latent, 5)
-    own_latent, xdit_latent = (comfy.sample.sample(m, noise, 3, 1.0, "euler", "simple", positive, [], latent,
-                                                   seed=5) for m in (own, xmodel))
-    assert_same(own_latent, xdit_latent)
 
 
 def model_node(class_type: str, **inputs) -> dict:
@@ -499,3 +322,154 @@ def test_the_step_cache_node_on_the_xdit_model_gives_the_xdit_samplers_cached_la
     cached = host.latest_latent("cached-ks")
     assert_same(cached, host.latest_latent("cached-xs"))
     assert (cached - host.latest_latent("cached-plain")).abs().max() > 1e-4  # some steps were reused
+
+
+# ----------------------------------------------------------------------------------------------- in process
+# ComfyUI's own model of a tiny file (comfy.sample.sample: KSampler's code) against the xDiT Model of the same file
+# whose calls go to the session's one- or two-rank backend.
+
+
+def comfyuis_model(state_dict: dict, **sizes):
+    """ComfyUI's own model of a tiny file as its detection reads it, with the sizes that detection fixes at the
+    full model's (Flux's width 3072, Wan's heads = width / 128, …) set from the tiny config, every weight loaded."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import torch
+
+    config = comfy.model_detection.model_config_from_unet(state_dict, "")
+    config.unet_config.update(sizes)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(state_dict, "")
+    missing, unexpected = model.diffusion_model.load_state_dict(state_dict, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
+
+
+FLUX_TINY_SIZES = dict(hidden_size=64, num_heads=4, context_in_dim=64, vec_in_dim=32, axes_dim=[4, 6, 6])
+
+
+def xdit_model(pack, path: str, client, layout: dict | None = None):
+    """The xDiT Model of ``path`` (float32) whose calls go to ``client``'s backend, not the nodes' own."""
+    remote_model, choices = pack
+    parallel = choices.ParallelChoice(layout) if layout else None
+    xmodel = remote_model.XDiTModelNode.execute(choices.ModelChoice(path, "float32"), parallel).result[0]
+    xmodel.model.diffusion_model.send.client = client
+    return xmodel
+
+
+def sample_both(own, xmodel, latent, seed: int, steps: int, cfg: float, sampler: str, positive, negative):
+    """KSampler's sampling (comfy.sample.sample, the simple scheduler) on both models: the same latent."""
+    import comfy.sample
+
+    noise = comfy.sample.prepare_noise(latent, seed)
+    own_latent, xdit_latent = (comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", positive, negative,
+                                                   latent, seed=seed) for model in (own, xmodel))
+    assert_same(own_latent, xdit_latent)
+    return xdit_latent
+
+
+def prompts(seed: int, context_dim: int = 64, pooled: int | None = 32, **options):
+    """Two stand-in prompts (positive, negative); ``options`` per side as (positive's, negative's) values."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    sides = []
+    for side in range(2):
+        extra = {"pooled_output": torch.randn(1, pooled, generator=generator)} if pooled else {}
+        sides.append([[torch.randn(1, 8, context_dim, generator=generator),
+                       {**extra, **{k: v[side] for k, v in options.items()}}]])
+    return sides
+
+
+def tiny_flux_file(path: str) -> dict:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_model_files import bfl_state_dict
+    from xdit_backend.models import registry
+
+    save_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    return load_file(path)
+
+
+def test_at_world_1_the_xdit_model_gives_comfyuis_latent(backend1, pack, tmp_path):
+    """The tiny SD3 file through ComfyUI's own loader (comfy.sd, as UNETLoader) and the xDiT Model on one rank."""
+    import comfy.sd
+    import torch
+
+    from host.conftest import tiny_sd3_file
+
+    path = str(tmp_path / "tiny-sd3.safetensors")
+    tiny_sd3_file(path)
+    xmodel = xdit_model(pack, path, backend1)
+    sample_both(comfy.sd.load_diffusion_model(path), xmodel, torch.zeros(1, 16, 8, 8), 11, 4, 4.0, "euler",
+                *prompts(5))
+    assert xmodel.model.diffusion_model.send.last_info["layout"].startswith("serial")
+
+
+@pytest.mark.parametrize("layout", [{}, {"ulysses": 2}, {"ring": 2}, {"cfg": 2}],
+                         ids=["world1", "ulysses", "ring", "cfg"])
+def test_flux_with_fluxguidance_per_side_gives_comfyuis_latent(backend, pack, tmp_path, layout):
+    """A tiny Flux file in BFL's layout, KSampler with cfg 3 and FluxGuidance's guidance different on the two
+    sides (each call's rows carry their own)."""
+    import torch
+
+    path = str(tmp_path / "tiny-flux.safetensors")
+    own = comfyuis_model(tiny_flux_file(path), **FLUX_TINY_SIZES)
+    xmodel = xdit_model(pack, path, backend(2 if layout else 1), layout)
+    sample_both(own, xmodel, torch.zeros(1, 16, 8, 8), 4, 4, 3.0, "euler", *prompts(8, guidance=(2.5, 6.0)))
+    assert xmodel.model.diffusion_model.send.last_info["rows"] == 2
+
+
+def test_wan_text_to_video_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """A tiny Wan 2.1 T2V file in the original layout under ulysses=2: a 5-D video latent of 5 frames, cfg 5,
+    uni_pc."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-wan.safetensors")
+    save_file(original_state_dict(registry.build("wan-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    own = comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+    sample_both(own, xdit_model(pack, path, backend2, {"ulysses": 2}), torch.zeros(1, 16, 2, 8, 8), 6, 4, 5.0,
+                "uni_pc", *prompts(9, pooled=None))
+
+
+def test_qwen_image_gives_comfyuis_latent_with_its_frame_axis(backend2, pack, tmp_path):
+    """A tiny Qwen-Image file in ComfyUI's layout under ring=2. ComfyUI carries Qwen-Image's latent with a frame
+    axis of one, [B, 16, 1, h, w]: the stand-in sends it without and gives it back with."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ranks.test_qwen_image import TINY, tiny_file
+
+    path = str(tmp_path / "tiny-qwen-image.safetensors")
+    state_dict = tiny_file()
+    save_file(state_dict, path)
+    own = comfyuis_model(state_dict, **{k: TINY[k] for k in ("attention_head_dim", "num_attention_heads",
+                                                             "joint_attention_dim", "axes_dims_rope")})
+    latent = sample_both(own, xdit_model(pack, path, backend2, {"ring": 2}), torch.zeros(1, 16, 1, 8, 12), 2, 4,
+                         2.5, "euler", *prompts(10, pooled=None))
+    assert latent.shape == (1, 16, 1, 8, 12)
+
+
+def test_a_gguf_file_which_comfyuis_core_cannot_read_runs_on_the_xdit_model(backend2, pack, tmp_path):
+    """A Q8_0 GGUF of the tiny Flux (city96's layout): ComfyUI's detection reads its keys and shapes from the GGUF
+    header, the backend keeps its blocks quantized; ComfyUI's own Flux model given the same values dequantised
+    (what ComfyUI-GGUF would compute) gives the same latent."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from backend.test_model_files import bfl_state_dict
+    from ranks.test_gguf import gguf_file
+    from xdit_backend.models import registry
+
+    path = tmp_path / "tiny-flux-Q8_0.gguf"
+    dequantised = gguf_file(bfl_state_dict(registry.build("flux-tiny", torch.device("cpu"), torch.float32).transformer),
+                            path, GGMLQuantizationType.Q8_0)
+    own = comfyuis_model({k: v.float() for k, v in dequantised.items()}, **FLUX_TINY_SIZES)
+    positive, _ = prompts(12)
+    sample_both(own, xdit_model(pack, str(path), backend2, {"ulysses": 2}), torch.zeros(1, 16, 8, 8), 5, 3, 1.0,
+                "euler", positive, [])

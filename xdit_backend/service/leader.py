@@ -245,17 +245,7 @@ class Leader:
 
         outcome = run_request(self.rt, self.gate, self.executor, request, after_step, lambda: job.cancelled)
         self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
-        if outcome.failures is not None:
-            self.report_failure(job, outcome.failures)
-            return
-        if outcome.stopped:
-            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
-            return
-        broken = non_finite(outcome.latent)
-        if broken:
-            job.fail("model_error", f"the result holds {broken}; nothing is returned",
-                     "a weight, a LoRA or an input (latent, reference, conditioning) holds NaN or infinite values, or "
-                     "the computation overflowed: check the files, or try another dtype (bfloat16, float32)")
+        if self.failed(job, outcome, "the result", "latent, reference, conditioning"):
             return
         info = {"world_size": self.rt.world_size, "layout": layout, "loras": self.executor.computing.lora_reports,
                 "order": {"arrival": job.arrival, "execution": job.execution}}
@@ -323,17 +313,7 @@ class Leader:
         self.evaluations = dict(self.executor.evaluations)  # a new dict: the server's thread reads the old one whole
         if outcome.failures is not None or self.executor.loaded() != loaded:
             self.refresh_memory()  # a model loaded or evicted (not at every call: a gather on every rank)
-        if outcome.failures is not None:
-            self.report_failure(job, outcome.failures)
-            return
-        if outcome.stopped:
-            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason})")
-            return
-        broken = non_finite(outcome.latent)
-        if broken:
-            job.fail("model_error", f"the model's output holds {broken}; nothing is returned",
-                     "a weight, a LoRA or an input (x, conditioning) holds NaN or infinite values, or the computation "
-                     "overflowed: check the files, or try another dtype (bfloat16, float32)")
+        if self.failed(job, outcome, "the model's output", "x, conditioning"):
             return
         info = {"world_size": self.rt.world_size, "layout": layout, "rows": request.rows,
                 "loras": self.executor.computing.lora_reports, "evaluations": sum(self.executor.evaluations.values()),
@@ -345,6 +325,23 @@ class Leader:
             info["profile"] = outcome.profile
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
                           {"output": outcome.latent}))
+
+    def failed(self, job: Job, outcome, what: str, inputs: str) -> bool:
+        """Answer a request that did not end with a finite result (a rank failed, it was cancelled, or ``what`` holds
+        NaN or infinite values), and say so; False: the result is to be sent."""
+        if outcome.failures is not None:
+            self.report_failure(job, outcome.failures)
+            return True
+        if outcome.stopped:
+            job.fail("cancelled", f"request {job.id} was cancelled ({job.cancel_reason}); its partial result was dropped")
+            return True
+        broken = non_finite(outcome.latent)
+        if broken:
+            job.fail("model_error", f"{what} holds {broken}; nothing is returned",
+                     f"a weight, a LoRA or an input ({inputs}) holds NaN or infinite values, or the computation "
+                     "overflowed: check the files, or try another dtype (bfloat16, float32)")
+            return True
+        return False
 
     def report_failure(self, job: Job, failures: list) -> None:
         """Name the rank whose own work failed (not one that only timed out waiting for it), and its kind:
