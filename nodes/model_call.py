@@ -77,9 +77,11 @@ def check_transformer_options(options: dict) -> None:
 
 
 def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, control,
-                 transformer_options: dict, extra: dict) -> tuple[dict, dict]:
+                 transformer_options: dict, extra: dict, latent_out: Callable | None = None) -> tuple[dict, dict]:
     """ComfyUI's diffusion-model inputs → (the call's tensors x, timestep, guidance; the conditioning by request
-    key), on the CPU in float32; refused by name where the backend cannot run them."""
+    key), on the CPU in float32; refused by name where the backend cannot run them. ``latent_out``: ComfyUI's model's
+    ``process_latent_out``, which takes reference latents back to the raw latent space the backend takes them in
+    (ComfyUI's extra_conds moved them into the model's)."""
     if spec.comfy_model_inputs is None:
         raise ModelCallError(f"the xDiT MODEL does not run {spec.family} models yet",
                              "use the xDiT Sampler for this model (the whole sampling loop on the backend)")
@@ -107,6 +109,12 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
         if value is None:
             continue
         key = spec.comfy_model_inputs.get(name)
+        if name == "ref_latents_method" and key is not None:
+            if value != key:
+                raise ModelCallError(f"the model call asks for the reference latents method {value!r}; a {spec.family} "
+                                     f"model on the backend places its references by {key!r}",
+                                     "take the node that sets the method out, or use ComfyUI's own model loader")
+            continue
         if key is None:
             what = INSIDE_THE_MODEL.get(name, f"the input {name!r}")
             raise ModelCallError(f"the model call carries {what}, which the xDiT MODEL does not run for {spec.family} "
@@ -114,9 +122,27 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
                                  "ComfyUI's own model loader for this workflow")
         if key == "guidance":
             tensors["guidance"] = host(value).reshape(-1).expand(rows).contiguous()  # [N]
+        elif key == "references":
+            inputs.update(references(value, spec, latent_out))
         else:
             inputs[key] = host(value)
     return tensors, inputs
+
+
+def references(latents: list, spec, latent_out: Callable | None) -> dict[str, torch.Tensor]:
+    """ComfyUI's ``ref_latents`` (model space, [N, C, (1,) h, w] each) → ``reference_<i>`` [N, C, h', w'] in raw
+    latent space, padded circularly to the patch as ComfyUI's model pads them."""
+    if latent_out is None:
+        raise ModelCallError("the model call carries reference latents, and the stand-in has no latent format to "
+                             "read them with", "build the MODEL with the xDiT Model node")
+    out = {}
+    for i, latent in enumerate(latents):
+        raw = latent_out(latent.detach().to("cpu", torch.float32))
+        if raw.dim() == 5 and raw.shape[2] == 1:
+            raw = raw[:, :, 0]  # a video latent format's one frame
+        pad = (0, -raw.shape[-1] % spec.patch[2], 0, -raw.shape[-2] % spec.patch[1])  # (left, right, top, bottom)
+        out[f"reference_{i}"] = torch.nn.functional.pad(raw, pad, mode="circular").contiguous()
+    return out
 
 
 def one_frame(spec, x: torch.Tensor) -> bool:
@@ -171,9 +197,11 @@ class RemoteDiffusionModel(torch.nn.Module):
         self.send = send
         self.dtype = torch.float32
         self.position = RunPosition() if step_cache else None
+        self.latent_out = None  # ComfyUI's model's process_latent_out (remote_model.comfy_model sets it)
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
-        tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra)
+        tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra,
+                                       self.latent_out)
         fields = {} if self.position is None else self.position.fields(transformer_options or {}, x.shape[0])
         out = self.send(tensors, inputs, fields)
         return (out[:, :, None] if one_frame(self.spec, x) else out).to(x.device)

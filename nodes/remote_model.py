@@ -68,6 +68,7 @@ def comfy_model(path: str, diffusion_model: torch.nn.Module):
         if f"{name}.weight" in state_dict:
             setattr(diffusion_model, name, SimpleNamespace(weight=state_dict[f"{name}.weight"]))  # a meta tensor
     model.diffusion_model = diffusion_model
+    diffusion_model.latent_out = model.process_latent_out  # reference latents back to raw latent space
     model.memory_usage_factor = 0.0  # the activations live on the backend's GPUs, not in ComfyUI's process
     return remote_patcher(comfy.model_patcher.ModelPatcher)(model, load_device=mm.get_torch_device(),
                                                            offload_device=mm.unet_offload_device())

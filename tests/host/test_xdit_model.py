@@ -473,3 +473,26 @@ def test_a_gguf_file_which_comfyuis_core_cannot_read_runs_on_the_xdit_model(back
     positive, _ = prompts(12)
     sample_both(own, xdit_model(pack, str(path), backend2, {"ulysses": 2}), torch.zeros(1, 16, 8, 8), 5, 3, 1.0,
                 "euler", positive, [])
+
+
+def test_qwen_image_edit_reference_latents_give_comfyuis_latent(backend2, pack, tmp_path):
+    """ReferenceLatent on the positive side only (an odd-sized reference: padded to the patch): ComfyUI's
+    extra_conds moves it into the model's latent space, the stand-in sends it back in raw latent space, named by
+    its hash (once), and the backend's Qwen-Image places it as ComfyUI's model does (the "index" method); the
+    uncond side has none, so ComfyUI runs the two sides as separate calls. Under ulysses=2."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ranks.test_qwen_image import TINY, tiny_file
+
+    path = str(tmp_path / "tiny-qwen-image-edit.safetensors")
+    state_dict = tiny_file()
+    save_file(state_dict, path)
+    own = comfyuis_model(state_dict, **{k: TINY[k] for k in ("attention_head_dim", "num_attention_heads",
+                                                             "joint_attention_dim", "axes_dims_rope")})
+    reference = torch.randn(1, 16, 1, 5, 7, generator=torch.Generator().manual_seed(14))
+    positive, negative = prompts(15, pooled=None)
+    positive[0][1]["reference_latents"] = [reference]
+    xmodel = xdit_model(pack, path, backend2, {"ulysses": 2})
+    sample_both(own, xmodel, torch.zeros(1, 16, 1, 8, 8), 3, 3, 3.0, "euler", positive, negative)
+    assert xmodel.model.diffusion_model.send.last_info["inputs_held"] >= 3  # context ×2 and the reference, kept

@@ -96,3 +96,17 @@ def test_the_run_position_numbers_steps_slots_and_runs_as_the_backends_step_cach
     assert other["generation"] != again["generation"] and other["steps"] == 2
     with pytest.raises(model_call.ModelCallError, match="sample_sigmas"):
         position.fields({"sigmas": torch.tensor([1.0])}, 1)
+
+
+def test_reference_latents_go_back_to_raw_latent_space_padded_and_another_method_is_refused():
+    qwen = registry.spec("qwen-image-tiny")
+    x = torch.randn(1, 16, 8, 8)
+    reference = torch.randn(1, 16, 1, 5, 7)
+    _, inputs = model_call.call_tensors(qwen, x, torch.tensor([0.5]), torch.randn(1, 8, 64), None, PLAIN,
+                                        {"ref_latents": [reference], "ref_latents_method": "index"},
+                                        latent_out=lambda latent: latent * 2)
+    assert inputs["reference_0"].shape == (1, 16, 6, 8)  # the frame axis dropped, padded to the 2×2 patch
+    assert torch.equal(inputs["reference_0"][:, :, :5, :7], reference[:, :, 0] * 2)
+    with pytest.raises(model_call.ModelCallError, match="reference latents method 'offset'"):
+        model_call.call_tensors(qwen, x, torch.tensor([0.5]), torch.randn(1, 8, 64), None, PLAIN,
+                                {"ref_latents": [reference], "ref_latents_method": "offset"}, latent_out=lambda t: t)

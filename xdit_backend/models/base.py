@@ -50,7 +50,9 @@ class FamilySpec(ABC):
     comfy_model_inputs: the keyword inputs ComfyUI's own diffusion model of this family takes besides x,
                       the timestep and the context (comfy/model_base.py ``_apply_model``'s ``extra_conds``) →
                       the request key each becomes ({"y": "pooled"}; "guidance": Flux's embedded guidance, per
-                      row). None: the xDiT MODEL (nodes/model_call.py) does not run this family yet.
+                      row; "references": ComfyUI's ``ref_latents``, sent as ``reference_<i>`` in raw latent space;
+                      for ``ref_latents_method``, the one method the family's wrapper takes). None: the xDiT MODEL
+                      (nodes/model_call.py) does not run this family yet.
     takes_references: reference latents (ComfyUI's ``reference_latents``: image editing) come as
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies

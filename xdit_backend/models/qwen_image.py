@@ -86,8 +86,8 @@ class QwenImageSpec(FamilySpec):
 
     family = "qwen_image"
     # comfy/ldm/qwen_image/model.py QwenImageTransformer2DModel.forward(x, timestep, context, attention_mask,
-    # guidance, ref_latents, …): text to image (reference latents: the xDiT Sampler)
-    comfy_model_inputs = {}
+    # guidance, ref_latents, …): text to image, and the edit models' reference latents (its "index" method)
+    comfy_model_inputs = {"ref_latents": "references", "ref_latents_method": "index"}
     latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
     takes_references = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})

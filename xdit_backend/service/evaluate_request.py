@@ -21,7 +21,7 @@ from ..models import lora
 from ..models.base import shape_fits, shape_text
 from ..wire import protocol
 from ..wire.content_hash import is_content_hash
-from .request import RequestError, SampleRequest, _read, _write
+from .request import REFERENCE, RequestError, SampleRequest, _read, _write
 
 CALL_TENSORS = ("x", "timestep", "guidance")
 INPUT_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -122,6 +122,9 @@ class EvaluateRequest:
         context = inputs["context"]
         shapes = spec.conditioning_shapes(self.rows, context.shape[1] if context.dim() == 3 else -1)
         for key, tensor in inputs.items():
+            if REFERENCE.fullmatch(key) and spec.takes_references:
+                self._check_reference(spec, key, tensor)
+                continue
             if key not in shapes:
                 raise RequestError(f"input {key!r}: a {spec.family} model takes no {key!r}",
                                    f"send {', '.join(shapes)}")
@@ -134,12 +137,26 @@ class EvaluateRequest:
             raise RequestError(f"the inputs have no {', '.join(map(repr, absent))}, which a {spec.family} model needs",
                                "encode the prompt with the text encoders that belong to this model")
 
-    def tokens(self, spec) -> int:
-        """Image tokens of x (padded to the patch, as ComfyUI's models pad it)."""
+    def _check_reference(self, spec, key: str, tensor: torch.Tensor) -> None:
+        """A reference latent [N, C, h, w] in raw latent space, h and w multiples of the patch, at most the largest
+        image a request may ask for."""
+        rows, columns, largest = spec.patch[1], spec.patch[2], schema.MAX_SIDE // spec.vae_factor
+        shape = tuple(tensor.shape)
+        if (len(shape) != 4 or shape[:2] != (self.rows, spec.latent_format.channels) or not shape[2] or not shape[3]
+                or shape[2] % rows or shape[3] % columns or max(shape[2:]) > largest):
+            raise RequestError(f"input {key} has shape {list(shape)}; a {spec.family} reference latent is "
+                               f"[{self.rows}, {spec.latent_format.channels}, h, w], h a multiple of {rows} and w of "
+                               f"{columns}, at most {largest} a side", "encode the reference with this model's VAE")
+
+    def tokens(self, spec, inputs: dict | None = None) -> int:
+        """Image tokens of x (padded to the patch, as ComfyUI's models pad it), and of the reference latents among
+        ``inputs`` (they join the image's sequence)."""
         frames, rows, columns = spec.patch
         x = self.x
         time = -(-x.shape[2] // frames) if x.dim() == 5 else 1
-        return time * -(-x.shape[-2] // rows) * -(-x.shape[-1] // columns)
+        references = sum(t.shape[-2] // rows * (t.shape[-1] // columns) for key, t in (inputs or {}).items()
+                         if REFERENCE.fullmatch(key))
+        return time * -(-x.shape[-2] // rows) * -(-x.shape[-1] // columns) + references
 
 
 def _inputs(value) -> dict[str, str]:

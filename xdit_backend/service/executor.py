@@ -286,7 +286,7 @@ class Executor:
         config = request.parallel
         text = inputs["context"].shape[1] if model.spec.sequence_plan.cuts_text else 0
         sequence, groups = (config.sequence, config.cfg * config.dp) if config else (1, 1)
-        self.make_room(model, key, config, -(-(request.tokens(model.spec) + text) // sequence),
+        self.make_room(model, key, config, -(-(request.tokens(model.spec, inputs) + text) // sequence),
                        -(-request.rows // groups))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh)
         self.computing = entry.model
