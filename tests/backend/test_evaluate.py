@@ -151,3 +151,64 @@ def test_the_step_cache_across_calls_decides_as_the_xdit_samplers_and_gives_its_
     latent, infos = euler_through_calls(client, {**FIELDS, "parallel": parallel}, conditioning, 8, 2.5, 4, cache)
     assert infos[-1]["cache"] == info["cache"] and info["cache"]["reused"] > 0, ([i["cache"] for i in infos], info)
     assert (latent - result["samples"]).abs().max() <= 1e-5
+
+
+def test_careless_and_hostile_calls_are_refused_by_name_and_the_backend_serves_on(backend1):
+    tensors, inputs = call(rows=1)
+    names = {key: content_hash(t) for key, t in inputs.items()}
+    inline = {names[key]: t for key, t in inputs.items()}
+    good = {**FIELDS, "inputs": names}
+    cases = [  # (fields, tensors, what the message says)
+        (good, {"timestep": tensors["timestep"], **inline}, "carries the tensors x and timestep"),
+        (good, {**tensors, "x": torch.randn(1, 15, 8, 8), **inline}, "with C = 16"),
+        (good, {**tensors, "x": torch.randn(1, 16, 8), **inline}, "[N, C, h, w]"),
+        (good, {**tensors, "timestep": torch.tensor([float("nan")]), **inline}, "NaN or infinite"),
+        (good, {**tensors, "timestep": torch.rand(2), **inline}, "one per row of x"),
+        (good, {**tensors, "stray": torch.zeros(1), **inline}, "unknown tensors"),
+        ({**good, "inputs": {"context": "not-a-hash"}}, tensors, "is not a content hash"),
+        ({**good, "inputs": {**names, "mask": names["context"]}}, {**tensors, **inline}, "takes no 'mask'"),
+        ({**good, "inputs": {"pooled": names["pooled"]}}, {**tensors, names["pooled"]: inputs["pooled"]},
+         "have no 'context'"),
+        ({**good, "inputs": {"context": content_hash(torch.randn(2, 8, 64)), "pooled": names["pooled"]}},
+         {**tensors, content_hash(torch.randn(2, 8, 64)): torch.randn(2, 8, 64), **inline}, "not among"),
+        ({**good, "step": -1}, {**tensors, **inline}, "out of range"),
+        ({**good, "cache": "nonsense"}, {**tensors, **inline}, "is not supported"),
+    ]
+    for fields, sent, says in cases:
+        with pytest.raises(BackendError) as refused:
+            backend1._request("evaluate", fields, sent, None, None, None)
+        assert refused.value.kind == "bad_request" and says in refused.value.message, (says, refused.value.message)
+    out, _ = backend1.evaluate(FIELDS, tensors, inputs)
+    assert out.shape == tensors["x"].shape
+
+
+def test_every_call_is_sized_before_anything_is_allocated(monkeypatch):
+    """Issue 25's rule on the xDiT Model's calls: with the model loaded, a call of many large rows is refused by the
+    fit check (out of memory, its bytes named) where a small one under the same budget runs; nothing is computed
+    for the refused one."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from xdit_backend.memory import fit as memory_fit
+    from xdit_backend.service.evaluate_request import EvaluateRequest
+    from xdit_backend.service.executor import Executor
+    from xdit_backend.wire.protocol import Message
+
+    executor = Executor(SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1, local_world_size=1,
+                                        control=None, timeout=timedelta(seconds=60), local_rank=0))
+
+    def request(rows: int, side: int) -> EvaluateRequest:
+        tensors, inputs = call(rows=rows, h=side, w=side)
+        names = {key: content_hash(t) for key, t in inputs.items()}
+        return EvaluateRequest.parse(Message("evaluate", {**FIELDS, "inputs": names},
+                                             {**tensors, **{names[k]: t for k, t in inputs.items()}}))
+
+    small = request(1, 8)
+    model = resolve_model("flux-tiny")
+    estimate = memory_fit.needed(model, torch.float32, "default", 1, None, 16 + 8, 1)
+    monkeypatch.setenv(memory_fit.TEST_BUDGET_ENV, str(int(estimate.total * 1.5)))
+    assert executor.evaluate(small).shape == small.x.shape
+    calls = executor.evaluations["flux-tiny"]
+    with pytest.raises(memory_fit.NotEnoughMemory) as refused:
+        executor.evaluate(request(64, 256))
+    assert "flux-tiny" in refused.value.message and executor.evaluations["flux-tiny"] == calls
