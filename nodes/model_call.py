@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from xdit_backend.errors import UserError
+from xdit_backend.models.patch_embed import pad_to_patch
 
 # transformer_options ComfyUI's sampler sets on every call, which change nothing inside the model
 # (comfy/samplers.py calc_cond_batch, CFGGuider.sample: which rows are cond/uncond, the schedule)
@@ -140,8 +141,7 @@ def references(latents: list, spec, latent_out: Callable | None) -> dict[str, to
         raw = latent_out(latent.detach().to("cpu", torch.float32))
         if raw.dim() == 5 and raw.shape[2] == 1:
             raw = raw[:, :, 0]  # a video latent format's one frame
-        pad = (0, -raw.shape[-1] % spec.patch[2], 0, -raw.shape[-2] % spec.patch[1])  # (left, right, top, bottom)
-        out[f"reference_{i}"] = torch.nn.functional.pad(raw, pad, mode="circular").contiguous()
+        out[f"reference_{i}"] = pad_to_patch(raw, spec.patch).contiguous()
     return out
 
 

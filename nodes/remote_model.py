@@ -98,10 +98,10 @@ class BackendCalls:
 
     def __init__(self, choice: ModelChoice, parallel: ParallelChoice | None):
         self.choice, self.parallel = choice, parallel
-        fields = choice.request_fields()
-        self.fields = {name: fields[name] for name in ("model", "dtype", "weight_dtype", "loras", "compile", "cache",
-                                                       "cache_threshold", "cache_start", "cache_end")
-                       if name in fields}
+        from xdit_backend import schema
+
+        fields = choice.request_fields()  # the choice's sample fields; an evaluate takes those schema.EVALUATE shares
+        self.fields = {name: value for name, value in fields.items() if name in schema.EVALUATE_SHARED}
         self.fields["parallel"] = (parallel or ParallelChoice()).request_value()
         self.client = None
         self.last_info: dict = {}

@@ -17,6 +17,7 @@ import torch
 
 from xdit_backend.errors import UserError
 from xdit_backend.models.base import shape_fits, shape_text
+from xdit_backend.models.patch_embed import pad_to_patch
 from xdit_backend.schema import MAX_REFERENCES
 
 # Options a conditioning entry may carry that the backend honours (or that are inert).
@@ -111,7 +112,7 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
         raise TranslationError(f"the {which} conditioning carries {len(latents)} reference latents; the xDiT sampler "
                                f"takes at most {MAX_REFERENCES}",
                                f"chain at most {MAX_REFERENCES} ReferenceLatent nodes")
-    channels, rows, columns = spec.latent_format.channels, spec.patch[1], spec.patch[2]
+    channels = spec.latent_format.channels
     out = {}
     for i, latent in enumerate(latents):
         if latent.dim() == 5 and latent.shape[2] == 1:
@@ -121,8 +122,7 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
                                    f"a {spec.family} model takes image latents [B, {channels}, h, w]",
                                    "encode the reference image with this model's VAE (VAE Encode, "
                                    "TextEncodeQwenImageEdit's vae input)")
-        pad = (0, -latent.shape[3] % columns, 0, -latent.shape[2] % rows)  # (left, right, top, bottom)
-        latent = torch.nn.functional.pad(latent.detach().to("cpu", torch.float32), pad, mode="circular")
+        latent = pad_to_patch(latent.detach().to("cpu", torch.float32), spec.patch)
         out[f"reference_{i}"] = _to_batch(latent, batch, f"reference latent {i}", which)
     return out
 

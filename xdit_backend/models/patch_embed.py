@@ -16,6 +16,16 @@ from __future__ import annotations
 import torch
 
 
+def pad_to_patch(latent: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[B, C, (T,) h, w] padded circularly at the end of each patched axis to a multiple of the family's patch
+    (frames, rows, columns), as comfy/ldm/common_dit.py pad_to_patch_size pads a latent before patchifying."""
+    sizes = patch if latent.dim() == 5 else patch[1:]
+    pad = ()
+    for axis, size in enumerate(sizes):
+        pad = (0, -latent.shape[axis + 2] % size) + pad  # F.pad lists the last axis first
+    return latent if not any(pad) else torch.nn.functional.pad(latent, pad, mode="circular")
+
+
 def pack(latent: torch.Tensor) -> torch.Tensor:
     """[B, C, h, w] → [B, (h/2)·(w/2), C·4]: 2×2 patches as tokens, channel-major within a patch."""
     b, c, h, w = latent.shape

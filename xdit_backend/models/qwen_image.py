@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-from .patch_embed import pack, unpack
+from .patch_embed import pack, pad_to_patch, unpack
 
 QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
 ROPE_THETA = 10000  # comfy/ldm/qwen_image/model.py's EmbedND, diffusers' QwenEmbedRope
@@ -167,14 +167,6 @@ def squeeze_frames(latent: torch.Tensor, what: str) -> torch.Tensor:
     return latent
 
 
-def pad_to_patches(latent: torch.Tensor) -> torch.Tensor:
-    """An odd side padded to the 2×2 patch circularly, as comfy/ldm/common_dit.pad_to_patch_size does."""
-    h, w = latent.shape[-2:]
-    if h % 2 or w % 2:
-        latent = torch.nn.functional.pad(latent, (0, w % 2, 0, h % 2), mode="circular")
-    return latent
-
-
 @contextmanager
 def rope_and_time(transformer, tables: tuple[torch.Tensor, torch.Tensor], timestep: torch.Tensor):
     """For one forward of diffusers' Qwen-Image: ``pos_embed`` returns ``tables`` (image, text RoPE in
@@ -210,7 +202,7 @@ class QwenImageModel(DiffusionModel):
         tokens, positions = [pack(x)], [image_positions(h, w, 0)]  # [B, N, 64], [N, 3]
         for index, reference in enumerate(references(cond), start=1):
             latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
-            latent = pad_to_patches(self.latent_format.process_in(latent.float()).to(self.dtype))
+            latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
             if b % latent.shape[0]:
                 raise UserError(f"reference latent {index - 1} has batch {latent.shape[0]}, the latent {b}",
                                 "give one reference image, or one per latent in the batch")

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
+from ..models.patch_embed import pad_to_patch
 from . import attention, sequence
 
 
@@ -24,15 +25,6 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """[N, ...] → [rows, ...], the last row repeated (rows ≥ N)."""
     extra = rows - tensor.shape[0]
     return tensor if extra == 0 else torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
-
-
-def pad_to_patch(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """x [N, C, (T,) h, w] padded circularly at the end of each patched axis to a multiple of the patch."""
-    sizes = patch if x.dim() == 5 else patch[1:]
-    pad = ()
-    for axis, size in enumerate(sizes):
-        pad = (0, -x.shape[axis + 2] % size) + pad  # F.pad lists the last axis first
-    return x if not any(pad) else torch.nn.functional.pad(x, pad, mode="circular")
 
 
 class Evaluation:

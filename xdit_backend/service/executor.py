@@ -217,8 +217,15 @@ class Executor:
         """Run a validated request (its layout and conditioning resolved by rank 0) on this rank. An
         out-of-memory is reported with this rank's bytes and the fixes (the failed request's memory is
         released by agreement.agree_on_failure)."""
-        try:
+        with self.out_of_memory_reported():
             return self._generate(request, after_step)
+
+    @contextmanager
+    def out_of_memory_reported(self):
+        """A request's work on this rank: an out-of-memory inside it raised as this rank's readable refusal (its
+        bytes and the fixes); afterwards the cached blocks of ComfyUI's GPU handed back (``spare_shared_gpu``)."""
+        try:
+            yield
         except Exception as exc:
             if not memory_fit.is_out_of_memory(exc):
                 raise
@@ -268,15 +275,8 @@ class Executor:
         output of every row, on the CPU. The inputs are taken first, before anything that could fail on one
         rank only, so every rank's store changes alike (input_store.py)."""
         inputs = self.inputs.take(request.inputs, request.inline)
-        try:
+        with self.out_of_memory_reported():
             return self._evaluate(request, inputs)
-        except Exception as exc:
-            if not memory_fit.is_out_of_memory(exc):
-                raise
-            clear_frames(exc)
-            raise memory_fit.out_of_memory(exc, self.rt.rank, self.rt.device, self.held_bytes()) from exc
-        finally:
-            self.spare_shared_gpu()
 
     def _evaluate(self, request: EvaluateRequest, inputs: dict) -> torch.Tensor:
         layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
