@@ -152,7 +152,8 @@ def one_frame(spec, x: torch.Tensor) -> bool:
 
 
 class RunPosition:
-    """Where each call stands in ComfyUI's sampling run, for the backend's step cache (``evaluate``'s generation,
+    """Where each call stands in ComfyUI's sampling run, for the backend's step cache and PipeFusion, which keep
+    state across a run's calls (``evaluate``'s generation,
     step, steps, slot, cond_rows fields): the step is the schedule position of the call's noise level (ComfyUI's
     ``sample_sigmas``: the entries at or above it, less one), the slot its place among the calls of that step
     (slot 0 decides), the cond rows the first run of chunks ComfyUI marked cond (``cond_or_uncond``: 0; it batches
@@ -165,8 +166,9 @@ class RunPosition:
     def fields(self, options: dict, rows: int) -> dict:
         schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
         if schedule is None or sigma is None:
-            raise ModelCallError("the step cache needs ComfyUI's schedule of the run (sample_sigmas), which this "
-                                 "sampler does not give", "take the xDiT Step Cache node out of the xDiT Model's path")
+            raise ModelCallError("the step cache and PipeFusion need ComfyUI's schedule of the run (sample_sigmas), "
+                                 "which this sampler does not give", "take the xDiT Step Cache node out of the xDiT "
+                                 "Model's path, and use a layout without pipefusion")
         schedule = schedule.detach().float().cpu()
         level = float(sigma.reshape(-1)[0])
         step = max(0, int((schedule >= level * (1 - 1e-6)).sum()) - 1)
@@ -187,16 +189,17 @@ class RunPosition:
 class RemoteDiffusionModel(torch.nn.Module):
     """ComfyUI's ``diffusion_model``, standing in for the transformer the backend holds: no weights here (ComfyUI's
     memory manager sees an empty module), and each forward is one ``evaluate`` request through ``send(tensors,
-    inputs, fields) → output`` (``fields``: where the call stands in its run, with ``step_cache``). Its dtype is
+    inputs, fields) → output`` (``fields``: where the call stands in its run, with ``run_position``: for the step
+    cache and PipeFusion). Its dtype is
     float32: ComfyUI casts x and the conditioning to it, and the backend casts them to its compute dtype, rounding
     once as ComfyUI's own model would."""
 
-    def __init__(self, spec, send: Callable[[dict, dict, dict], torch.Tensor], step_cache: bool = False):
+    def __init__(self, spec, send: Callable[[dict, dict, dict], torch.Tensor], run_position: bool = False):
         super().__init__()
         self.spec = spec
         self.send = send
         self.dtype = torch.float32
-        self.position = RunPosition() if step_cache else None
+        self.position = RunPosition() if run_position else None
         self.latent_out = None  # ComfyUI's model's process_latent_out (remote_model.comfy_model sets it)
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):

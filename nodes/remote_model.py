@@ -158,5 +158,7 @@ class XDiTModelNode(io.ComfyNode):
                              "model sampling\nset the loader's shift to 0 and use ModelSamplingFlux / "
                              "ModelSamplingSD3 after the xDiT Model")
         spec = registry.spec(model.ref)
-        stand_in = RemoteDiffusionModel(spec, BackendCalls(model, parallel), step_cache=model.cache != "none")
+        pipelined = bool(parallel and parallel.degrees and parallel.degrees.get("pipefusion", 1) > 1)
+        stand_in = RemoteDiffusionModel(spec, BackendCalls(model, parallel),
+                                        run_position=model.cache != "none" or pipelined)
         return io.NodeOutput(comfy_model(model.ref, stand_in))

@@ -85,10 +85,8 @@ def test_every_layout_equals_the_serial_call(backend2, layout, rows):
     assert info["rows"] == rows and info["world_size"] == 2
 
 
-def test_pipefusion_and_a_tampered_input_are_refused_with_the_reason(backend2):
+def test_a_tampered_input_is_refused_with_the_reason(backend2):
     tensors, inputs = call()
-    with pytest.raises(BackendError, match="PipeFusion overlaps the steps"):
-        backend2.evaluate({**FIELDS, "parallel": ParallelConfig(pipefusion=2).to_json()}, tensors, inputs)
     name = content_hash(inputs["context"])
     request = {**FIELDS, "inputs": {"context": name, "pooled": content_hash(inputs["pooled"])}}
     tampered = {**tensors, name: inputs["context"] + 1, content_hash(inputs["pooled"]): inputs["pooled"]}
@@ -134,7 +132,7 @@ def euler_through_calls(client, fields: dict, conditioning: dict, steps: int, cf
     return spec.latent_format.process_out(sampling.inverse_noise_scaling(sigmas[-1], x)), infos
 
 
-@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"ulysses": 2}), (2, {"cfg": 2})])
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"ulysses": 2}), (2, {"cfg": 2}), (2, {"pipefusion": 2})])
 def test_the_step_cache_across_calls_decides_as_the_xdit_samplers_and_gives_its_latent(backend, world, layout):
     """The xDiT MODEL's calls with a step cache (fbcache): the backend keeps one cache for the run across its calls
     and decides at the same steps as the xDiT Sampler's loop with the same cache, every rank agreeing, so the two
@@ -151,6 +149,46 @@ def test_the_step_cache_across_calls_decides_as_the_xdit_samplers_and_gives_its_
     latent, infos = euler_through_calls(client, {**FIELDS, "parallel": parallel}, conditioning, 8, 2.5, 4, cache)
     assert infos[-1]["cache"] == info["cache"] and info["cache"]["reused"] > 0, ([i["cache"] for i in infos], info)
     assert (latent - result["samples"]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [{"pipefusion": 2}, {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 2},
+                                    {"pipefusion": 2, "warmup_steps": 0}])
+def test_pipefusion_across_the_calls_of_a_run_gives_the_xdit_samplers_pipefusion_latent(backend2, layout):
+    """Each call one step of PipeFusion, its patches attending to the K/V the run's previous call left: the same
+    latent as the xDiT Sampler's PipeFusion loop at the same settings (whose patches see the same K/V), and not the
+    serial one (the stale K/V are used)."""
+    from conftest import flux_tiny_conditioning
+
+    conditioning = {k: v[:1] for k, v in flux_tiny_conditioning(seed=5).items()}
+    parallel = ParallelConfig(**layout).to_json()
+    sample = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 6, "seed": 2, "cfg": 2.5, "dtype": "float32"}
+    pipelined, _ = backend2.sample({**sample, "parallel": parallel}, conditioning)
+    serial_latent, _ = backend2.sample({**sample, "parallel": ParallelConfig(ulysses=2).to_json()}, conditioning)
+    latent, infos = euler_through_calls(backend2, {**FIELDS, "parallel": parallel}, conditioning, 6, 2.5, 2, {})
+    assert "pipefusion=2" in infos[-1]["layout"]
+    assert (latent - pipelined["samples"]).abs().max() <= 1e-5
+    assert (latent - serial_latent["samples"]).abs().max() > 1e-4  # stale K/V: PipeFusion's approximation
+
+
+def test_pipefusion_warmed_up_over_every_call_equals_the_serial_call(backend2):
+    tensors, inputs = call(rows=2, seed=4)
+    fields = {**FIELDS, "parallel": ParallelConfig(pipefusion=2, warmup_steps=1).to_json(), "generation": "run-w",
+              "steps": 4}
+    out, _ = backend2.evaluate(fields, tensors, inputs)
+    assert (out - serial(tensors, inputs)).abs().max() <= 1e-5
+
+
+def test_pipefusion_refuses_calls_that_are_not_the_steps_of_a_run(backend2):
+    tensors, inputs = call()
+    fields = {**FIELDS, "parallel": ParallelConfig(pipefusion=2).to_json()}
+    with pytest.raises(BackendError, match="does not say which sampling run and step"):
+        backend2.evaluate(fields, tensors, inputs)
+    run = {**fields, "generation": "run-s", "step": 3, "steps": 8}
+    backend2.evaluate(run, tensors, inputs)
+    with pytest.raises(BackendError, match="model call 2 of step 3; PipeFusion's patches attend"):
+        backend2.evaluate({**run, "slot": 1}, tensors, inputs)
+    out, _ = backend2.evaluate({**FIELDS, "parallel": ParallelConfig(ulysses=2).to_json()}, tensors, inputs)
+    assert (out - serial(tensors, inputs)).abs().max() <= 1e-5  # serving on
 
 
 def test_careless_and_hostile_calls_are_refused_by_name_and_the_backend_serves_on(backend1):

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkou
                                 "(and run with a Python that has ComfyUI's requirements) to test the pack in ComfyUI")
 
 LAYOUTS = {"ulysses": {"ulysses": 2}, "ring": {"ring": 2}, "cfg": {"cfg_parallel": True}, "dp": {"dp": 2}}
+PIPEFUSION = {"pipefusion": 2, "warmup_steps": 1}  # stale K/V after the first step: not ComfyUI's own latent
 
 
 def parallel_node(degrees: dict) -> dict:
@@ -33,7 +34,7 @@ def models(layout: str = "ulysses", size: int = 64) -> dict:
         "own": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-sd3.safetensors", "weight_dtype": "default"}},
         "load": {"class_type": "XDiTLoadDiffusionModel", "inputs": {"model_name": "tiny-sd3.safetensors",
                                                                     "weight_dtype": "fp32"}},
-        "parallel": parallel_node(LAYOUTS[layout]),
+        "parallel": parallel_node(PIPEFUSION if layout == "pipefusion" else LAYOUTS[layout]),
         "xmodel": {"class_type": "XDiTModel", "inputs": {"model": ["load", 0], "parallel": ["parallel", 0]}},
     }
 
@@ -128,19 +129,22 @@ def test_model_sampling_and_cfg_function_nodes_run_in_comfyui_on_the_backends_ca
     assert_same(*on_both(host, models("cfg"), tail, "ks", "shift-zero-star"))
 
 
-def test_the_xdit_models_ksampler_equals_the_xdit_sampler(host):
-    prompt = {**models("ulysses"), **ksampler(model='["xmodel", 0]'),
+@pytest.mark.parametrize("layout", ["ulysses", "pipefusion"])
+def test_the_xdit_models_ksampler_equals_the_xdit_sampler(host, layout):
+    """Also under PipeFusion: the xDiT Model's calls are the steps of KSampler's run, each a PipeFusion step whose
+    patches see the K/V the call before left, as the xDiT Sampler's patches see them."""
+    prompt = {**models(layout), **ksampler(model='["xmodel", 0]'),
               "xs": {"class_type": "XDiTSampler", "inputs": {
                   "model": ["load", 0], "parallel": ["parallel", 0], "seed": 11, "steps": 4, "cfg": 4.0,
                   "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0, "positive": ["cond", 0],
                   "negative": ["uncond", 0], "latent_image": ["empty", 0]}},
               "save_ks": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0],
-                                                                 "filename_prefix": "latents/xmodel-vs-ks"}},
+                                                                 "filename_prefix": f"latents/xmodel-vs-ks-{layout}"}},
               "save_xs": {"class_type": "SaveLatent", "inputs": {"samples": ["xs", 0],
-                                                                 "filename_prefix": "latents/xmodel-vs-xs"}}}
+                                                                 "filename_prefix": f"latents/xmodel-vs-xs-{layout}"}}}
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
-    assert_same(host.latest_latent("xmodel-vs-ks"), host.latest_latent("xmodel-vs-xs"))
+    assert_same(host.latest_latent(f"xmodel-vs-ks-{layout}"), host.latest_latent(f"xmodel-vs-xs-{layout}"))
 
 
 def test_a_lora_through_comfyuis_loader_is_refused_naming_the_xdit_lora_node(host):

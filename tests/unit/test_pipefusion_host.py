@@ -9,7 +9,7 @@ import torch
 
 from xdit_backend.models import registry
 from xdit_backend.parallel.pipefusion import PipeFusion, call_sigmas
-from xdit_backend.parallel.stale_kv import Chunk, StaleKV
+from xdit_backend.parallel.stale_kv import Chunk, KVBuffer, StaleKV
 from xdit_backend.service.request import SampleRequest
 from xdit_backend.wire.protocol import Message
 
@@ -26,7 +26,7 @@ def _attention(sees_text=True):
         seen.append((k, v))
         return q, None
 
-    return StaleKV(Chunk(), None, kernel, sees_text), seen
+    return StaleKV(Chunk(), None, kernel, sees_text, KVBuffer()), seen
 
 
 def _run_chunk(attention, truth_k, truth_v, rows, with_text):

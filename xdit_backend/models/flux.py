@@ -167,7 +167,7 @@ class FluxModel(DiffusionModel):
         timestep = timestep.to(self.device, torch.float32) * 1000  # [B]
         pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]
         if self.has_guidance:
-            scale = torch.full(timestep.shape, guidance, device=self.device) * 1000  # [B] float32
+            scale = per_row(guidance, timestep.shape[0], self.device) * 1000  # [B] float32
             temb = t.time_text_embed(timestep, scale, pooled)
         else:
             temb = t.time_text_embed(timestep, pooled)

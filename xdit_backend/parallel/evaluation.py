@@ -13,6 +13,7 @@ whole-loop path's).
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,20 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """[N, ...] → [rows, ...], the last row repeated (rows ≥ N)."""
     extra = rows - tensor.shape[0]
     return tensor if extra == 0 else torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
+
+
+@dataclass(frozen=True)
+class RowShare:
+    """A row group's rows of a call: [first, first + per) of its rows padded to ``total`` (the last repeated)."""
+
+    first: int
+    per: int
+    total: int
+    device: torch.device
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[N, ...] → this group's [per, ...] on ``device``."""
+        return pad_rows(tensor, self.total)[self.first:self.first + self.per].to(self.device)
 
 
 class Evaluation:
@@ -48,24 +63,28 @@ class Evaluation:
         the conditioning ``inputs`` (key → [N, ...]) and guidance [N] or None. With ``cache`` (a StepCache kept
         across the calls of a sampling run), the call is its ``slot``-th of ``step``; slot 0 decides, from the
         cond rows ``cond_rows`` (first, count: this rank's share of them)."""
-        groups, group = self.row_groups()
         n = x.shape[0]
-        per = -(-n // groups)
-        mine = slice(group * per, (group + 1) * per)
-        device, dtype = self.model.device, self.model.dtype
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return pad_rows(t, per * groups)[mine].to(device)
-
+        rows = self.rows_of(n)
         padded = pad_to_patch(x, self.model.spec.patch)
         cond = {key: rows(t) for key, t in inputs.items()}
         with self.sequence_parallel() as stack:
             if cache is not None:
-                self.attach_cache(stack, cache, step, slot, self.cond_share(*cond_rows, n, group * per, per))
-            out = self.model.output(rows(padded).to(dtype), rows(timestep.float()), cond,
+                self.attach_cache(stack, cache, step, slot, self.cond_share(*cond_rows, n, rows.first, rows.per))
+            out = self.model.output(rows(padded).to(self.model.dtype), rows(timestep.float()), cond,
                                     None if guidance is None else rows(guidance.float()))  # [per, C, ...]
-        out = self.gather(out.float())[:n]  # [N, C, (T,) h', w']
-        return out[(slice(None), slice(None), *(slice(0, size) for size in x.shape[2:]))].cpu()  # the padding cropped
+        return self.gathered(out, x)
+
+    def rows_of(self, n: int) -> RowShare:
+        """This row group's share of a call of ``n`` rows."""
+        groups, group = self.row_groups()
+        per = -(-n // groups)
+        return RowShare(group * per, per, per * groups, self.model.device)
+
+    def gathered(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """This row group's output [per, C, ...] (x padded to the patch) → the call's [N, C, ...], x's shape, on the
+        CPU in float32: gathered over the row groups, the padded rows dropped and the padding cropped."""
+        out = self.gather(out.float())[:x.shape[0]]  # [N, C, (T,) h', w']
+        return out[(slice(None), slice(None), *(slice(0, size) for size in x.shape[2:]))].cpu()
 
     def sequence_parallel(self) -> ExitStack:
         """Sequence parallelism attached for this call (its ``shard`` attribute: the tokens' Shard, or None)."""

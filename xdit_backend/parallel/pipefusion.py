@@ -128,6 +128,12 @@ def call_sigmas(name: str, sigmas: torch.Tensor, sampling) -> list[float]:
         return found
 
 
+def always_computed(warmup: int, patches: int, steps: int) -> frozenset[int]:
+    """The steps a step cache under PipeFusion always computes: the first patched one, where the chunks change
+    (StageCache keeps its residuals per chunk)."""
+    return frozenset({warmup} if 0 < warmup < steps and patches > 1 else ())
+
+
 class PipeFusion:
     """One rank's stage of a PipeFusion layout, and the loop that drives its chunks."""
 
@@ -157,20 +163,7 @@ class PipeFusion:
         self.x = begin.x.clone()  # stage 0: each patch's next model input; at the end, the final latent
         shape = tuple(begin.x.shape)  # [B, C, (T,) h, w]
         self.sides = self._sides(begin)
-        self.batch = self.sides["context"].shape[0]
-        self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
-        self.width = self.model.width  # the blocks' hidden size D
-        # per-patch tensors [B, n/P, D] arriving with each patch (StagePlan.carries); stage 0 gets none
-        self.carried = self.model.carried(self.blocks[0]) if self.plan.carries and not self.first else 0
-        pt, ph, pw = self.model.spec.patch
-        frames = shape[2] // pt if len(shape) == 5 else 1
-        token_rows, columns = shape[-2] // ph, shape[-1] // pw
-        # the image sequence is frames × rows × columns, row-major: token indices as that grid
-        self.grid = torch.arange(frames * token_rows * columns, device=self.device).view(frames, token_rows, columns)
-        self.latent_rows = ph  # latent rows per token row
-        self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
-                      for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
-        self.positions = self.model.positions(shape)
+        self._lay_out(shape)
         self.sigmas = call_sigmas(gen.sampler, gen.sigmas, gen.sampling)
         self.work = schedule.items(gen.steps, self.warmup, self.patches)
         gates = schedule.gate_positions(self.work, self.stages, gen.steps)
@@ -202,14 +195,31 @@ class PipeFusion:
                 self.cache.detach()
         return finish(gen, self.model.latent_format, self.x, begin.sigmas)
 
+    def _lay_out(self, shape: tuple[int, ...]) -> None:
+        """The chunks of a latent of ``shape`` [B, C, (T,) h, w] conditioned by ``self.sides``: the rows a chunk
+        carries, its text, the blocks' width and carried tensors, the token grid, the patches' bands, the positions."""
+        self.batch = self.sides["context"].shape[0]
+        self.text = self.model.joint_text_tokens(self.sides) if self.plan.joint_text else 0
+        self.width = self.model.width  # the blocks' hidden size D
+        # per-patch tensors [B, n/P, D] arriving with each patch (StagePlan.carries); stage 0 gets none
+        self.carried = self.model.carried(self.blocks[0]) if self.plan.carries and not self.first else 0
+        pt, ph, pw = self.model.spec.patch
+        frames = shape[2] // pt if len(shape) == 5 else 1
+        token_rows, columns = shape[-2] // ph, shape[-1] // pw
+        # the image sequence is frames × rows × columns, row-major: token indices as that grid
+        self.grid = torch.arange(frames * token_rows * columns, device=self.device).view(frames, token_rows, columns)
+        self.latent_rows = ph  # latent rows per token row
+        self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
+                      for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
+        self.positions = self.model.positions(shape)
+
     def _step_cache(self, gen, begin) -> StageCache | None:
         """The generation's step cache on this stage (None without one). Its cond rows: all of this
         pipeline's under cfg parallel (none on the uncond one), else the first B of [cond; uncond]."""
         if gen.cache is None:
             return None
-        patched = 0 < self.warmup < gen.steps and self.patches > 1  # the step where the chunks change computes
         steps = StepCache(gen.cache, gen.steps, self.model.spec.cache_plan.teacache, self.layout.step_group,
-                          computes=frozenset({self.warmup} if patched else ()))
+                          computes=always_computed(self.warmup, self.patches, gen.steps))
         if self.cfg_group is not None:
             rows = slice(None) if self.layout.index("cfg") == 0 else None
         else:
@@ -289,18 +299,13 @@ class PipeFusion:
 
     def _run_item(self, index: int, item) -> None:
         """Run one item through this stage: take it in (embed, or receive), run the blocks, pass it on."""
-        model, sampling = self.model, self.gen.sampling
-        sigma = self.x.new_full([self.batch], self.sigmas[item.step])  # [batch], filled from the host float
-        inputs = self._inputs(item.step, sigma)
+        model = self.model
+        inputs = self._inputs(item.step)
         band, local = self._tokens(item)
         text = self.text if self._with_text(index) else 0
         self.chunk.describe(text, self.text, tuple(self.grid.shape), self._token_rows(item))
         if self.first:
-            a, b = self._rows(item)
-            self._apply_returns(item.step, b)
-            x = self.x[..., a:b, :]
-            x = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))  # cond and uncond batched: [batch, ...]
-            image = model.embed(sampling.calculate_input(sigma, x).to(model.dtype), band, inputs, self.positions)
+            image = model.embed(self._model_input(item).to(model.dtype), band, inputs, self.positions)
             image = image[:, self.sp_index * local.numel():(self.sp_index + 1) * local.numel()]  # [batch, n/P, D]
             context = model.embed_text(inputs) if text else None
             if self.text and not text:
@@ -335,17 +340,30 @@ class PipeFusion:
             # [batch, L + n/P + carried·n/P (+ 1), D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
-        self._sample(item, model.head(image, inputs), sigma)
+        self._finish(item, model.head(image, inputs))
 
-    def _inputs(self, step: int, sigma: torch.Tensor) -> dict:
+    def _sigma(self, step: int) -> torch.Tensor:
+        return self.x.new_full([self.batch], self.sigmas[step])  # [batch], filled from the host float
+
+    def _inputs(self, step: int) -> dict:
         """The family's per-step inputs (time embedding, projected text), computed once per step."""
         if step not in self.inputs:
-            timestep = self.gen.sampling.timestep(sigma)  # [batch]
+            timestep = self.gen.sampling.timestep(self._sigma(step))  # [batch]
             self.inputs = {step: self.model.step_inputs(tuple(self.x.shape), timestep, self.sides, self.gen.guidance)}
         return self.inputs[step]
 
-    def _sample(self, item, out: torch.Tensor, sigma: torch.Tensor) -> None:
+    def _model_input(self, item) -> torch.Tensor:
+        """Stage 0: the model input of the item's rows [batch, C, (T,) b − a, w], once the last stage has returned
+        them from the step before."""
+        a, b = self._rows(item)
+        self._apply_returns(item.step, b)
+        x = self.x[..., a:b, :]
+        x = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))  # cond and uncond batched: [batch, ...]
+        return self.gen.sampling.calculate_input(self._sigma(item.step), x)
+
+    def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""
+        sigma = self._sigma(item.step)
         if self.sp_group is not None:
             out = stale_kv.gather_tokens(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
         a, b = self._rows(item)
@@ -379,7 +397,7 @@ class PipeFusion:
 
     def _drain(self) -> None:
         """Complete every posted receive and send (each has its peer by the schedule's windows)."""
-        self._apply_returns(len(self.sigmas), self.x.shape[-2])
+        self._apply_returns(self.work[-1].step + 1, self.x.shape[-2])
         for _, request in self.pending.values():
             request.wait()
         self.pending = {}

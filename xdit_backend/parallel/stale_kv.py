@@ -103,9 +103,9 @@ class KVBuffer:
 class StaleKV:
     """Attention core of one module: (q, k, v) of this rank's [text; image slice] → out [B, S, H, D]."""
 
-    def __init__(self, chunk: Chunk, sp_group, kernel, sees_text: bool):
+    def __init__(self, chunk: Chunk, sp_group, kernel, sees_text: bool, buffer: KVBuffer):
         self.chunk, self.sp_group, self.kernel, self.sees_text = chunk, sp_group, kernel, sees_text
-        self.buffer = KVBuffer()
+        self.buffer = buffer
 
     def __call__(self, query, key, value, text_tokens: int = 0):
         chunk = self.chunk
@@ -128,15 +128,18 @@ def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)  # [B, n, H, D], in sequence-index order
 
 
-def attach(transformer, plan, chunk: Chunk, sp_group, kernel) -> None:
-    """Give every attention module the plan lists a stale-K/V processor (one buffer each). Undo with
+def attach(transformer, plan, chunk: Chunk, sp_group, kernel, buffers: dict[str, KVBuffer] | None = None) -> None:
+    """Give every attention module the plan lists a stale-K/V processor (one buffer each: new ones, or those of
+    ``buffers``, module name → KVBuffer, filled in where missing, which keeps them across model calls). Undo with
     ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before.
     A plan names a module by its attribute ("attn1") or by its path without block indices
     ("layers.attention": the main blocks' attention of Z-Image, not its refiners')."""
+    buffers = {} if buffers is None else buffers
     processors = {name: (processor, sees_text) for name, processor, sees_text in plan.attention}
     for name, module in transformer.named_modules():
         path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
         entry = processors.get(name.rsplit(".", 1)[-1], processors.get(path))
         if entry is not None:
             processor, sees_text = entry
-            module.set_processor(processor(StaleKV(chunk, sp_group, kernel, sees_text)))
+            buffer = buffers.setdefault(name, KVBuffer())
+            module.set_processor(processor(StaleKV(chunk, sp_group, kernel, sees_text, buffer)))

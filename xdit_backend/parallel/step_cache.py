@@ -315,6 +315,14 @@ class StageCache:
             self.reuse = bool(row[0, 0, 0].item() > 0.5)
             self.cache.trace.append(Decision(step, None, self.reuse))
 
+    def share_decision(self, group, last_stage: int, step: int) -> None:
+        """After one step (a pipelined model call: parallel/pipefusion_call.py): the last stage gives the step's
+        decision to the stages before the decider, one broadcast of [1] over the pipeline."""
+        decided = torch.tensor([float(self.cache.trace[-1].reused if self.cache.trace else 0.0)], device=self._device)
+        dist.broadcast(decided, src=dist.get_global_rank(group, last_stage), group=group)  # [1]: 1 reused
+        if not self.cache.trace or self.cache.trace[-1].step != step:
+            self.cache.trace.append(Decision(step, None, bool(decided.item())))
+
     def share_trace(self, group, last_stage: int) -> None:
         """The last stage, which follows or takes every decision, gives them to the stages before the
         decider: one broadcast of [steps] (1 reused, 0 computed) over the pipeline."""

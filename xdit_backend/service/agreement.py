@@ -98,6 +98,7 @@ def agree_on_failure(rt: Runtime, gate: StepGate, executor: Executor, exc: BaseE
                 "hint": exc.hint if isinstance(exc, UserError) else "", "traceback": traceback.format_exc()[-4000:]}
         clear_frames(exc)  # the failed request's layout, links and pipeline: they keep its groups alive
     executor.meshes.clear()
+    executor.forget_runs()
     if rt.world_size > 1:  # what still holds a group in a reference cycle (a suspended sampler's frame): gone
         gc.collect()  # before the gate (a few hundred ms of a big process: only where there are peers to tell)
     gate.fail()

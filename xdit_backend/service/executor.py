@@ -27,7 +27,8 @@ from ..parallel import attention, shard, traffic
 from ..parallel.compile import use_compiled
 from ..parallel.denoiser import Denoiser
 from ..parallel.evaluation import Evaluation
-from ..parallel.pipefusion import PipeFusion, keep_stage, stage_bounds
+from ..parallel.pipefusion import PipeFusion, always_computed, keep_stage, stage_bounds
+from ..parallel.pipefusion_call import PipelinedCall, RunStage
 from ..parallel.step_cache import StepCache
 from ..sampling.generate import generate
 from ..sampling.stop import GenerationStopped
@@ -54,6 +55,7 @@ class Executor:
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
         self.run_caches: tuple | None = None  # (the sampling run, its step cache): the xDiT MODEL's, across calls
+        self.run_stages: tuple | None = None  # (the sampling run, its PipeFusion K/V buffers): likewise
 
         self.computing = None  # the model (or stage) the last request ran on
         # Rank 0's "stop now" for the running request (its job cancelled, or the backend stopping), asked before
@@ -240,11 +242,7 @@ class Executor:
         spec = model.spec
         gen = replace(request.generation(spec, *request.conditioning(spec)), cpu_noise=self.rt.mixed_gpus)
         shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
-        stage = None
-        if layout is not None and layout.config.pipefusion > 1:
-            config = layout.config
-            bounds = stage_bounds(model.block_sizes, config.pipefusion, config.pipefusion_blocks)
-            stage = bounds[layout.index("pipefusion")]
+        stage = pipeline_stage(model, layout)
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
         self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens))
@@ -282,19 +280,47 @@ class Executor:
         layout = self.meshes.get(request.parallel, request.cache != "none") if self.rt.world_size > 1 else None
         model = resolve_model(request.model)
         shard_mesh = layout.shard_mesh if layout else None
-        key = self.key(model, request.dtype, request.weight_dtype, shard_mesh)
+        stage = pipeline_stage(model, layout)
+        key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         config = request.parallel
         text = inputs["context"].shape[1] if model.spec.sequence_plan.cuts_text else 0
         sequence, groups = (config.sequence, config.cfg * config.dp) if config else (1, 1)
         self.make_room(model, key, config, -(-(request.tokens(model.spec, inputs) + text) // sequence),
                        -(-request.rows // groups))
-        entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh)
+        entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh,
+                           stage)
         self.computing = entry.model
         self.evaluations[key.name] = self.evaluations.get(key.name, 0) + 1
+        guidance = request.tensors.get("guidance")
         cache = self.run_cache(request, key)
-        return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], inputs,
-                                                      request.tensors.get("guidance"), cache, request.step,
-                                                      request.slot, (request.cond_start, request.cond_rows))
+        if stage is not None:
+            decides = cache is not None and stage[0] <= model.cache_head < stage[1]
+            call = PipelinedCall(self.computing, layout, self.rt.device, entry.blocks, self.run_stage(request, key),
+                                 decides)
+            self.last_trace = call.trace
+            output = call.run(request.x, request.tensors["timestep"], inputs, guidance, request.step, cache,
+                              (request.cond_start, request.cond_rows))
+            if request.step + 1 >= request.steps:  # the run's last call: its K/V are not needed again
+                self.run_stages = None
+            return output
+        return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], inputs, guidance, cache,
+                                                      request.step, request.slot,
+                                                      (request.cond_start, request.cond_rows))
+
+    def run_stage(self, request: EvaluateRequest, key: ModelKey) -> RunStage:
+        """What this PipeFusion stage keeps across the calls of the sampling run ``request`` belongs to (the xDiT
+        MODEL): its K/V and step-cache residuals, new when the run, the model, the layout or the cache's settings
+        change. The same on every rank: they all see every call."""
+        identity = (request.generation, key, request.parallel, request.cache_options() if request.cache != "none"
+                    else None)
+        if self.run_stages is None or self.run_stages[0] != identity:
+            self.run_stages = (identity, RunStage())
+        return self.run_stages[1]
+
+    def forget_runs(self) -> None:
+        """After a failed request: the xDiT MODEL's runs start again (a failed call may have left their step cache
+        and K/V half-written on some ranks only)."""
+        self.run_caches = self.run_stages = self.last_cache = None
 
     def run_cache(self, request: EvaluateRequest, key: ModelKey) -> StepCache | None:
         """The step cache of the sampling run ``request`` belongs to, kept across its calls (the xDiT MODEL): a new
@@ -305,7 +331,11 @@ class Executor:
         options = request.cache_options()
         identity = (request.generation, key, request.parallel, options, request.steps)
         if self.run_caches is None or self.run_caches[0] != identity:
-            self.run_caches = (identity, StepCache(options, request.steps, self.computing.spec.cache_plan.teacache))
+            config = request.parallel
+            computes = (always_computed(config.warmup_steps, config.num_pipeline_patch or config.pipefusion,
+                                        request.steps) if config is not None and config.pipefusion > 1 else frozenset())
+            self.run_caches = (identity, StepCache(options, request.steps, self.computing.spec.cache_plan.teacache,
+                                                   computes=computes))
         self.last_cache = self.run_caches[1]
         return self.last_cache
 
@@ -364,6 +394,14 @@ class Executor:
                         # the step cache's decisions on this rank: (step, statistic, reused) per evaluation
                         "cache_trace": (None if self.last_cache is None else
                                         [[d.step, d.ratio, d.reused] for d in self.last_cache.trace])}
+
+
+def pipeline_stage(model: ResolvedModel, layout) -> tuple[int, int] | None:
+    """The blocks [start, end) this rank's PipeFusion stage holds; None without PipeFusion."""
+    if layout is None or layout.config.pipefusion == 1:
+        return None
+    config = layout.config
+    return stage_bounds(model.block_sizes, config.pipefusion, config.pipefusion_blocks)[layout.index("pipefusion")]
 
 
 def clear_frames(exc: BaseException) -> None:

@@ -42,6 +42,24 @@ from .server import Job, SocketServer
 log = logging.getLogger("xdit_backend.service.leader")
 
 
+def check_pipelined_call(request: EvaluateRequest, config: ParallelConfig) -> None:
+    """A model call runs under PipeFusion only as one step of a sampling run (parallel/pipefusion_call.py): its
+    patches attend to the K/V the run's previous call left, so the call must say which run and step it is and be
+    the only call of its step."""
+    stages = f"pipefusion={config.pipefusion}"
+    instead = "use a layout without pipefusion (ulysses, ring, cfg, dp) for this workflow"
+    if not request.generation:
+        raise RequestError(f"{stages}: PipeFusion keeps the K/V of each step for the next, and this call does not say "
+                           "which sampling run and step it belongs to",
+                           "send generation, step and steps with each call (the xDiT Model does), or " + instead)
+    if request.slot > 0:
+        raise RequestError(f"{stages}: this is model call {request.slot + 1} of step {request.step}; PipeFusion's "
+                           "patches attend to the K/V of the step before, so it takes one call per step, and this "
+                           "workflow makes several (area or mask conditioning, sides that cannot batch, or a sampler "
+                           "with two calls a step such as heun or dpmpp_2s_ancestral)",
+                           f"{instead}, or a sampler and conditioning with one call a step")
+
+
 class Leader:
     """Rank 0: takes jobs from the socket server, validates and broadcasts them, runs them, replies."""
 
@@ -289,10 +307,7 @@ class Leader:
             padded = replace(facts, batch=config.dp, cfg_scale=2.0, has_negative=True)
             config.validate(self.rt.world_size, model_facts, padded, self.devices())
         if config.pipefusion > 1:
-            raise RequestError(f"pipefusion={config.pipefusion}: PipeFusion overlaps the steps of a generation, and "
-                               "the xDiT MODEL's calls come one at a time from ComfyUI's sampler, which the backend "
-                               "cannot see ahead of", "use the xDiT Sampler for PipeFusion, or a layout without it "
-                               "(ulysses, ring, cfg, dp)")
+            check_pipelined_call(request, config)
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return EvaluateRequest.parse(Message("evaluate", fields, request.tensors)), f"{config.describe()} ({why})"
 
