@@ -183,3 +183,40 @@ def test_activations_are_what_a_flux_forward_holds_at_its_peak():
     estimate = memory_model.estimate(model.to("meta"), storage_bytes_per_value=4, compute_dtype=torch.float32,
                                      shard_ranks=1, tokens_per_rank=image + text, rows=1)
     assert estimate.activations + estimate.workspace == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize("name, exact", [("flux-tiny", True), ("wan-tiny", True), ("hunyuan-dit-tiny", True),
+                                         ("sd3-tiny", False)])
+def test_pipefusion_adds_the_k_and_v_its_stages_buffers_hold(name, exact):
+    """Under PipeFusion a stage keeps K and V over the whole sequence in every attention module its family's plan
+    gives a stale-K/V processor (parallel/stale_kv.py): the buffers, filled for a request, hold what the estimate
+    adds to the activations — for the heaviest stage, every sequence rank holding all tokens. A bound where blocks
+    differ: sd3-tiny's one dual-attention block (two buffers) is counted for every block of the stage (SD3.5
+    medium's 13 dual blocks fill its first stage, where the bound is exact)."""
+    from xdit_backend.models.resolved import resolve_model
+    from xdit_backend.parallel import stale_kv
+    from xdit_backend.parallel.pipefusion import keep_stage
+
+    model = resolve_model(name).build(torch.device("cpu"), torch.float32)
+    plan, transformer = model.spec.stage_plan, model.transformer
+    blocks = sum(len(getattr(transformer, n)) for n in plan.block_lists)
+    rows, tokens, stages, ulysses = 2, 24, 2, 2
+    chunk = stale_kv.Chunk()
+    chunk.describe(0, 0, (1, 4, tokens * ulysses // 4), (0, 4))  # every token of every sequence rank
+    estimate = {s: memory_model.estimate(transformer, storage_bytes_per_value=4, compute_dtype=torch.float32,
+                                         shard_ranks=1, tokens_per_rank=tokens, rows=rows, stages=s, ulysses=ulysses,
+                                         stale_buffers=plan.buffers_per_block(transformer))
+                for s in (1, stages)}
+    heaviest = keep_stage(transformer, plan, 0, -(-blocks // stages))  # the first stage: ⌈blocks / stages⌉
+    assert len(heaviest) == -(-blocks // stages)
+    buffers = {}
+    stale_kv.attach(transformer, plan, chunk, None, None, buffers)
+    held = 0
+    for module_name, buffer in buffers.items():
+        module = transformer.get_submodule(module_name)
+        like = torch.zeros(rows, chunk.total, module.heads, transformer.config.attention_head_dim)
+        buffer.write_rows(chunk, like, like)
+        held += buffer.k.nbytes + buffer.v.nbytes
+    added = estimate[stages].activations - estimate[1].activations
+    assert held > 0
+    assert added == held if exact else held < added <= 2 * held

@@ -63,12 +63,15 @@ def needed(model: ResolvedModel, compute_dtype: torch.dtype, weight_dtype: str, 
            tokens_per_rank: int, rows: int) -> memory_model.Estimate:
     """The memory model's bytes for loading ``model`` and running a request with it on one rank;
     ``config``: the request's ParallelConfig (None: one rank)."""
-    return memory_model.estimate(model.on_meta(), storage_bytes_per_value=storage_rule(model.source, compute_dtype,
-                                                                                       weight_dtype),
+    transformer = model.on_meta()
+    stages = config.pipefusion if config else 1
+    stale = model.spec.stage_plan.buffers_per_block(transformer) if stages > 1 else 0
+    return memory_model.estimate(transformer, storage_bytes_per_value=storage_rule(model.source, compute_dtype,
+                                                                                   weight_dtype),
                                  compute_dtype=compute_dtype,
                                  shard_ranks=shard_ranks, tokens_per_rank=tokens_per_rank, rows=rows,
-                                 stages=config.pipefusion if config else 1, ulysses=config.ulysses if config else 1,
-                                 ring=config.ring if config else 1)
+                                 stages=stages, ulysses=config.ulysses if config else 1,
+                                 ring=config.ring if config else 1, stale_buffers=stale)
 
 
 def storage_rule(source: ModelSource, compute_dtype: torch.dtype, weight_dtype: str):

@@ -22,6 +22,11 @@ activations (what one block's forward holds at its peak, per token, × rows × t
       + 2·F   the widest projection's output and its activation's (GELU/SwiGLU) output
     at the compute dtype's size, plus per row 12·C for the modulation vectors (two streams × shift,
     scale and gate for attention and MLP). Inference holds no graph: one block's peak is the peak.
+    Under PipeFusion each of the stage's blocks also keeps its attention's K and V over the whole
+    sequence (parallel/stale_kv.py: every sequence rank holds the whole chunk's), 2·C per token of
+    all ring × ulysses ranks, × rows × the stage's blocks (⌈blocks / stages⌉) × the buffers a block
+    keeps (``stale_buffers``: the most of any block, 2 for SD3.5's dual attention), for the whole
+    generation.
 workspace (the attention kernel's own, per rank)
     fused kernels (flash, cuDNN, memory-efficient; the CPU's flash kernel): the float32 log-sum-exp,
     rows × heads × tokens per rank × 4 bytes (Ulysses trades tokens for heads: the product is the
@@ -195,7 +200,7 @@ def workspace_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank:
 
 def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRule, compute_dtype: torch.dtype,
              shard_ranks: int, tokens_per_rank: int, rows: int, stages: int = 1, prefetch: bool = True,
-             attention: str = "fused", ulysses: int = 1, ring: int = 1) -> Estimate:
+             attention: str = "fused", ulysses: int = 1, ring: int = 1, stale_buffers: int = 1) -> Estimate:
     """One rank's bytes for a request.
 
     ``transformer``: a diffusers transformer, on the meta device or loaded. ``storage_bytes_per_value``:
@@ -205,6 +210,7 @@ def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRu
     one rank holds. ``rows``: the sequences one forward carries on this rank (batch/dp, ×2 when CFG's
     two passes share a forward). ``stages``: PipeFusion stages (a rank holds 1/stages of the blocks).
     ``ulysses``, ``ring``: the sequence-parallel degrees (their buffers; the math path's score matrix).
+    ``stale_buffers``: PipeFusion's K/V buffers per block (StagePlan.buffers_per_block).
     """
     if shard_ranks < 1 or tokens_per_rank < 0 or rows < 1 or stages < 1:
         raise ValueError(f"shard_ranks={shard_ranks}, tokens_per_rank={tokens_per_rank}, rows={rows}, "
@@ -212,7 +218,12 @@ def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRu
     resident, transient = weight_bytes(transformer, storage_bytes_per_value, compute_dtype, shard_ranks, stages,
                                        prefetch)
     widths = Widths.of(transformer)
+    stale = 0
+    if stages > 1:
+        blocks = sum(len(getattr(transformer, name)) for name in block_lists(transformer))
+        stale = 2 * widths.hidden * tokens_per_rank * ulysses * ring * rows * -(-blocks // stages) \
+            * stale_buffers * compute_dtype.itemsize  # each buffer's K and V [rows, all tokens, C]
     return Estimate(weights=resident + transient,
-                    activations=activation_bytes(widths, compute_dtype, tokens_per_rank, rows),
+                    activations=activation_bytes(widths, compute_dtype, tokens_per_rank, rows) + stale,
                     workspace=workspace_bytes(widths, compute_dtype, tokens_per_rank, rows, attention, ulysses, ring),
                     weights_resident=resident)

@@ -331,6 +331,29 @@ class StagePlan:
     joint_text: bool = False
     carries: bool = False
 
+    def stale_modules(self, transformer) -> list[tuple[str, object, type, bool]]:
+        """(name, module, processor class, sees text) of every attention module ``attention`` lists. It names a
+        module by its attribute ("attn1") or by its path without block indices ("layers.attention": the main
+        blocks' attention of Z-Image, not its refiners')."""
+        listed = {name: (processor, sees_text) for name, processor, sees_text in self.attention}
+        found = []
+        for name, module in transformer.named_modules():
+            path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
+            entry = listed.get(name.rsplit(".", 1)[-1], listed.get(path))
+            if entry is not None:
+                found.append((name, module, *entry))
+        return found
+
+    def buffers_per_block(self, transformer) -> int:
+        """The most of those modules one block holds (SD3.5's dual-attention blocks: 2): the K/V buffers a block
+        keeps under PipeFusion, for the memory model."""
+        counts: dict[str, int] = {}
+        for name, *_ in self.stale_modules(transformer):
+            block = ".".join(name.split(".")[:2])  # "transformer_blocks.3"
+            if block.split(".")[0] in self.block_lists:
+                counts[block] = counts.get(block, 0) + 1
+        return max(counts.values(), default=0)
+
 
 @dataclass(frozen=True)
 class CachePlan:

@@ -129,17 +129,11 @@ def gather_tokens(local: torch.Tensor, group) -> torch.Tensor:
 
 
 def attach(transformer, plan, chunk: Chunk, sp_group, kernel, buffers: dict[str, KVBuffer] | None = None) -> None:
-    """Give every attention module the plan lists a stale-K/V processor (one buffer each: new ones, or those of
-    ``buffers``, module name → KVBuffer, filled in where missing, which keeps them across model calls). Undo with
-    ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken before.
-    A plan names a module by its attribute ("attn1") or by its path without block indices
-    ("layers.attention": the main blocks' attention of Z-Image, not its refiners')."""
+    """Give every attention module the plan lists (StagePlan.stale_modules) a stale-K/V processor, one buffer each:
+    new ones, or those of ``buffers`` (module name → KVBuffer, filled in where missing), which keeps them across
+    model calls. Undo with ``transformer.set_attn_processor(saved)``, ``saved = transformer.attn_processors`` taken
+    before."""
     buffers = {} if buffers is None else buffers
-    processors = {name: (processor, sees_text) for name, processor, sees_text in plan.attention}
-    for name, module in transformer.named_modules():
-        path = ".".join(part for part in name.split(".") if not part.isdigit())  # "layers.attention"
-        entry = processors.get(name.rsplit(".", 1)[-1], processors.get(path))
-        if entry is not None:
-            processor, sees_text = entry
-            buffer = buffers.setdefault(name, KVBuffer())
-            module.set_processor(processor(StaleKV(chunk, sp_group, kernel, sees_text, buffer)))
+    for name, module, processor, sees_text in plan.stale_modules(transformer):
+        buffer = buffers.setdefault(name, KVBuffer())
+        module.set_processor(processor(StaleKV(chunk, sp_group, kernel, sees_text, buffer)))
