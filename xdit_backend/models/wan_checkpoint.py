@@ -1,4 +1,6 @@
-"""Wan 2.1 / 2.2 text-to-video single files in the original key layout, read into diffusers' Wan.
+"""Wan 2.1 / 2.2 single files in the original key layout, read into diffusers' Wan: text to video, and image to
+video (Wan 2.1 I2V and FLF2V with their CLIP image embedder, Wan 2.2 I2V A14B without one: 36 input channels, the
+latent's 16 and the 20 ComfyUI concatenates to it).
 
 ComfyUI users keep these in models/diffusion_models (bare keys) or inside a checkpoint
 ("model.diffusion_model."). The conversion is a table of renames: every diffusers tensor has the
@@ -24,7 +26,7 @@ MARKERS = ("patch_embedding.weight", "time_projection.1.weight", "head.modulatio
 detect_prefix = prefix_detector(MARKERS)
 HEAD_DIM = 128  # every released Wan: 1.3B 1536 = 12 x 128, 5B 3072 = 24 x 128, 14B 5120 = 40 x 128
 SMALL_HEAD_DIM = 32  # for test-sized widths that are not a multiple of 128 (64 = 2 x 32)
-KNOWN = {"patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks", "head"}
+KNOWN = {"patch_embedding", "text_embedding", "time_embedding", "time_projection", "blocks", "head", "img_emb"}
 
 # diffusers module (or parameter) -> original one; weight / bias names are the same on both sides.
 _GLOBAL = {
@@ -36,6 +38,12 @@ _GLOBAL = {
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
     "proj_out": "head.head",
     "scale_shift_table": "head.modulation",  # [1, 2, D], (shift, scale) in both
+    # the CLIP image embedder of Wan 2.1 I2V / FLF2V: LayerNorm, Linear, GELU, Linear, LayerNorm in both
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+    "condition_embedder.image_embedder.pos_embed": "img_emb.emb_pos",  # FLF2V: [1, 2·257, 1280]
 }
 _ATTENTION = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o", "norm_q": "norm_q", "norm_k": "norm_k"}
 _BLOCK = {
@@ -43,6 +51,9 @@ _BLOCK = {
     "norm2": "norm3",  # the affine cross-attention norm: diffusers calls it norm2, Wan norm3
     "ffn.net.0.proj": "ffn.0",
     "ffn.net.2": "ffn.2",
+    "attn2.add_k_proj": "cross_attn.k_img",  # the image tokens' keys and values (I2V with an image embedder)
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "attn2.norm_added_k": "cross_attn.norm_k_img",
     **{f"{ours}.{a}": f"{theirs}.{b}" for ours, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))
        for a, b in _ATTENTION.items()},
 }
@@ -79,11 +90,14 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     width, in_channels, *patch = shape("patch_embedding.weight")  # Conv3d: [D, C_in, p_t, p_h, p_w]
     # head.head is Linear(D, C_out * p_t * p_h * p_w): its rows are C_out patch cells
     out_channels, leftover = divmod(shape("head.head.weight")[0], math.prod(patch))
-    if "img_emb" in tops or any(".k_img." in key for key in own) or (not leftover and out_channels != in_channels):
-        raise UserError(
-            f"{path}: image-to-video Wan is not supported yet (input channels {in_channels}, output "
-            f"channels {out_channels}{', an image embedder' if 'img_emb' in tops else ''})",
-            "use a Wan text-to-video file (Wan2.1-T2V, Wan2.2-T2V-A14B expert, Wan2.2-TI2V-5B)")
+    image_embedder = "img_emb.proj.0.weight" in own
+    if not leftover and in_channels not in (out_channels, out_channels + 20):
+        raise UserError(f"{path}: a Wan file with {in_channels} input channels and {out_channels} output channels "
+                        "(Fun Control or another variant) is not supported",
+                        "use a Wan text-to-video file, or an image-to-video one (36 input channels)")
+    if image_embedder != ("blocks.0.cross_attn.k_img.weight" in own):
+        raise UserError(f"{path}: its image embedder and its blocks' image keys do not go together",
+                        "the file may be incomplete; re-download it")
     if tops - KNOWN:
         raise UserError(f"{path}: a Wan variant with extra modules ({', '.join(sorted(tops - KNOWN))}) "
                         "is not supported", "use a plain Wan text-to-video file")
@@ -107,7 +121,13 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
             f"{path}: its Wan tensors match no Wan variant (width {width}, patch {tuple(patch)}; unexpected "
             f"shapes: {wrong or f'width not a multiple of {HEAD_DIM} or {SMALL_HEAD_DIM}'})",
             "the file may be damaged or of another architecture; re-download it")
+    image = {}
+    if image_embedder:
+        image = {"image_dim": shape("img_emb.proj.0.weight")[0], "added_kv_proj_dim": width}
+        if "img_emb.emb_pos" in own:  # FLF2V: the first and the last frame's tokens, each with its position
+            image["pos_embed_seq_len"] = shape("img_emb.emb_pos")[1]
     return {
+        **image,
         "patch_size": tuple(patch),
         "num_attention_heads": width // head,
         "attention_head_dim": head,
@@ -124,15 +144,21 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     }
 
 
-FULL_SIZE = {  # (width, blocks, ffn, channels) of the released models
-    (1536, 30, 8960, 16): "Wan2.1-T2V-1.3B",
-    (5120, 40, 13824, 16): "Wan-14B (Wan2.1-T2V-14B or a Wan2.2-A14B expert)",
-    (3072, 30, 14336, 48): "Wan2.2-TI2V-5B",
+FULL_SIZE = {  # (width, blocks, ffn, input channels, image embedder) of the released models
+    (1536, 30, 8960, 16, None): "Wan2.1-T2V-1.3B",
+    (5120, 40, 13824, 16, None): "Wan-14B (Wan2.1-T2V-14B or a Wan2.2-T2V-A14B expert)",
+    (3072, 30, 14336, 48, None): "Wan2.2-TI2V-5B",
+    (5120, 40, 13824, 36, 1280): "Wan2.1-I2V-14B (480p or 720p)",
+    (5120, 40, 13824, 36, None): "a Wan2.2-I2V-A14B expert",
 }
 
 
 def variant(config: dict) -> str:
     """A name for what the shapes say: the released model at full size, else the architecture."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
-    name = FULL_SIZE.get((width, config["num_layers"], config["ffn_dim"], config["in_channels"]))
-    return name or f"Wan architecture, width {width}, {config['num_layers']} blocks"
+    name = FULL_SIZE.get((width, config["num_layers"], config["ffn_dim"], config["in_channels"],
+                          config.get("image_dim")))
+    if name and config.get("pos_embed_seq_len"):
+        name = "Wan2.1-FLF2V-14B"
+    kind = " image to video" if config["in_channels"] != config["out_channels"] else ""
+    return name or f"Wan{kind} architecture, width {width}, {config['num_layers']} blocks"
