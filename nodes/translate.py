@@ -31,7 +31,8 @@ REFUSED = {
     "hooks": "hooks (LoRA/model hooks on the conditioning)",
     "reference_latents": "reference latents (ReferenceLatent, TextEncodeQwenImageEdit's image)",
     "reference_latents_method": "a reference latents method (FluxKontextMultiReferenceLatentMethod)",
-    "concat_latent_image": "an image to condition on (image-to-video)", "clip_vision_output": "a CLIP vision output",
+    "concat_latent_image": "an image to condition on (image-to-video)", "concat_mask": "an image's frame mask",
+    "clip_vision_output": "a CLIP vision output",
 }
 
 
@@ -56,13 +57,22 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             f"the {which} conditioning has {len(entries)} entries (combined or concatenated conditioning); "
             "the xDiT sampler takes one", "encode one prompt per side (or use KSampler for combined conditioning)")
     tensor, options = entries[0]
-    takes = HONOURED | set(spec.comfy_conditioning) | ({"reference_latents"} if spec.takes_references else set())
+    shapes = spec.conditioning_shapes(batch, tensor.shape[1])
+    # option → (the attribute of its value that holds the tensor, or "", request key), for the keys this model takes
+    family_options = {path.partition(".")[0]: (path.partition(".")[2], key)
+                      for path, key in spec.comfy_conditioning.items()
+                      if key in shapes or key in spec.optional_conditioning}
+    takes = HONOURED | set(family_options) | ({"reference_latents"} if spec.takes_references else set())
     for key, value in options.items():
         if key in takes or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
             continue
         if value is None:
             continue
         what = REFUSED.get(key, f"the option {key!r}")
+        if key in (path.partition(".")[0] for path in spec.comfy_conditioning):  # the family's, not this model's
+            raise TranslationError(f"the {which} conditioning carries {what}, which this {spec.family} model does not "
+                                   "take", "load a model that takes it (an image-to-video file for an image to "
+                                   "start from), or remove the node that adds it from the prompt's path")
         if key == "reference_latents":
             raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does "
                                    "not take",
@@ -70,7 +80,6 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
                                    "path, or load an edit model")
         raise TranslationError(f"the {which} conditioning carries {what}, which the xDiT sampler cannot honour",
                                "remove that node from the prompt's path, or use KSampler for this workflow")
-    shapes = spec.conditioning_shapes(batch, tensor.shape[1])
     side = Side()
     side.tensors["context"] = _to_batch(tensor, batch, "context", which)
     if "pooled" in shapes:
@@ -79,16 +88,17 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             raise TranslationError(f"the {which} conditioning has no pooled output, which a {spec.family} model needs",
                                    "encode the prompt with this model's text encoders (CLIPTextEncode with its CLIP)")
         side.tensors["pooled"] = _to_batch(pooled, batch, "pooled", which)
-    for option, key in spec.comfy_conditioning.items():
+    for option, (attribute, key) in family_options.items():
         if options.get(option) is not None:
-            side.tensors[key] = _to_batch(options[option], batch, key, which)
+            value = getattr(options[option], attribute) if attribute else options[option]
+            side.tensors[key] = _to_batch(value, batch, key, which)
     if spec.takes_references and options.get("reference_latents"):
         side.tensors.update(references(options["reference_latents"], spec, batch, which))
     for key, shape in shapes.items():
         if key not in side.tensors:
             if key in spec.optional_conditioning:
                 continue
-            option = next((o for o, k in spec.comfy_conditioning.items() if k == key), key)
+            option = next((o for o, (_, k) in family_options.items() if k == key), key)
             raise TranslationError(f"the {which} conditioning has no {option!r}, which a {spec.family} model needs",
                                    "encode the prompt with the text encoders that belong to this model")
         got = tuple(side.tensors[key].shape)

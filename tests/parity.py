@@ -28,6 +28,8 @@ SIZES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
+    # the same latent, with the start frame's latent and mask concatenated (20 channels) and 8 CLIP tokens
+    "wan-i2v-tiny": {"width": 64, "height": 64, "frames": 5},
     # latent [1, 32, 2, 4, 4]: 32 image tokens (16× VAE, 1×1×1 patches); text 8 byT5 + 8 Qwen2.5-VL tokens
     "hunyuan-video-1.5-tiny": {"width": 64, "height": 64, "frames": 5},
     "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)

@@ -30,3 +30,32 @@ def test_a_reference_latent_through_the_backend_changes_qwen_image_and_stays_exa
     without, _ = backend2.sample({**message, "parallel": {"ulysses": 2}},
                                  {k: v for k, v in tensors.items() if "reference" not in k})
     assert (without["samples"] - serial).abs().max() > 10 * bound(serial)  # 0.09: 50 × the bound (random weights)
+
+
+def test_wan_image_to_video_inputs_each_move_the_result_and_a_wrong_frame_count_is_named(backend2):
+    """wan-i2v-tiny end to end with its inputs under ComfyUI's names (as an --embeds file or the nodes send them):
+    the start frame's latent, the frame mask and the CLIP tokens each move the result by far more than the parity
+    tolerance (the layouts' parity is in test_parity.py); a start latent whose frames are not the video's is
+    refused naming both counts, and the backend serves on."""
+    import pytest
+    import torch
+
+    from xdit_backend.client import BackendError
+
+    message = {**family("wan-i2v-tiny"), "parallel": {"ulysses": 2}}
+    spec = registry.spec("wan-i2v-tiny")
+    latent = spec.latent_shape(1, message["width"], message["height"], message["frames"])
+    positive, negative = registry.random_conditioning("wan-i2v-tiny", 1, 7, spec, latent=latent)
+    tensors = {**positive, **{f"negative_{key}": value for key, value in negative.items()}}
+    base, _ = backend2.sample(message, tensors)
+    generator = torch.Generator().manual_seed(8)
+    for key in ("concat_latent_image", "concat_mask", "clip_vision_output"):
+        other = torch.randn(tensors[key].shape, generator=generator)  # not a constant: the embedder's LayerNorm
+        changed = {**tensors, key: other, f"negative_{key}": other}  # takes a constant shift out
+        moved, _ = backend2.sample(message, changed)
+        assert (moved["samples"] - base["samples"]).abs().max() > 100 * bound(base["samples"]), key
+    short = {**tensors, "concat_latent_image": tensors["concat_latent_image"][:, :, :1]}
+    with pytest.raises(BackendError, match=r"concat_latent_image has 1 frames; the latent has 2"):
+        backend2.sample(message, short)
+    again, _ = backend2.sample(message, tensors)
+    assert torch.equal(again["samples"], base["samples"])

@@ -500,3 +500,126 @@ def test_qwen_image_edit_reference_latents_give_comfyuis_latent(backend2, pack, 
     xmodel = xdit_model(pack, path, backend2, {"ulysses": 2})
     sample_both(own, xmodel, torch.zeros(1, 16, 1, 8, 8), 3, 3, 3.0, "euler", positive, negative)
     assert xmodel.model.diffusion_model.send.last_info["inputs_held"] >= 3  # context ×2 and the reference, kept
+
+
+# ----------------------------------------------------------------------------------------------- Wan image to video
+# A tiny Wan 2.1 I2V file (36 input channels, the CLIP image embedder) in the original layout, against ComfyUI's own
+# WAN21 model (image_to_video, as its detection makes it from the file), with the conditioning WanImageToVideo makes
+# (comfy_extras/nodes_wan.py: the start frame's latent and a mask over the frames to make, on both sides) and
+# CLIPVisionEncode's output.
+
+
+def pack_module(name: str):
+    """A module of the pack as ComfyUI imports it (after the ``pack`` fixture)."""
+    import importlib
+
+    return importlib.import_module(f"comfyui_xdit.nodes.{name}")
+
+
+def tiny_wan_i2v(tmp_path) -> tuple[str, dict]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-wan-i2v.safetensors")
+    save_file(original_state_dict(registry.build("wan-i2v-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    return path, load_file(path)
+
+
+def wan_i2v_prompts(seed: int, frames: int = 3, size: int = 8, image_tokens: int = 6):
+    """WanImageToVideo's conditioning: ``concat_latent_image`` (the start frame's latent, the other frames zero),
+    ``concat_mask`` (0 on the start frame: kept, 1 on the frames to make), and ``clip_vision_output``."""
+    import comfy.clip_vision
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    image = torch.zeros(1, 16, frames, size, size)
+    image[:, :, :1] = torch.randn(1, 16, 1, size, size, generator=generator)
+    mask = torch.ones(1, 1, frames, size, size)
+    mask[:, :, :1] = 0.0
+    clip = comfy.clip_vision.Output()
+    clip.penultimate_hidden_states = torch.randn(1, image_tokens, 1280, generator=generator)
+    extra = {"concat_latent_image": image, "concat_mask": mask, "clip_vision_output": clip}
+    return [[[torch.randn(1, 8, 64, generator=generator), dict(extra)]] for _ in range(2)]
+
+
+def test_wans_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
+    """The backend's Wan builds the 20 channels ComfyUI concatenates exactly as ComfyUI's WAN21.concat_cond does:
+    a start image of another size (resized and cropped at the centre), a mask of one channel at pixel size over
+    fewer frames (inverted, resized, padded, repeated), a four-channel mask, and no image at all."""
+    import torch
+
+    from xdit_backend.models import registry
+
+    path, state_dict = tiny_wan_i2v(tmp_path)
+    own = comfyuis_model(state_dict, num_heads=2, text_dim=64, freq_dim=32).model
+    ours = registry.build(path, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn(2, 16, 4, 8, 12, generator=generator)
+    image = torch.randn(2, 16, 4, 10, 10, generator=generator)
+    cases = [
+        {"concat_latent_image": image, "concat_mask": (torch.rand(2, 1, 3, 64, 96, generator=generator) > 0.5).float()},
+        {"concat_latent_image": image, "concat_mask": torch.rand(2, 4, 4, 8, 12, generator=generator)},
+        {"concat_latent_image": image},
+        {},
+    ]
+    for cond in cases:
+        theirs = own.concat_cond(noise=noise, device=torch.device("cpu"), **cond)
+        assert torch.equal(ours.concat(tuple(noise.shape), cond), theirs), sorted(cond)
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}], ids=["ulysses", "cfg"])
+def test_wan_image_to_video_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """ComfyUI concatenates the channels itself and passes the CLIP hidden states as clip_fea: the xDiT Model sends
+    x with 36 channels and the image tokens (once, by hash), and gets ComfyUI's latent."""
+    import torch
+
+    path, state_dict = tiny_wan_i2v(tmp_path)
+    own = comfyuis_model(state_dict, num_heads=2, text_dim=64, freq_dim=32)
+    xmodel = xdit_model(pack, path, backend2, layout)
+    sample_both(own, xmodel, torch.zeros(1, 16, 3, 8, 8), 6, 3, 4.0, "euler", *wan_i2v_prompts(16))
+    assert xmodel.model.diffusion_model.send.last_info["inputs_held"] >= 3  # context ×2 and the image tokens
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses", "ring"])
+def test_wan_image_to_video_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """The xDiT Sampler's translation of WanImageToVideo's conditioning (the start latent, the mask, the CLIP
+    output's hidden states), and the backend's own concatenation, against KSampler on ComfyUI's own model."""
+    import comfy.sample
+    import torch
+
+    from xdit_backend.models import registry
+
+    translate = pack_module("translate")
+
+    path, state_dict = tiny_wan_i2v(tmp_path)
+    own = comfyuis_model(state_dict, num_heads=2, text_dim=64, freq_dim=32)
+    positive, negative = wan_i2v_prompts(17)
+    latent = torch.zeros(1, 16, 3, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 7)
+    theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, latent, seed=7)
+    spec = registry.spec(path)
+    geometry, _ = translate.latent({"samples": latent}, spec)
+    tensors = {}
+    for prefix, entries in (("", positive), ("negative_", negative)):
+        side = translate.conditioning(entries, spec, geometry.batch, "positive" if not prefix else "negative")
+        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    assert {"concat_latent_image", "concat_mask", "clip_vision_output"} <= set(tensors)
+    request = {"model": path, "dtype": "float32", "width": geometry.width, "height": geometry.height,
+               "frames": geometry.frames, "steps": 3, "seed": 7, "cfg": 4.0, "sampler": "euler",
+               "scheduler": "simple", "parallel": layout}
+    result, _ = backend2.sample(request, tensors)
+    assert_same(theirs, translate.to_comfyui(result["samples"], spec))
+
+
+def test_an_image_input_on_a_text_to_video_wan_is_refused_by_name(pack):
+    """WanImageToVideo before a text-to-video file: ComfyUI would drop the image silently; the xDiT Sampler says so."""
+    from xdit_backend.models import registry
+
+    translate = pack_module("translate")
+    positive, _ = wan_i2v_prompts(18)
+    with pytest.raises(translate.TranslationError, match="an image to condition on .image-to-video., which this wan "
+                                                         "model does not take"):
+        translate.conditioning(positive, registry.spec("wan-tiny"), 1, "positive")

@@ -1,9 +1,11 @@
-"""Wan 2.1 / 2.2 text-to-video files in the original key layout (bare or in a checkpoint, fp8) load
-into diffusers' WanTransformer3DModel at any width; foreign, damaged or image-to-video files are named."""
+"""Wan 2.1 / 2.2 files in the original key layout (bare or in a checkpoint, fp8) load into diffusers'
+WanTransformer3DModel at any width: text to video, and image to video (Wan 2.1 I2V and FLF2V with the CLIP image
+embedder, Wan 2.2 I2V A14B without); foreign, damaged or other-variant files are named."""
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from safetensors.torch import save_file
 
 from xdit_backend.errors import UserError
@@ -14,11 +16,19 @@ TINY = {"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim":
         "out_channels": 16, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2,
         "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
 TI2V_LIKE = {**TINY, "in_channels": 48, "out_channels": 48}
+I2V_LIKE = {**TINY, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 64}  # Wan 2.1 I2V
+FLF2V_LIKE = {**I2V_LIKE, "pos_embed_seq_len": 514}  # the first and last frame's CLIP tokens, each placed
+I2V_A14B_LIKE = {**TINY, "in_channels": 36}  # Wan 2.2 I2V: the channels only, no image embedder
 # The released sizes, from the Wan configs (dim, ffn_dim, num_heads, num_layers; TI2V's 48-channel VAE).
 FULL = {
     "Wan2.1-T2V-1.3B": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
-    "Wan-14B (Wan2.1-T2V-14B or a Wan2.2-A14B expert)": {"num_attention_heads": 40, "ffn_dim": 13824,
-                                                         "num_layers": 40},
+    "Wan-14B (Wan2.1-T2V-14B or a Wan2.2-T2V-A14B expert)": {"num_attention_heads": 40, "ffn_dim": 13824,
+                                                             "num_layers": 40},
+    "Wan2.1-I2V-14B (480p or 720p)": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+                                      "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+    "Wan2.1-FLF2V-14B": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 36,
+                         "image_dim": 1280, "added_kv_proj_dim": 5120, "pos_embed_seq_len": 514},
+    "a Wan2.2-I2V-A14B expert": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 36},
     "Wan2.2-TI2V-5B": {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
                        "out_channels": 48},
 }
@@ -54,6 +64,18 @@ def original_state_dict(transformer) -> dict[str, torch.Tensor]:
         linear(f"{o}.ffn.0", f"{d}.ffn.net.0.proj")
         linear(f"{o}.ffn.2", f"{d}.ffn.net.2")
         out[f"{o}.modulation"] = sd[f"{d}.scale_shift_table"]  # [1, 6, D]: shift, scale, gate (attn, then FFN)
+        if f"{d}.attn2.add_k_proj.weight" in sd:  # I2V: the image tokens' keys and values
+            linear(f"{o}.cross_attn.k_img", f"{d}.attn2.add_k_proj")
+            linear(f"{o}.cross_attn.v_img", f"{d}.attn2.add_v_proj")
+            out[f"{o}.cross_attn.norm_k_img.weight"] = sd[f"{d}.attn2.norm_added_k.weight"]
+    image = "condition_embedder.image_embedder"
+    if f"{image}.norm1.weight" in sd:  # ComfyUI's MLPProj: Sequential(LayerNorm, Linear, GELU, Linear, LayerNorm)
+        linear("img_emb.proj.0", f"{image}.norm1")
+        linear("img_emb.proj.1", f"{image}.ff.net.0.proj")
+        linear("img_emb.proj.3", f"{image}.ff.net.2")
+        linear("img_emb.proj.4", f"{image}.norm2")
+        if f"{image}.pos_embed" in sd:
+            out["img_emb.emb_pos"] = sd[f"{image}.pos_embed"]  # [1, 514, 1280]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -74,18 +96,26 @@ def load(path, dtype=torch.float32):
     assert source.family == "wan"
     model = registry.build(str(path), torch.device("cpu"), dtype).transformer
     assert not model.rope.freqs_cos.is_meta
+    model.set_attn_processor(WanAttnProcessor())  # diffusers' own, as the model built here has (not the wrapper's)
     return model, source.config
 
 
 def forward(transformer, channels, text_dim, seed=0):
+    """diffusers' own forward (and processors: its I2V cross-attention takes the image tokens to be all but the
+    last 512 of the context, so an I2V model gets 512 text tokens, and 257 CLIP ones per image: FLF2V's two
+    stacked in the batch, as diffusers takes them)."""
     g = torch.Generator().manual_seed(seed)
+    image, images = transformer.config.image_dim, 2 if transformer.config.pos_embed_seq_len else 1
     with torch.no_grad():
         return transformer(hidden_states=torch.randn(1, channels, 3, 8, 8, generator=g),
                            timestep=torch.tensor([700.0]),
-                           encoder_hidden_states=torch.randn(1, 8, text_dim, generator=g), return_dict=False)[0]
+                           encoder_hidden_states=torch.randn(1, 512 if image else 8, text_dim, generator=g),
+                           encoder_hidden_states_image=(torch.randn(images, 257, image, generator=g)
+                                                        if image else None), return_dict=False)[0]
 
 
-@pytest.fixture(scope="module", params=[TINY, TI2V_LIKE], ids=["16-channel", "48-channel"])
+@pytest.fixture(scope="module", params=[TINY, TI2V_LIKE, I2V_LIKE, FLF2V_LIKE, I2V_A14B_LIKE],
+                ids=["16-channel", "48-channel", "i2v", "flf2v", "i2v-a14b"])
 def model(request):
     return request.param, build(request.param)
 
@@ -98,7 +128,8 @@ def test_original_file_loads_as_the_same_model(model, tmp_path, prefix):
     save_file({prefix + k: v for k, v in original_state_dict(built).items()}, str(path))
     loaded, read_config = load(path)
     assert read_config == config
-    assert wan_checkpoint.variant(read_config) == "Wan architecture, width 64, 2 blocks"
+    kind = " image to video" if config["in_channels"] == 36 else ""
+    assert wan_checkpoint.variant(read_config) == f"Wan{kind} architecture, width 64, 2 blocks"
     expected = built.state_dict()
     assert loaded.state_dict().keys() == expected.keys()
     for key, value in expected.items():
@@ -117,6 +148,8 @@ def test_conversion_matches_diffusers_own_converter(model, tmp_path):
     save_file({"model.diffusion_model." + k: v for k, v in original_state_dict(model[1]).items()}, str(path))
     theirs = convert_wan_transformer_to_diffusers(load_file(str(path)))
     ours = load(path)[0].state_dict()
+    if "img_emb.emb_pos" in theirs:  # diffusers' single-file converter leaves FLF2V's position table unrenamed
+        theirs["condition_embedder.image_embedder.pos_embed"] = theirs.pop("img_emb.emb_pos")
     assert ours.keys() == theirs.keys()
     assert [key for key in theirs if not torch.equal(ours[key], theirs[key])] == []
 
@@ -186,14 +219,16 @@ def test_width_with_no_head_size_is_refused():
         wan_checkpoint.config_from_shapes(shapes, "", "odd.safetensors")
 
 
-@pytest.mark.parametrize("changes", [
-    {"img_emb.proj.0.weight": [1280], "blocks.0.cross_attn.k_img.weight": [64, 64]},  # Wan2.1 I2V
-    {"patch_embedding.weight": [64, 36, 1, 2, 2]},  # Wan2.2 I2V-A14B: 36 channels in, 16 out
-], ids=["wan2.1-i2v", "wan2.2-i2v"])
-def test_image_to_video_is_refused(changes):
-    """Image-to-video Wan files are detected and refused by name."""
-    with pytest.raises(UserError, match="i2v.safetensors: image-to-video Wan is not supported yet"):
+@pytest.mark.parametrize("changes, words", [
+    ({"patch_embedding.weight": [64, 48, 1, 2, 2]}, "48 input channels and 16 output channels"),  # Fun Control
+    ({"img_emb.proj.0.weight": [1280], "patch_embedding.weight": [64, 36, 1, 2, 2]}, "do not go together"),
+], ids=["fun-control", "embedder-without-image-keys"])
+def test_other_image_inputs_are_refused_by_name(changes, words):
+    """A variant whose extra channels are not image to video's 20, or an image embedder without its blocks' image
+    keys, is refused naming the file."""
+    with pytest.raises(UserError, match="i2v.safetensors") as info:
         wan_checkpoint.config_from_shapes(tiny_shapes(**changes), "", "i2v.safetensors")
+    assert words in info.value.message
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -212,5 +247,5 @@ def test_missing_tensor_and_unknown_key_raise_key_error():
     del shapes["blocks.0.ffn.0.weight"]
     with pytest.raises(KeyError, match="blocks.0.ffn.0.weight"):
         wan_checkpoint.config_from_shapes(shapes, "", "cut.safetensors")
-    with pytest.raises(KeyError, match="image_embedder"):
-        wan_checkpoint.sources(["condition_embedder.image_embedder.norm1.weight"], "", TINY)
+    with pytest.raises(KeyError, match="condition_embedder.refiner"):
+        wan_checkpoint.sources(["condition_embedder.refiner.norm1.weight"], "", TINY)

@@ -46,7 +46,9 @@ class FamilySpec(ABC):
                       from there), or ``<key>_mask`` [B, L_key], 1 for a real token and 0 for padding,
                       of the context ("context_mask") or of another key ("context_mt5_mask").
     comfy_conditioning: ComfyUI conditioning option → request key for the tensors besides the context
-                      and the pooled output ({"conditioning_mt5xl": "context_mt5"}); translate.py reads them.
+                      and the pooled output ({"conditioning_mt5xl": "context_mt5"}; "option.attribute" for a
+                      tensor an option's object holds: Wan's "clip_vision_output.penultimate_hidden_states");
+                      translate.py reads them.
     comfy_model_inputs: the keyword inputs ComfyUI's own diffusion model of this family takes besides x,
                       the timestep and the context (comfy/model_base.py ``_apply_model``'s ``extra_conds``) →
                       the request key each becomes ({"y": "pooled"}; "guidance": Flux's embedded guidance, per
@@ -57,6 +59,10 @@ class FamilySpec(ABC):
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies
                       ``latent_format.process_in`` to them, as ComfyUI's model_base does.
+    concat_channels:  channels ComfyUI concatenates to the model input (image to video, inpainting: its model's
+                      ``concat_cond``); the transformer takes the latent's channels and these. The model wrapper
+                      builds them from the conditioning (``DiffusionModel.concat``), or the call brings them (the
+                      xDiT MODEL's x, concatenated by ComfyUI).
     prepare_conditioning(cond): one side as the model takes it (ComfyUI's ``extra_conds`` reshaping
                       it: Flux.2 pads its text to 512 tokens). SampleRequest.generation applies it once
                       per generation to both sides, so every layout (serial, ulysses/ring, cfg, dp,
@@ -101,6 +107,10 @@ class FamilySpec(ABC):
     def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One side's tensors as the model takes them; the identity unless the family reshapes them."""
         return cond
+
+    @property
+    def concat_channels(self) -> int:
+        return 0
 
     @property
     def pixel_multiple(self) -> int:
@@ -194,6 +204,17 @@ class DiffusionModel(ABC):
         """The blocks' hidden size D (what PipeFusion's stages send per token)."""
         config = self.transformer.config
         return config.num_attention_heads * config.attention_head_dim
+
+    def concat(self, shape: tuple[int, ...], cond: dict) -> torch.Tensor | None:
+        """The channels concatenated to the model input of a latent of ``shape`` [B, C, (T,) h, w]
+        (FamilySpec.concat_channels) [B, concat_channels, (T,) h, w], made from ``cond`` as ComfyUI's model makes
+        them; None for a family without."""
+        return None
+
+    def with_concat(self, x: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The model input: ``x`` with the concatenated channels where x is the latent alone."""
+        extra = self.concat(tuple(x.shape), cond) if x.shape[1] == self.spec.latent_format.channels else None
+        return x if extra is None else torch.cat([x, extra.to(x)], dim=1)  # [B, C + concat_channels, ...]
 
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
         """x0 for ``x`` (model space) at noise levels ``sigma`` [B]."""

@@ -139,6 +139,29 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
     ),
+    "wan-i2v-tiny": BuiltinModel(
+        family="wan",
+        config=dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=32,
+            in_channels=36,  # the latent's 16, then the mask's 4 and the start image's 16 (WanImageToVideo)
+            out_channels=16,
+            text_dim=64,
+            freq_dim=32,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            image_dim=1280,  # CLIP-H's hidden states, as Wan 2.1 I2V's image embedder takes them
+            added_kv_proj_dim=64,
+            rope_max_seq_len=1024,
+        ),
+        text_tokens=8,
+        description="Wan 2.1 I2V architecture (concatenated start frame and mask, CLIP image tokens), 2 blocks, "
+                    "width 64, random weights (a test model)",
+    ),
     "hunyuan-video-1.5-tiny": BuiltinModel(
         family="hunyuan_video15",
         config=dict(

@@ -348,22 +348,28 @@ def _file_reader(source: ModelSource, keys: list[str], stack: ExitStack) -> Call
     return lambda key, part=None: read(table[key] if part is None else replace(table[key], part=part))
 
 
-def random_conditioning(name: str, batch: int, seed: int, spec,
-                        references: tuple[tuple[int, int], ...] = ()) -> tuple[dict, dict]:
+def random_conditioning(name: str, batch: int, seed: int, spec, references: tuple[tuple[int, int], ...] = (),
+                        latent: tuple[int, ...] | None = None) -> tuple[dict, dict]:
     """Deterministic stand-in text embeddings for a built-in model, derived from the seed.
 
     Positive and negative sides come from one generator (seeded apart from the noise), so the same
     seed always gives the same prompt and a different seed a different one. A dimension of any
-    length (None) gets the built-in's ``text_tokens``. ``references``: the latent (rows, columns) of
-    each reference latent to draw (a model that takes them), the same on both sides, drawn after
-    the text so the text does not change with them.
+    length (None) gets the built-in's ``text_tokens``; in a tensor shaped like the ``latent``'s (5-D
+    for video: an image-to-video model's start frames and mask), the latent's frames, rows and columns.
+    ``references``: the latent (rows, columns) of each reference latent to draw (a model that takes
+    them), the same on both sides, drawn after the text so the text does not change with them.
     """
     if references and not spec.takes_references:
         raise ModelError(f"{name} takes no reference latents", "ask for references only from an edit model")
     generator = torch.Generator().manual_seed((seed * 2654435761 + 97) % 2**63)
     tokens = resolve_builtin(name).text_tokens
-    shapes = {key: tuple(tokens if d is None else d for d in shape)
-              for key, shape in spec.conditioning_shapes(batch, tokens).items()}
+
+    def filled(shape: tuple) -> tuple[int, ...]:
+        like_latent = latent is not None and len(shape) == len(latent) > 3
+        return tuple((latent[i] if like_latent and i >= 2 else tokens) if d is None else d
+                     for i, d in enumerate(shape))
+
+    shapes = {key: filled(shape) for key, shape in spec.conditioning_shapes(batch, tokens).items()}
     positive = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     negative = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     for i, (rows, columns) in enumerate(references):

@@ -1,4 +1,4 @@
-"""Wan 2.1 / 2.2 (text to video): diffusers ``WanTransformer3DModel`` fed as ComfyUI feeds Wan.
+"""Wan 2.1 / 2.2: diffusers ``WanTransformer3DModel`` fed as ComfyUI feeds Wan.
 
 Video latents [B, C, T, h, w] in (1, 2, 2) patches; self-attention over frames × rows × columns
 tokens with 3-D RoPE, cross-attention to the UMT5 text. Sequence parallelism cuts the tokens
@@ -6,6 +6,19 @@ before the first block and the RoPE table alongside them, and gathers after ``pr
 cross-attention needs nothing (its keys are the whole text). Model sampling: discrete flow,
 shift 8. Wan 2.2-A14B is two such models (high- and low-noise experts), run as two requests
 over step ranges; Wan 2.2-TI2V-5B has a 48-channel latent from a 16× VAE.
+
+Image to video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B: 36 input channels). As ComfyUI's WanImageToVideo and
+WanFirstLastFrameToVideo put them on the conditioning (comfy_extras/nodes_wan.py) and its WAN21 model reads them
+(comfy/model_base.py ``WAN21.concat_cond``, ``extra_conds``; comfy/ldm/wan/model.py ``MLPProj``,
+``WanI2VCrossAttention``):
+- ``concat_latent_image`` [B, 16·k, T', h', w'] (the start/end frames' VAE latents, raw) and ``concat_mask``
+  [B, 1 or 4, T'', H, W] (1 where a frame is to be made): ``concat`` builds the 20 channels ComfyUI concatenates
+  to the model input, the inverted mask (4) and the image (16) in model space, resized to the latent. They are
+  channels of the input, so they travel with their tokens under every split.
+- ``clip_vision_output`` [B, 257 (FLF2V: 514), 1280] (CLIPVisionEncode's penultimate hidden states): Wan 2.1
+  I2V's image embedder turns them into tokens its cross-attention attends to beside the text, through its own
+  keys and values (``WanCrossProcessor``). They are keys, whole on every rank, like the text. A model without an
+  image embedder (Wan 2.2) ignores them, as ComfyUI's does.
 """
 
 from __future__ import annotations
@@ -13,12 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
+CLIP_VISION_WIDTH = 1280  # CLIP-H's hidden states, what ComfyUI's Wan image embedder (MLPProj) takes
 
 
 class WanProcessor:
@@ -40,6 +56,51 @@ class WanProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class ImageTokens:
+    """The embedded CLIP image tokens [B, n, D] of the forward running now (None: none), which every block's
+    cross-attention reads: set by the model wrapper around each forward or step."""
+
+    tokens: torch.Tensor | None = None
+
+
+class WanCrossProcessor:
+    """Wan I2V's cross-attention, as ComfyUI's WanI2VCrossAttention: the queries attend to the text (the module's
+    keys and values) and to the image tokens (its added keys and values), and the two results add. diffusers' own
+    processor finds the image tokens by taking 512 text tokens off the end; ComfyUI's text can be longer."""
+
+    def __init__(self, images: ImageTokens):
+        self.images = images
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(2, (attn.heads, -1)).transpose(1, 2)  # [B, S, H·D] → [B, H, S, D]
+
+        query = heads(attn.norm_q(attn.to_q(hidden_states)))
+        key = heads(attn.norm_k(attn.to_k(encoder_hidden_states)))
+        out = F.scaled_dot_product_attention(query, key, heads(attn.to_v(encoder_hidden_states)))  # [B, H, N, D]
+        image = self.images.tokens
+        if image is not None:
+            key = heads(attn.norm_added_k(attn.add_k_proj(image)))
+            out = out + F.scaled_dot_product_attention(query, key, heads(attn.add_v_proj(image)))
+        out = out.transpose(1, 2).flatten(2, 3).type_as(query)  # [B, N, H·D]
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def upscale(latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """ComfyUI's ``common_upscale(latent, width, height, "bilinear", "center")`` for [B, C, T, h', w'] (each frame
+    cropped to the target's aspect at the centre, then resized bilinearly) → [B, C, T, height, width]."""
+    b, c, frames, old_h, old_w = latent.shape
+    flat = latent.movedim(2, 1).reshape(b * frames, c, old_h, old_w)  # [B·T, C, h', w']
+    x = y = 0
+    if old_w / old_h > width / height:
+        x = round((old_w - old_w * ((width / height) / (old_w / old_h))) / 2)
+    elif old_w / old_h < width / height:
+        y = round((old_h - old_h * ((old_w / old_h) / (width / height))) / 2)
+    flat = flat[..., y:old_h - y, x:old_w - x]
+    out = F.interpolate(flat, size=(height, width), mode="bilinear")
+    return out.reshape(b, frames, c, height, width).movedim(1, 2)  # [B, C, T, height, width]
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's RoPE on interleaved pairs: x [B, S, H, D], cos and sin [1, S, 1, D]."""
     even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, D/2] each
@@ -58,11 +119,17 @@ class WanSpec(FamilySpec):
     context_dim: int  # UMT5 (4096)
     heads: int
     blocks: int
-    channels: int  # 16 (Wan 2.1, Wan 2.2-A14B) or 48 (Wan 2.2-TI2V-5B)
+    channels: int  # the latent's: 16 (Wan 2.1, Wan 2.2-A14B) or 48 (Wan 2.2-TI2V-5B)
+    in_channels: int = 0  # the model input's: the latent's and the 20 image-to-video concatenates (36); 0: the latent's
 
     family = "wan"
-    # comfy/ldm/wan/model.py WanModel.forward(x, timestep, context, clip_fea, time_dim_concat, …): text to video
-    comfy_model_inputs = {}
+    # comfy/ldm/wan/model.py WanModel.forward(x, timestep, context, clip_fea, time_dim_concat, …); x comes with the
+    # concatenated channels (model_base._apply_model concatenates c_concat)
+    comfy_model_inputs = {"clip_fea": "clip_vision_output"}
+    # comfy_extras/nodes_wan.py WanImageToVideo / WanFirstLastFrameToVideo's options; the CLIP output's hidden
+    # states as model_base.WAN21.extra_conds reads them
+    comfy_conditioning = {"concat_latent_image": "concat_latent_image", "concat_mask": "concat_mask",
+                          "clip_vision_output.penultimate_hidden_states": "clip_vision_output"}
     video = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
@@ -81,27 +148,97 @@ class WanSpec(FamilySpec):
     def vae_factor(self) -> int:
         return 16 if self.channels == 48 else 8
 
+    @property
+    def concat_channels(self) -> int:
+        return max(0, self.in_channels - self.channels)
+
+    @property
+    def optional_conditioning(self) -> tuple[str, ...]:
+        images = ("concat_latent_image", "concat_mask") if self.concat_channels else ()
+        return (*images, "clip_vision_output")
+
     @classmethod
     def from_config(cls, config: dict) -> WanSpec:
-        return cls(config["text_dim"], config["num_attention_heads"], config["num_layers"], config["in_channels"])
+        return cls(config["text_dim"], config["num_attention_heads"], config["num_layers"],
+                   config.get("out_channels") or config["in_channels"], config["in_channels"])
 
     def model_sampling(self, shift: float | None) -> FlowSampling:
         return FlowSampling(WAN_DEFAULT_SHIFT if shift is None else shift)
 
-    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        return {"context": (batch, text_tokens, self.context_dim)}
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
+        shapes = {"context": (batch, text_tokens, self.context_dim),
+                  "clip_vision_output": (batch, None, CLIP_VISION_WIDTH)}  # [B, 257 or 514, 1280]
+        if self.concat_channels:
+            shapes["concat_latent_image"] = (batch, self.channels, None, None, None)  # [B, 16, T, h', w'], raw
+            shapes["concat_mask"] = (batch, None, None, None, None)  # [B, 1 or 4, T'', H, W], 1: to be made
+        return shapes
 
 
 class WanModel(DiffusionModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.images = ImageTokens()
+        for block in self.transformer.blocks:
+            if block.attn2.add_k_proj is not None:  # Wan 2.1 I2V / FLF2V: keys and values for the image tokens
+                block.attn2.set_processor(WanCrossProcessor(self.images))
+
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for x [B, C, T, h, w] at timestep 1000·σ [B], float32 into the sinusoidal
         embedding as in ComfyUI (not rounded to the weights' dtype)."""
-        return self.transformer(
-            hidden_states=x,
-            timestep=timestep.to(self.device, torch.float32),
-            encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
-            return_dict=False,
-        )[0]
+        self.images.tokens = self.image_tokens(cond)
+        try:
+            return self.transformer(
+                hidden_states=self.with_concat(x, cond),  # [B, C (+ 20), T, h, w]
+                timestep=timestep.to(self.device, torch.float32),
+                encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
+                return_dict=False,
+            )[0]
+        finally:
+            self.images.tokens = None
+
+    def image_tokens(self, cond: dict) -> torch.Tensor | None:
+        """The CLIP image tokens [B, n, D] through the image embedder, as ComfyUI's MLPProj (FLF2V: the position
+        table added to the first and last frame's tokens); None without an embedder or an image."""
+        clip = cond.get("clip_vision_output")
+        embedder = self.transformer.condition_embedder.image_embedder
+        if clip is None or embedder is None:
+            return None
+        clip = clip.to(self.device, self.dtype)  # [B, 257 or 514, 1280]
+        if embedder.pos_embed is not None:
+            clip = clip[:, :embedder.pos_embed.shape[1]] + embedder.pos_embed[:, :clip.shape[1]].to(clip.dtype)
+        return embedder.norm2(embedder.ff(embedder.norm1(clip)))  # [B, n, D]
+
+    def concat(self, shape, cond) -> torch.Tensor | None:
+        """ComfyUI's WAN21.concat_cond for a latent of ``shape`` [B, 16, T, h, w]: the mask (inverted, 4 channels)
+        and the image latents in model space, resized to the latent, [B, 20, T, h, w]; zeros without an image."""
+        extra = self.spec.concat_channels
+        if not extra:
+            return None
+        b, _, frames, h, w = shape
+        image = cond.get("concat_latent_image")
+        if image is None:
+            return torch.zeros(b, extra, frames, h, w, device=self.device)
+        if image.shape[2] != frames:
+            raise UserError(f"concat_latent_image has {image.shape[2]} frames; the latent has {frames}",
+                            "make the start image's latent as WanImageToVideo does: as many frames as the video's")
+        image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 16·k, T, h, w]
+        channels = self.spec.channels
+        image = torch.cat([self.latent_format.process_in(part) for part in image.split(channels, dim=1)], dim=1)
+        if image.shape[1] == extra:  # as ComfyUI: an image that fills the channels goes without a mask
+            return image
+        image = image[:, :extra - 4]
+        mask = cond.get("concat_mask")
+        if mask is None:
+            mask = torch.zeros(b, 4, frames, h, w, device=self.device)
+        else:
+            mask = mask.to(self.device, torch.float32)
+            if mask.shape[1] != 4:
+                mask = mask.mean(dim=1, keepdim=True)
+            mask = upscale(1.0 - mask, h, w)
+            if mask.shape[2] < frames:
+                mask = F.pad(mask, (0, 0, 0, 0, 0, frames - mask.shape[2]))
+            mask = mask.expand(-1, 4, -1, -1, -1) if mask.shape[1] == 1 else mask
+        return torch.cat([mask, image], dim=1)  # [B, 4 + 16, T, h, w]
 
     # PipeFusion stages (base.DiffusionModel): a patch is the same band of rows in every frame, so
     # it is a [B, C, T, rows, w] slice of the latent and its tokens are frames × rows × columns.
@@ -111,6 +248,7 @@ class WanModel(DiffusionModel):
         return self.transformer.rope(torch.empty(shape, device="meta"))
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        self.images.tokens = self.image_tokens(cond)  # the same for every chunk of the generation
         temb, projection, context, _ = self.transformer.condition_embedder(
             timestep.to(self.device, torch.float32), cond["context"].to(self.device, self.dtype), None,
             timestep_seq_len=None)

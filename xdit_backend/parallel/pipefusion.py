@@ -212,6 +212,13 @@ class PipeFusion:
         self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
                       for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
         self.positions = self.model.positions(shape)
+        # the channels ComfyUI concatenates to the model input (image to video), for the whole latent: [batch, E, ...]
+        latent = shape[1] == self.model.spec.latent_format.channels
+        self.concat = self.model.concat((self.batch, *shape[1:]), self.sides) if latent else None
+
+    def _with_concat(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """A chunk's model input [batch, C, (T,) b − a, w] with its rows of the concatenated channels."""
+        return x if self.concat is None else torch.cat([x, self.concat[..., a:b, :].to(x)], dim=1)
 
     def _step_cache(self, gen, begin) -> StageCache | None:
         """The generation's step cache on this stage (None without one). Its cond rows: all of this
@@ -359,7 +366,7 @@ class PipeFusion:
         self._apply_returns(item.step, b)
         x = self.x[..., a:b, :]
         x = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))  # cond and uncond batched: [batch, ...]
-        return self.gen.sampling.calculate_input(self._sigma(item.step), x)
+        return self._with_concat(self.gen.sampling.calculate_input(self._sigma(item.step), x), a, b)
 
     def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""

@@ -57,11 +57,13 @@ class PipelinedCall(PipeFusion):
         cond rows ``cond_rows`` (first, count) as Evaluation's call does."""
         evaluation = Evaluation(self.model, self.layout)
         rows = evaluation.rows_of(x.shape[0])
-        self.x = rows(pad_to_patch(x, self.model.spec.patch)).float()  # [per, C, (T,) H, W]: the model input
+        self.input = rows(pad_to_patch(x, self.model.spec.patch)).float()  # [per, C (+ E), (T,) H, W]
+        latent = self.model.spec.latent_format.channels
+        self.x = self.input.new_zeros(self.input.shape[0], latent, *self.input.shape[2:])  # stage 0: the output
         self.timestep = rows(timestep.float())  # [per]
         self.guidance = None if guidance is None else rows(guidance.float())  # [per]
         self.sides = {key: rows(tensor) for key, tensor in inputs.items()}  # key → [per, ...]
-        self._lay_out(tuple(self.x.shape))
+        self._lay_out(tuple(self.input.shape))
         self.work = [item for item in schedule.items(step + 1, self.warmup, self.patches) if item.step == step]
         everything = [[len(self.work) - 1]] * self.stages  # one gate, after the call: every message before it
         transformer = self.model.transformer
@@ -91,13 +93,13 @@ class PipelinedCall(PipeFusion):
 
     def _inputs(self, step: int) -> dict:
         if step not in self.inputs:
-            self.inputs = {step: self.model.step_inputs(tuple(self.x.shape), self.timestep, self.sides,
+            self.inputs = {step: self.model.step_inputs(tuple(self.input.shape), self.timestep, self.sides,
                                                         self.guidance)}
         return self.inputs[step]
 
     def _model_input(self, item) -> torch.Tensor:
         a, b = self._rows(item)
-        return self.x[..., a:b, :]  # [per, C, (T,) b − a, W]
+        return self._with_concat(self.input[..., a:b, :], a, b)  # [per, C (+ E), (T,) b − a, W]
 
     def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's output rows [per, C, (T,) b − a, W], back to stage 0 (``_apply_returns`` there)."""

@@ -112,10 +112,12 @@ class EvaluateRequest:
         the family's conditioning, one row each per row of x."""
         x = self.x
         channels, dims = spec.latent_format.channels, 5 if spec.video else 4
+        takes = {channels, channels + spec.concat_channels}  # the latent, or the model input ComfyUI concatenated
         largest = schema.MAX_SIDE // spec.vae_factor
-        if x.dim() != dims or x.shape[1] != channels or max(x.shape[-2:]) > largest or min(x.shape[-2:]) < 1:
+        if x.dim() != dims or x.shape[1] not in takes or max(x.shape[-2:]) > largest or min(x.shape[-2:]) < 1:
             kind = "[N, C, T, h, w]" if spec.video else "[N, C, h, w]"
-            raise RequestError(f"x has shape {list(x.shape)}; a {spec.family} model takes {kind} with C = {channels} "
+            given = " or ".join(map(str, sorted(takes)))
+            raise RequestError(f"x has shape {list(x.shape)}; a {spec.family} model takes {kind} with C = {given} "
                                f"and h, w at most {largest} (an image of {schema.MAX_SIDE} pixels a side)")
         if "context" not in inputs:
             raise RequestError("the inputs have no 'context'", "send the text conditioning as input 'context'")

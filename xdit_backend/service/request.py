@@ -170,7 +170,9 @@ class SampleRequest:
             raise RequestError(f"model {self.model} needs text conditioning: send {keys} "
                                "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
-        return self.with_references(spec, *registry.random_conditioning(self.model, self.batch, self.seed, spec))
+        latent = spec.latent_shape(self.batch, self.width, self.height, self.frames)
+        return self.with_references(spec, *registry.random_conditioning(self.model, self.batch, self.seed, spec,
+                                                                        latent=latent))
 
     def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
         """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
