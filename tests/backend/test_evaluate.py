@@ -250,3 +250,38 @@ def test_every_call_is_sized_before_anything_is_allocated(monkeypatch):
     with pytest.raises(memory_fit.NotEnoughMemory) as refused:
         executor.evaluate(request(64, 256))
     assert "flux-tiny" in refused.value.message and executor.evaluations["flux-tiny"] == calls
+
+
+def test_pipefusion_calls_with_concatenated_channels_give_the_xdit_samplers_pipefusion_latent(backend2):
+    """wan-i2v-tiny under PipeFusion with two patches after one warm-up step: the xDiT Sampler cuts the
+    concatenated channels (built on the backend from the start latent and mask) into each patch's band; the xDiT
+    Model's calls bring them concatenated by the caller, as ComfyUI does. The same latent both ways."""
+    from xdit_backend.models import registry
+    from xdit_backend.sampling import schedulers
+    from xdit_backend.sampling.generate import comfy_noise
+
+    name, steps, cfg, seed = "wan-i2v-tiny", 4, 3.0, 5
+    model = resolve_model(name).build(torch.device("cpu"), torch.float32)
+    spec, sampling = model.spec, model.spec.model_sampling(None)
+    shape = spec.latent_shape(1, 64, 64, 5)  # [1, 16, 2, 8, 8]
+    positive, negative = registry.random_conditioning(name, 1, 3, spec, latent=shape)
+    parallel = ParallelConfig(pipefusion=2, warmup_steps=1).to_json()
+    sample = {"model": name, "width": 64, "height": 64, "frames": 5, "steps": steps, "seed": seed, "cfg": cfg,
+              "dtype": "float32", "parallel": parallel}
+    tensors = {**positive, **{f"negative_{key}": value for key, value in negative.items()}}
+    pipelined, _ = backend2.sample(sample, tensors)
+
+    sigmas = schedulers.sigmas("simple", sampling, steps, 1.0, sampler="euler").float()
+    x = sampling.noise_scaling(sigmas[0], comfy_noise(shape, seed), torch.zeros(shape))
+    concat = torch.cat([model.concat(shape, positive), model.concat(shape, negative)])  # [2, 20, 2, 8, 8]
+    inputs = {key: torch.cat([positive[key], negative[key]]) for key in ("context", "clip_vision_output")}
+    for i in range(steps):
+        sigma = sigmas[i:i + 1].expand(2)
+        call = {"x": torch.cat([sampling.calculate_input(sigma, torch.cat([x, x])), concat], dim=1),
+                "timestep": sampling.timestep(sigma)}
+        position = {"generation": "run-i2v", "step": i, "steps": steps}
+        out, _ = backend2.evaluate({"model": name, "dtype": "float32", "parallel": parallel, **position}, call, inputs)
+        cond, uncond = sampling.calculate_denoised(sigma, out, torch.cat([x, x])).chunk(2)
+        x = x + (x - (uncond + (cond - uncond) * cfg)) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+    latent = spec.latent_format.process_out(sampling.inverse_noise_scaling(sigmas[-1], x))
+    assert (latent - pipelined["samples"]).abs().max() <= 1e-4
