@@ -114,7 +114,8 @@ class Sample:
                             help="input latent: a safetensors file with 'samples' (what --out writes) or 'latent'")
         parser.add_argument("--embeds", type=Path, default=None,
                             help="safetensors with the model's conditioning by request key: context, pooled [, "
-                                 "negative_context, negative_pooled, a second encoder's context_mt5, …]")
+                                 "negative_context, negative_pooled, a second encoder's context_mt5, an image to "
+                                 "video's concat_latent_image, concat_mask and clip_vision_output, …]")
         parser.add_argument("--reference-latent", type=Path, action="append", default=[], metavar="FILE",
                             help="a reference image's latent (image editing: Qwen-Image-Edit, Flux.2), a safetensors "
                                  "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
