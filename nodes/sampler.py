@@ -137,6 +137,9 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         tensors = dict(extra or {})
         if samples is not None:
             tensors["latent"] = samples
+        mask = translate.noise_mask(latent_image)
+        if mask is not None:
+            tensors["noise_mask"] = mask
         guidance = None
         for which, entries in (("positive", positive), ("negative", negative)):
             if entries is None:

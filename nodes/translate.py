@@ -157,13 +157,11 @@ class Geometry:
 
 
 def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
-    """A LATENT dict → its size in pixels and the tensor to send (None for an all-zero latent)."""
-    for key in ("noise_mask", "batch_index"):
-        if key in value:
-            what = {"noise_mask": "a noise mask (inpainting, Set Latent Noise Mask)",
-                    "batch_index": "batch indices (Latent From Batch)"}[key]
-            raise TranslationError(f"the latent carries {what}, which the xDiT sampler cannot honour",
-                                   "use a plain latent (Empty Latent, VAE Encode)")
+    """A LATENT dict → its size in pixels and the tensor to send (None for an all-zero latent). Its noise mask
+    travels too (``noise_mask``)."""
+    if "batch_index" in value:
+        raise TranslationError("the latent carries batch indices (Latent From Batch), which the xDiT sampler cannot "
+                               "honour", "use a plain latent (Empty Latent, VAE Encode)")
     samples = value["samples"]
     if has_frame_axis(spec) and samples.dim() == 5 and samples.shape[2] == 1:
         samples = samples[:, :, 0]  # [B, C, 1, h, w] → [B, C, h, w]
@@ -179,6 +177,13 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
     geometry = Geometry(w * spec.vae_factor, h * spec.vae_factor, frames, samples.shape[0])
     samples = samples.detach().to("cpu", torch.float32)
     return geometry, (samples.contiguous() if torch.count_nonzero(samples) else None)
+
+
+def noise_mask(value: dict) -> torch.Tensor | None:
+    """A LATENT's noise mask (Set Latent Noise Mask, VAE Encode for Inpainting, InpaintModelConditioning), as
+    ComfyUI's sampler takes it: the backend resizes it to the latent and blends each step as KSampler does."""
+    mask = value.get("noise_mask")
+    return None if mask is None else mask.detach().to("cpu", torch.float32).contiguous()
 
 
 def has_frame_axis(spec) -> bool:

@@ -120,6 +120,9 @@ class Sample:
                             help="a reference image's latent (image editing: Qwen-Image-Edit, Flux.2), a safetensors "
                                  "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
                                  "sides of the guidance get them")
+        parser.add_argument("--noise-mask", type=Path, default=None, metavar="FILE",
+                            help="inpainting: a safetensors file with 'mask' (or 'noise_mask') [N, 1, H, W], 1 where "
+                                 "to make anew, 0 where to keep --latent (resized to the latent as ComfyUI does)")
         parser.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
         parser.add_argument("--info", type=Path, default=None, metavar="FILE.json",
                             help="write the result info (layout, times, step cache counts, LoRA reports) as JSON, "
@@ -224,8 +227,8 @@ def sample_fields(args) -> dict:
 
 
 def sample_tensors(args) -> dict:
-    """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, and each
-    --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side)."""
+    """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, its --noise-mask, and
+    each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side)."""
     from safetensors.torch import load_file
 
     def latent(path: Path):
@@ -238,6 +241,12 @@ def sample_tensors(args) -> dict:
     tensors = load_file(args.embeds) if args.embeds else {}
     if args.latent:
         tensors["latent"] = latent(args.latent)
+    if args.noise_mask:
+        stored = load_file(args.noise_mask)
+        mask = stored.get("mask", stored.get("noise_mask"))
+        if mask is None:
+            raise SystemExit(f"{args.noise_mask} holds neither 'mask' nor 'noise_mask' (it has: {', '.join(stored)})")
+        tensors["noise_mask"] = mask
     for i, path in enumerate(args.reference_latent):
         tensors[f"reference_{i}"] = latent(path)
         if "negative_context" in tensors:

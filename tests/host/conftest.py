@@ -162,3 +162,20 @@ def host(tmp_path_factory):
 
     launcher.stop(sock_dir / "backend.sock", timeout=15)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    """ComfyUI imported into this process (on the CPU) and the pack as the package ``comfyui_xdit``, as ComfyUI
+    imports it from custom_nodes."""
+    import sys
+
+    packages = tmp_path_factory.mktemp("packages")
+    (packages / "comfyui_xdit").symlink_to(ROOT)
+    sys.path[:0] = [COMFYUI_DIR, str(packages)]
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import importlib
+
+    return tuple(importlib.import_module(f"comfyui_xdit.nodes.{name}") for name in ("remote_model", "choices"))

@@ -179,25 +179,6 @@ def test_a_patch_inside_the_forward_is_refused_by_name(host):
     assert "replaced attention or block" in message and "perturbed_attention" in message, message
 
 
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    """ComfyUI imported into this process (on the CPU) and the pack as the package ``comfyui_xdit``, as ComfyUI
-    imports it from custom_nodes."""
-    import sys
-
-    from host.conftest import ROOT
-
-    packages = tmp_path_factory.mktemp("packages")
-    (packages / "comfyui_xdit").symlink_to(ROOT)
-    sys.path[:0] = [COMFYUI_DIR, str(packages)]
-    from comfy.cli_args import args
-
-    args.cpu = True
-    import importlib
-
-    return tuple(importlib.import_module(f"comfyui_xdit.nodes.{name}") for name in ("remote_model", "choices"))
-
-
 def test_every_sampler_and_scheduler_comfyui_offers_runs_on_the_xdit_model(host):
     """Every name in KSampler's sampler and scheduler lists (as this ComfyUI offers them: /object_info), each in a
     KSampler of one prompt per model, three steps: the same latents on both models."""

@@ -213,3 +213,33 @@ def test_a_reference_larger_than_the_largest_image_is_refused():
                                            rf"be at most {largest}×{largest}") as info:
         conditioning(side(reference_0=torch.randn(2, 16, largest + step, step)))
     assert "scale the reference image down" in info.value.hint
+
+
+def test_the_cli_sends_a_noise_mask_and_the_request_checks_it(tmp_path):
+    """xdit-backend sample --latent L --noise-mask M: the request's noise_mask, checked with the model (a mask is 0 to
+    1, image masks at most 4-D); a file without 'mask' is named."""
+    from safetensors.torch import save_file
+
+    from xdit_backend import cli
+
+    mask = torch.rand(1, 1, 64, 64)
+    save_file({"samples": torch.randn(2, 16, 8, 8)}, str(tmp_path / "latent.safetensors"))
+    save_file({"mask": mask}, str(tmp_path / "mask.safetensors"))
+    argv = ["sample", "--model", "flux-tiny", "--out", "o.safetensors", "--batch", "2", "--width", "64",
+            "--height", "64", "--latent", str(tmp_path / "latent.safetensors")]
+    args = cli.build_parser().parse_args([*argv, "--noise-mask", str(tmp_path / "mask.safetensors")])
+    tensors = cli.sample_tensors(args)
+    assert torch.equal(tensors["noise_mask"], mask)
+    flux = registry.spec("flux-tiny")
+    request = SampleRequest.parse(Message("sample", cli.sample_fields(args), tensors))
+    request.check_model(flux)
+    assert torch.equal(request.generation(flux, *registry.random_conditioning("flux-tiny", 2, 1, flux)).noise_mask,
+                       mask)
+    for bad, words in ((mask * 2, "values from"), (mask[None, None], "noise_mask has shape")):
+        with pytest.raises(RequestError, match=words):
+            SampleRequest.parse(Message("sample", cli.sample_fields(args), {**tensors, "noise_mask": bad})).check_model(
+                flux)
+    save_file({"other": mask}, str(tmp_path / "other.safetensors"))
+    args = cli.build_parser().parse_args([*argv, "--noise-mask", str(tmp_path / "other.safetensors")])
+    with pytest.raises(SystemExit, match="holds neither 'mask' nor 'noise_mask'"):
+        cli.sample_tensors(args)

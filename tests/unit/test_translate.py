@@ -93,12 +93,19 @@ def test_qwen_image_latents_keep_comfyuis_frame_axis():
     ({"samples": torch.zeros(1, 4, 8, 8)}, FLUX, "EmptySD3LatentImage"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, PIXART, "EmptyLatentImage"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, WAN, "video latent"),
-    ({"samples": torch.zeros(1, 16, 8, 8), "noise_mask": torch.ones(1, 8, 8)}, SD3, "a noise mask"),
+    ({"samples": torch.zeros(1, 16, 8, 8), "batch_index": [0]}, SD3, "batch indices"),
 ])
 def test_latents_a_model_cannot_take_are_refused_with_the_node_to_use(value, spec, message):
     with pytest.raises(translate.TranslationError) as info:
         translate.latent(value, spec)
     assert message in info.value.message + info.value.hint
+
+
+def test_a_noise_mask_travels_with_the_latent():
+    mask = torch.rand(1, 1, 64, 64)
+    value = {"samples": torch.randn(1, 16, 8, 8), "noise_mask": mask}
+    assert translate.latent(value, SD3)[0].width == 64
+    assert torch.equal(translate.noise_mask(value), mask) and translate.noise_mask({"samples": mask}) is None
 
 
 def edit_entry(tokens=5, mt5=7, **options):

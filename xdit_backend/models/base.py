@@ -78,6 +78,7 @@ class FamilySpec(ABC):
     time_factor = 4  # video frames per latent frame after the first (Wan's VAEs)
     default_guidance: float | None = None  # a guidance embedding (Flux-dev); None: the family has none
     takes_shift = True  # flow models have a shift; discrete EPS models (PixArt) have none
+    inpaint_keeps_latent = False  # a noise mask's kept region is the latent itself, not noised (ComfyUI's WAN22)
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False

@@ -153,6 +153,10 @@ class WanSpec(FamilySpec):
         return max(0, self.in_channels - self.channels)
 
     @property
+    def inpaint_keeps_latent(self) -> bool:
+        return self.channels == 48  # ComfyUI's WAN22 (TI2V-5B): scale_latent_inpaint returns the latent
+
+    @property
     def optional_conditioning(self) -> tuple[str, ...]:
         images = ("concat_latent_image", "concat_mask") if self.concat_channels else ()
         return (*images, "clip_vision_output")

@@ -163,6 +163,7 @@ class PipeFusion:
         self.x = begin.x.clone()  # stage 0: each patch's next model input; at the end, the final latent
         shape = tuple(begin.x.shape)  # [B, C, (T,) h, w]
         self.sides = self._sides(begin)
+        self.inpaint = begin.inpaint
         self._lay_out(shape)
         self.sigmas = call_sigmas(gen.sampler, gen.sigmas, gen.sampling)
         self.work = schedule.items(gen.steps, self.warmup, self.patches)
@@ -364,9 +365,15 @@ class PipeFusion:
         them from the step before."""
         a, b = self._rows(item)
         self._apply_returns(item.step, b)
-        x = self.x[..., a:b, :]
+        x = self._inpainted(self.x[..., a:b, :], item, a, b)
         x = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))  # cond and uncond batched: [batch, ...]
         return self._with_concat(self.gen.sampling.calculate_input(self._sigma(item.step), x), a, b)
+
+    def _inpainted(self, x: torch.Tensor, item, a: int, b: int) -> torch.Tensor:
+        """The walk's x [B, C, (T,) b − a, w] as the model takes it under a noise mask (sampling/inpaint.py)."""
+        if self.inpaint is None:
+            return x
+        return self.inpaint.band(a, b).model_input(x, self.sigmas[item.step], self.gen.sampling)
 
     def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""
@@ -377,12 +384,15 @@ class PipeFusion:
         shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
         raw = self.model.unpatchify(out, shape).float()  # [batch, C, (T,) b − a, w]
         x = torch.cat([self.calls[p].x for p in range(item.first, item.end)], dim=-2)  # [B, C, (T,) b − a, w]
+        x = self._inpainted(x, item, a, b)  # what the model was given
         batched = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))
         x0 = self.gen.sampling.calculate_denoised(sigma, raw, batched)
         if self.cfg_group is not None:
             x0 = guided(x0, self.gen.cfg, self.cfg_group)
         elif self.batch != x.shape[0]:
             x0 = guided(x0, self.gen.cfg)  # [B, ...]
+        if self.inpaint is not None:
+            x0 = self.inpaint.band(a, b).output(x0)
         following = []
         for p in range(item.first, item.end):
             r0, r1 = (r * self.latent_rows - a for r in self.bands[p])

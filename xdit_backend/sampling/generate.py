@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import samplers
+from .inpaint import Inpaint, prepare_mask
 from .stop import GenerationStopped  # noqa: F401  (callers import it from here)
 
 
@@ -33,6 +34,8 @@ class Generation:
     sampler: str = "euler"  # samplers.SAMPLERS
     cpu_noise: bool = False  # ancestral noise from the CPU generator (the ranks' GPUs differ: noise.StepNoise)
     cache: object = None  # parallel/step_cache.CacheOptions, or None: every step computes every block
+    noise_mask: torch.Tensor | None = None  # inpainting: 1 where to make, 0 where to keep the latent (inpaint.py)
+    inpaint_keeps_latent: bool = False  # the family's kept region is the latent itself, not noised (Wan 2.2 5B)
 
     @property
     def steps(self) -> int:
@@ -85,6 +88,7 @@ class Start:
     positive: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None  # None without guidance (gen.uses_cfg)
     noise: samplers.StepNoise
+    inpaint: Inpaint | None = None  # with a noise mask: its rows of the mask, latent and starting noise
 
 
 def start(gen: Generation, latent_format, rows: slice, device) -> Start:
@@ -100,7 +104,11 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     # the ancestral and SDE samplers' noise: drawn for the whole batch (as ComfyUI draws it), this
     # rank's rows kept and sent to its device
     step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device, cpu_generator=gen.cpu_noise)
-    return Start(x, gen.sigmas, positive, negative, step_noise)
+    inpaint = None
+    if gen.noise_mask is not None:
+        mask = prepare_mask(gen.noise_mask, tuple(full.shape))[rows].to(device)
+        inpaint = Inpaint(mask, latent, noise, gen.inpaint_keeps_latent)
+    return Start(x, gen.sigmas, positive, negative, step_noise, inpaint)
 
 
 def finish(gen: Generation, latent_format, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -122,7 +130,10 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
     conditioning = denoiser.conditioning(begin.positive, begin.negative)  # once per generation
 
     def x0(x, sigma):  # sigma [B]
-        return denoiser.x0(x, sigma, conditioning, gen)
+        if begin.inpaint is None:
+            return denoiser.x0(x, sigma, conditioning, gen)
+        x = begin.inpaint.model_input(x, sigma, gen.sampling)
+        return begin.inpaint.output(denoiser.x0(x, sigma, conditioning, gen))
 
     def stepped(done: int, total: int) -> bool:
         denoiser.step_done(done)

@@ -82,6 +82,10 @@ class FlowSampling(_Tabulated):
     def noise_scaling(self, sigma, noise, latent) -> torch.Tensor:
         return sigma * noise + (1.0 - sigma) * latent
 
+    def inpaint_scaling(self, sigma, noise, latent) -> torch.Tensor:
+        """The kept region of an inpainting at σ (ComfyUI's ``scale_latent_inpaint``: noise_scaling)."""
+        return self.noise_scaling(sigma, noise, latent)
+
     def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
         return latent / (1.0 - sigma)
 
@@ -154,6 +158,11 @@ class EpsSampling(_Tabulated):
         sigma_max = float(self.sigma_max)
         at_max = math.isclose(sigma_max, float(sigma), rel_tol=1e-05) or float(sigma) > sigma_max
         return noise * ((1.0 + sigma ** 2.0) ** 0.5 if at_max else sigma) + latent
+
+    def inpaint_scaling(self, sigma, noise, latent) -> torch.Tensor:
+        """The kept region of an inpainting at σ (ComfyUI's ``scale_latent_inpaint``: noise_scaling without the σ_max
+        rule, max_denoise False)."""
+        return noise * sigma + latent
 
     def inverse_noise_scaling(self, sigma, latent) -> torch.Tensor:
         return latent

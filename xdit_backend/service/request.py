@@ -23,7 +23,7 @@ from ..sampling import samplers, schedulers
 from ..sampling.generate import Generation, cut
 from ..wire import protocol
 
-GENERATION_TENSORS = ("latent", "sigmas")
+GENERATION_TENSORS = ("latent", "sigmas", "noise_mask")
 # Every other tensor is one side's conditioning, [negative_]<key>: which keys a model takes is its
 # spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
 CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
@@ -132,6 +132,7 @@ class SampleRequest:
             raise RequestError(
                 f"latent has shape {list(latent.shape)}, but a {spec.family} latent for batch {self.batch} at "
                 f"{self.width}×{self.height}{frames} has shape {list(self.latent_shape(spec))}")
+        self._check_noise_mask(spec)
         if self.guidance is not None and spec.default_guidance is None:
             raise RequestError(f"guidance {self.guidance}: model {self.model} has no guidance embedding "
                                "(only Flux.1-dev-style models take one)", "leave guidance out; use cfg")
@@ -141,6 +142,21 @@ class SampleRequest:
         if self.end_step is not None and self.end_step > self.steps:
             raise RequestError(f"end_step {self.end_step} is past the last of {self.steps} steps",
                                f"use end_step ≤ {self.steps}, or leave it out")
+
+    def _check_noise_mask(self, spec) -> None:
+        """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
+        [1, 1, T', H, W]), at any size: it is reshaped and resized to the latent as ComfyUI does
+        (sampling/inpaint.py). Values in [0, 1]."""
+        mask = self.tensors.get("noise_mask")
+        if mask is None:
+            return
+        if not 2 <= mask.dim() <= (5 if spec.video else 4) or min(mask.shape) < 1:
+            raise RequestError(f"noise_mask has shape {list(mask.shape)}; a mask is [N, 1, H, W] (a video's "
+                               "also [1, 1, T, H, W])", "send the LATENT's noise_mask as Set Latent Noise Mask "
+                               "makes it")
+        if float(mask.min()) < 0.0 or float(mask.max()) > 1.0:
+            raise RequestError(f"noise_mask holds values from {float(mask.min()):g} to {float(mask.max()):g}; a mask "
+                               "is 0 (keep the latent) to 1 (make anew)", "send a mask in [0, 1]")
 
     def conditioning(self, spec) -> tuple[dict, dict | None]:
         """Positive and (optional) negative conditioning, checked against the model's spec.
@@ -290,6 +306,8 @@ class SampleRequest:
             negative=None if negative is None else spec.prepare_conditioning(negative),
             add_noise=self.add_noise,
             cache=self.cache_options(),
+            noise_mask=self.tensors.get("noise_mask"),
+            inpaint_keeps_latent=spec.inpaint_keeps_latent,
         )
 
     def cache_options(self) -> CacheOptions | None:
