@@ -63,9 +63,12 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
                       for path, key in spec.comfy_conditioning.items()
                       if key in shapes or key in spec.optional_conditioning}
     takes = HONOURED | set(family_options) | ({"reference_latents"} if spec.takes_references else set())
+    placement = (spec.comfy_model_inputs or {}).get("ref_latents_method")  # how the family places references
     for key, value in options.items():
         if key in takes or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
             continue
+        if key == "reference_latents_method" and spec.takes_references and value == placement:
+            continue  # the family's own placement (Flux's "offset", FluxKontextMultiReferenceLatentMethod)
         if value is None:
             continue
         what = REFUSED.get(key, f"the option {key!r}")

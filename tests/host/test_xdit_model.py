@@ -604,3 +604,45 @@ def test_an_image_input_on_a_text_to_video_wan_is_refused_by_name(pack):
     with pytest.raises(translate.TranslationError, match="an image to condition on .image-to-video., which this wan "
                                                          "model does not take"):
         translate.conditioning(positive, registry.spec("wan-tiny"), 1, "positive")
+
+
+# ----------------------------------------------------------------------------------------------- Flux Kontext
+# Reference latents on Flux (ReferenceLatent: Flux.1 Kontext), placed as ComfyUI's Flux places them by default
+# ("offset": index 1, each reference beside or below the ones before).
+
+
+@pytest.mark.parametrize("path_kind, layout", [("model", {"ulysses": 2}), ("sampler", {"ring": 2})])
+def test_flux_kontext_references_give_comfyuis_latent(backend2, pack, tmp_path, path_kind, layout):
+    """Two references of different sizes on the positive side (one wide, one tall: placed beside, then below),
+    none on the negative: ComfyUI's own Flux against the xDiT Model (ComfyUI's sampler; the references by hash)
+    and the xDiT Sampler (the nodes' translation, the whole loop on the backend)."""
+    import comfy.sample
+    import torch
+
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-flux-kontext.safetensors")
+    own = comfyuis_model(tiny_flux_file(path), **FLUX_TINY_SIZES)
+    generator = torch.Generator().manual_seed(19)
+    positive, negative = prompts(20)
+    positive[0][1]["reference_latents"] = [torch.randn(1, 16, 6, 10, generator=generator),
+                                           torch.randn(1, 16, 8, 4, generator=generator)]
+    latent = torch.zeros(1, 16, 8, 8)
+    if path_kind == "model":
+        sample_both(own, xdit_model(pack, path, backend2, layout), latent, 3, 3, 2.0, "euler", positive, negative)
+        return
+    noise = comfy.sample.prepare_noise(latent, 3)
+    theirs = comfy.sample.sample(own, noise, 3, 2.0, "euler", "simple", positive, negative, latent, seed=3)
+    translate = pack_module("translate")
+    spec = registry.spec(path)
+    tensors = {}
+    for prefix, entries in (("", positive), ("negative_", negative)):
+        side = translate.conditioning(entries, spec, 1, "negative" if prefix else "positive")
+        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    assert {"reference_0", "reference_1"} <= set(tensors)
+    request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "steps": 3, "seed": 3, "cfg": 2.0,
+               "sampler": "euler", "scheduler": "simple", "parallel": layout}
+    result, _ = backend2.sample(request, tensors)
+    assert_same(theirs, result["samples"])
+    plain, _ = backend2.sample(request, {k: v for k, v in tensors.items() if not k.startswith("reference_")})
+    assert (plain["samples"] - result["samples"]).abs().max() > 1e-2  # the references did something

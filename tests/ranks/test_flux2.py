@@ -79,7 +79,7 @@ def test_a_reference_is_more_tokens_at_index_10_and_changes_the_result():
 def test_pipefusion_refuses_references_by_name():
     model = tiny()
     x, context = inputs()
-    with pytest.raises(UserError, match="reference images do not run under PipeFusion"):
+    with pytest.raises(UserError, match="reference latents do not run under PipeFusion"):
         model.step_inputs(x.shape, SIGMA, {"context": context, "reference_0": x}, 3.5)
 
 

@@ -115,10 +115,10 @@ def test_the_sides_may_carry_different_references():
 
 
 def test_a_family_without_references_refuses_them():
-    flux = registry.spec("flux-tiny")
+    sd3 = registry.spec("sd3-tiny")
     tensors = {"context": torch.randn(2, 8, 64), "pooled": torch.randn(2, 32), "reference_0": torch.randn(2, 16, 4, 4)}
-    with pytest.raises(RequestError, match=r"reference_0: model flux-tiny \(flux\) takes no reference latents") as info:
-        conditioning(tensors, flux)
+    with pytest.raises(RequestError, match=r"reference_0: model flux-tiny \(sd3\) takes no reference latents") as info:
+        conditioning(tensors, sd3)
     assert "edit model" in info.value.hint
 
 
@@ -140,8 +140,8 @@ def test_random_conditioning_fills_any_length_and_draws_references_only_when_ask
     with_references, _ = registry.random_conditioning("flux-tiny", 2, 5, SPEC, references=((4, 6),))
     assert with_references["reference_0"].shape == (2, 16, 4, 6)
     assert torch.equal(with_references["context"], positive["context"])  # the text does not change with them
-    with pytest.raises(registry.ModelError, match="flux-tiny takes no reference latents"):
-        registry.random_conditioning("flux-tiny", 1, 5, registry.spec("flux-tiny"), references=((4, 4),))
+    with pytest.raises(registry.ModelError, match="sd3-tiny takes no reference latents"):
+        registry.random_conditioning("sd3-tiny", 1, 5, registry.spec("sd3-tiny"), references=((4, 4),))
 
 
 def test_two_sides_of_every_key_and_the_most_references_fit_the_protocol():

@@ -47,7 +47,8 @@ def test_sampler_side_wrappers_pass():
 
 
 @pytest.mark.parametrize("spec, extra, named", [
-    (FLUX, {"ref_latents": [torch.randn(1, 16, 8, 8)]}, "reference latents (ReferenceLatent)"),
+    (SD3, {"ref_latents": [torch.randn(1, 16, 8, 8)]}, "reference latents (ReferenceLatent)"),
+    (FLUX, {"ref_latents_method": "index"}, "places its references by 'offset'"),  # FluxKontextMultiReferenceLatentMethod
     (FLUX, {"attention_mask": torch.ones(2, 8)}, "an attention mask"),
     (SD3, {"guidance": torch.tensor([3.5, 3.5])}, "the input 'guidance'"),
 ])

@@ -179,13 +179,25 @@ def test_more_references_than_the_request_takes_are_refused_here():
 
 
 def test_reference_latents_for_a_family_without_references_are_refused_by_name():
-    with pytest.raises(translate.TranslationError, match="carries reference latents .*which a flux model does not "
+    with pytest.raises(translate.TranslationError, match="carries reference latents .*which a sd3 model does not "
                                                          "take") as info:
         translate.conditioning([entry(pooled_output=torch.randn(1, 32), reference_latents=[torch.randn(1, 16, 4, 4)])],
-                               FLUX, 1, "positive")
+                               SD3, 1, "positive")
     assert "ReferenceLatent" in info.value.hint and "edit model" in info.value.hint
     with pytest.raises(translate.TranslationError, match="a reference latents method"):
         translate.conditioning([edit_entry(reference_latents_method="offset")], EDIT, 1, "positive")
+
+
+def test_flux_takes_references_placed_its_own_way_and_refuses_another_placement():
+    """Flux.1 Kontext: ReferenceLatent's latents go as reference_<i>; FluxKontextMultiReferenceLatentMethod's
+    "offset" is Flux's own placement, any other is refused by name."""
+    reference = torch.randn(1, 16, 4, 6)
+    side = translate.conditioning([entry(pooled_output=torch.randn(1, 32), reference_latents=[reference],
+                                         reference_latents_method="offset")], FLUX, 2, "positive")
+    assert torch.equal(side.tensors["reference_0"], reference.repeat(2, 1, 1, 1))
+    with pytest.raises(translate.TranslationError, match="a reference latents method"):
+        translate.conditioning([entry(pooled_output=torch.randn(1, 32), reference_latents=[reference],
+                                      reference_latents_method="index")], FLUX, 1, "positive")
 
 
 def test_what_the_nodes_send_the_request_takes():

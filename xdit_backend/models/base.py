@@ -150,6 +150,33 @@ class FamilySpec(ABC):
 
 
 
+REFERENCE_PREFIX = "reference_"  # a side's reference latents: reference_0, reference_1, … (ComfyUI's, in order)
+
+
+def references(cond: dict) -> list[torch.Tensor]:
+    """The reference latents [B, C, h, w] (raw VAE space) a side carries, in their order."""
+    keys = sorted((key for key in cond if key.startswith(REFERENCE_PREFIX) and key[len(REFERENCE_PREFIX):].isdigit()),
+                  key=lambda key: int(key[len(REFERENCE_PREFIX):]))
+    return [cond[key] for key in keys]
+
+
+def reference_rows(latent: torch.Tensor, batch: int, index: int) -> torch.Tensor:
+    """Reference latent ``index`` [b, ...] over a call's ``batch`` rows: each side's references repeated over its own
+    images ([pos refs, neg refs] → [pos ×k, neg ×k])."""
+    if batch % latent.shape[0]:
+        raise UserError(f"reference latent {index} has batch {latent.shape[0]}, the latent {batch}",
+                        "give one reference image, or one per latent in the batch")
+    return latent.repeat_interleave(batch // latent.shape[0], dim=0)
+
+
+def refuse_references_in_stages(cond: dict, family: str) -> None:
+    """PipeFusion's patches are bands of the generated image; reference tokens belong to none of them."""
+    if references(cond):
+        raise UserError(f"{family} reference latents do not run under PipeFusion yet: its patches are bands of the "
+                        "generated image, and the reference tokens belong to none of them",
+                        "drop pipefusion from the parallel degrees; ulysses and ring split the references")
+
+
 def shape_fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
     """``shape`` is the ``wanted`` of a spec's ``conditioning_shapes``, where None is any length of at least 1."""
     return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))

@@ -15,8 +15,9 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-from .patch_embed import pack, unpack
+from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references,
+                   refuse_references_in_stages)
+from .patch_embed import pack, pad_to_patch, unpack
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
@@ -28,6 +29,23 @@ def image_ids(h: int, w: int, device: torch.device | None = None) -> torch.Tenso
     rows = torch.arange(h // 2, device=device).view(-1, 1).expand(h // 2, w // 2)
     cols = torch.arange(w // 2, device=device).view(1, -1).expand(h // 2, w // 2)
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def kontext_offsets(latents: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each reference latent's position offset (index, row, column) [3] in tokens, as ComfyUI's Flux places
+    references by default ("offset", comfy/ldm/flux/model.py ``_forward``): index 1, each next to the ones before,
+    below them or to their right, whichever keeps the canvas squarer."""
+    offsets, h, w = [], 0, 0
+    for latent in latents:
+        rows, columns = latent.shape[-2:]
+        h_offset = w_offset = 0
+        if rows + h > columns + w:
+            w_offset = w
+        else:
+            h_offset = h
+        h, w = max(h, rows + h_offset), max(w, columns + w_offset)
+        offsets.append(torch.tensor([1.0, (h_offset + 1) // 2, (w_offset + 1) // 2]))  # latent cells → tokens
+    return offsets
 
 
 def per_row(guidance: float | torch.Tensor, rows: int, device) -> torch.Tensor:
@@ -95,8 +113,11 @@ class FluxSpec(FamilySpec):
     has_guidance: bool
 
     family = "flux"
-    # comfy/ldm/flux/model.py Flux.forward(x, timestep, context, y, guidance, ref_latents, control, …)
-    comfy_model_inputs = {"y": "pooled", "guidance": "guidance"}
+    # comfy/ldm/flux/model.py Flux.forward(x, timestep, context, y, guidance, ref_latents, control, …); its default
+    # reference placement, "offset" (Flux.1 Kontext)
+    comfy_model_inputs = {"y": "pooled", "guidance": "guidance", "ref_latents": "references",
+                          "ref_latents_method": "offset"}
+    takes_references = True
     latent_format = latent_formats.FLUX
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
@@ -137,23 +158,29 @@ class FluxModel(DiffusionModel):
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for ``x`` [B, 16, h, w] at ``timestep`` [B] (σ: the embedding multiplies by 1000,
-        as ComfyUI does)."""
+        as ComfyUI does). Reference latents [B, 16, h', w'] (raw VAE space; Flux.1 Kontext) join as more image
+        tokens, placed as ComfyUI's default "offset" method places them, and only the noisy latent's come out."""
         b, _, h, w = x.shape
         timestep = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         guidance = per_row(guidance, b, self.device) if self.has_guidance else None  # [B] float32
+        tokens, ids = [pack(x)], [image_ids(h, w, self.device)]  # [B, N, 64], [N, 3]
+        for index, (reference, offset) in enumerate(zip(references(cond), kontext_offsets(references(cond)))):
+            latent = pad_to_patch(self.latent_format.process_in(reference.to(self.device).float()), self.spec.patch)
+            tokens.append(pack(reference_rows(latent, b, index).to(x.dtype)))  # [B, R_i, 64]
+            ids.append(image_ids(*latent.shape[-2:], self.device) + offset.to(self.device))  # [R_i, 3]
         with time_embedded_in_float32(self.transformer.time_text_embed, timestep, guidance):
             velocity = self.transformer(
-                hidden_states=pack(x),  # [B, N = h/2·w/2, 64]
+                hidden_states=torch.cat(tokens, dim=1),  # [B, N (+ R), 64]
                 encoder_hidden_states=context,
                 pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, pooled_dim]
                 timestep=timestep,
-                img_ids=image_ids(h, w, self.device),  # [N, 3]
+                img_ids=torch.cat(ids),  # [N (+ R), 3]
                 txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
                 guidance=guidance,
                 return_dict=False,
             )[0]
-        return unpack(velocity, h, w)  # [B, N, 64] → [B, 16, h, w]
+        return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's [B, N, 64] → [B, 16, h, w]
 
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
 
@@ -163,6 +190,7 @@ class FluxModel(DiffusionModel):
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time (and guidance) embedding, as diffusers' forward computes it but from float32
         1000·σ and 1000·guidance, as ComfyUI's (see ``time_embedded_in_float32``)."""
+        refuse_references_in_stages(cond, "Flux Kontext")
         t = self.transformer
         timestep = timestep.to(self.device, torch.float32) * 1000  # [B]
         pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]

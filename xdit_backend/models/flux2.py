@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, references,
+                   refuse_references_in_stages)
 
 FLUX2_DEFAULT_SHIFT = 2.02  # comfy/supported_models.py, Flux2.sampling_settings
 FLUX2_DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py, Flux.extra_conds: kwargs.get("guidance", 3.5)
@@ -37,7 +37,6 @@ FLUX2_DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py, Flux.extra_conds: kwargs.ge
 # takes the context as it comes (txt_ids over context.shape[1]).
 MIN_TEXT_TOKENS = 512
 REFERENCE_INDEX_SCALE = 10.0  # comfy/model_detection.py, flux2: ref_index_scale
-REFERENCE = "reference_"  # cond keys reference_0, reference_1, …: ComfyUI's reference_latents, in order
 
 
 def pack(latent: torch.Tensor) -> torch.Tensor:
@@ -69,13 +68,6 @@ def pad_text(context: torch.Tensor) -> torch.Tensor:
     (Flux2Spec.prepare_conditioning: once per generation, for every layout)."""
     missing = MIN_TEXT_TOKENS - context.shape[1]
     return torch.nn.functional.pad(context, (0, 0, missing, 0)) if missing > 0 else context
-
-
-def references(cond: dict) -> list[torch.Tensor]:
-    """The reference latents [B, C, h, w] (raw VAE space) in ``cond``, in their order."""
-    keys = sorted((key for key in cond if key.startswith(REFERENCE) and key[len(REFERENCE):].isdigit()),
-                  key=lambda key: int(key[len(REFERENCE):]))
-    return [cond[key] for key in keys]
 
 
 def to_batch(tensor: torch.Tensor, batch: int) -> torch.Tensor:
@@ -257,10 +249,7 @@ class Flux2Model(DiffusionModel):
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time embedding and the three shared modulations, once per step."""
-        if references(cond):
-            raise UserError("Flux.2 reference images do not run under PipeFusion: its patches are bands of the "
-                            "generated image, and the reference tokens belong to none of them",
-                            "drop pipefusion from the parallel degrees; ulysses and ring split the references")
+        refuse_references_in_stages(cond, "Flux.2")
         t = self.transformer
         sigma = timestep.to(self.device, torch.float32)  # [B]
         temb = time_embedding(t.time_guidance_embed, sigma, self._guidance(sigma.shape[0], guidance), self.dtype)

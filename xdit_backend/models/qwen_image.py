@@ -27,12 +27,12 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows,
+                   references, refuse_references_in_stages)
 from .patch_embed import pack, pad_to_patch, unpack
 
 QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
 ROPE_THETA = 10000  # comfy/ldm/qwen_image/model.py's EmbedND, diffusers' QwenEmbedRope
-REFERENCE_PREFIX = "reference_"
 
 
 class QwenImageAttention:
@@ -125,14 +125,6 @@ class QwenImageSpec(FamilySpec):
         return {"context": (batch, text_tokens, self.context_dim)}
 
 
-def references(cond: dict) -> list[torch.Tensor]:
-    """The reference latents a side carries (``reference_0``, ``reference_1``, …), in order."""
-    found = []
-    while f"{REFERENCE_PREFIX}{len(found)}" in cond:
-        found.append(cond[f"{REFERENCE_PREFIX}{len(found)}"])
-    return found
-
-
 def image_positions(h: int, w: int, index: int) -> torch.Tensor:
     """[(h/2)·(w/2), 3] (index, row, column) positions of a latent's 2×2-patch tokens, rows and
     columns centred as ComfyUI's ``process_img`` centres them (minus len // 2)."""
@@ -203,11 +195,7 @@ class QwenImageModel(DiffusionModel):
         for index, reference in enumerate(references(cond), start=1):
             latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
             latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
-            if b % latent.shape[0]:
-                raise UserError(f"reference latent {index - 1} has batch {latent.shape[0]}, the latent {b}",
-                                "give one reference image, or one per latent in the batch")
-            # each side's references repeated over its own images: [pos refs, neg refs] → [pos ×k, neg ×k]
-            latent = latent.repeat_interleave(b // latent.shape[0], dim=0)
+            latent = reference_rows(latent, b, index - 1)  # [B, 16, h', w']
             tokens.append(pack(latent))  # [B, R_i, 64]
             positions.append(image_positions(*latent.shape[-2:], index))
         tables = (rope(torch.cat(positions), self.spec.rope_axes, self.dtype, self.device),  # [N + R, D/2]
@@ -231,9 +219,7 @@ class QwenImageModel(DiffusionModel):
         return rope(image_positions(h, w, 0), self.spec.rope_axes, self.dtype, self.device), (h, w)
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
-        if references(cond):
-            raise UserError("reference latents (Qwen-Image-Edit) do not run under PipeFusion yet",
-                            "use ulysses, ring or cfg parallelism for image editing, or leave pipefusion at 1")
+        refuse_references_in_stages(cond, "Qwen-Image-Edit")
         context = cond["context"]
         t = self.transformer
         anchor = torch.empty(0, device=self.device, dtype=self.dtype)  # the embedding's dtype
