@@ -11,6 +11,7 @@ masks) and, for a family that takes references, ``reference_latents`` become req
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from xdit_backend.errors import UserError
 from xdit_backend.models.base import shape_fits, shape_text
 from xdit_backend.models.patch_embed import pad_to_patch
 from xdit_backend.schema import MAX_REFERENCES
+
+log = logging.getLogger("comfyui-xdit")
 
 # Options a conditioning entry may carry that the backend honours (or that are inert).
 HONOURED = {"pooled_output", "guidance", "width", "height", "crop_w", "crop_h", "target_width", "target_height"}
@@ -73,9 +76,13 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             continue
         what = REFUSED.get(key, f"the option {key!r}")
         if key in (path.partition(".")[0] for path in spec.comfy_conditioning):  # the family's, not this model's
-            raise TranslationError(f"the {which} conditioning carries {what}, which this {spec.family} model does not "
-                                   "take", "load a model that takes it (an image-to-video file for an image to "
-                                   "start from), or remove the node that adds it from the prompt's path")
+            # as ComfyUI's own model of this file: its concat_cond / extra_conds take nothing for it (a text-to-video
+            # Wan given WanImageToVideo's image, a plain Flux given InpaintModelConditioning's, whose noise mask
+            # still inpaints); said, not silently
+            log.warning("xDiT: the %s conditioning carries %s, which this %s model does not take; it is left out, as "
+                        "ComfyUI's own model leaves it out (load an image-to-video / Fill file to use it)",
+                        which, what, spec.family)
+            continue
         if key == "reference_latents":
             raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does "
                                    "not take",

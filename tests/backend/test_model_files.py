@@ -158,6 +158,29 @@ def test_schnell_variant_is_inferred_from_the_missing_guidance(tmp_path):
     assert source.config["axes_dims_rope"] == (4, 6, 6)
 
 
+@pytest.mark.parametrize("in_channels, concat", [(384, 80), (128, 16)], ids=["fill", "depth-canny"])
+def test_fill_and_depth_files_are_read_off_the_shapes_and_load_as_the_same_model(tmp_path, in_channels, concat):
+    """Flux.1 Fill (the image and its 8×8 mask: 80 latent channels concatenated) and Depth / Canny (the control
+    image: 16): the config from the shapes, every tensor equal; another channel count is refused naming the file."""
+    from diffusers import FluxTransformer2DModel
+
+    config = {**registry.BUILTINS["flux-tiny"].config, "in_channels": in_channels, "out_channels": 64}
+    built = FluxTransformer2DModel(**config)
+    path = tmp_path / "variant.safetensors"
+    save_file(bfl_state_dict(built), str(path))
+    source = registry.resolve(str(path))
+    assert {k: source.config[k] for k in ("in_channels", "out_channels")} == {"in_channels": in_channels,
+                                                                             "out_channels": 64}
+    loaded = registry.build(str(path), torch.device("cpu"))
+    assert loaded.spec.concat_channels == concat
+    for key, value in built.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[key], value), key
+    weights = bfl_state_dict(FluxTransformer2DModel(**{**config, "in_channels": 192}))
+    save_file(weights, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(ModelError, match="odd.safetensors: a Flux file with 192 input channels and 64 output"):
+        registry.resolve(str(tmp_path / "odd.safetensors"))
+
+
 def test_unknown_file_names_what_it_found(tmp_path):
     path = tmp_path / "vae.safetensors"
     save_file({"encoder.conv_in.weight": torch.zeros(2), "decoder.conv_out.weight": torch.zeros(2)}, str(path))

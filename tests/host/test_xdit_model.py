@@ -595,15 +595,18 @@ def test_wan_image_to_video_on_the_xdit_sampler_gives_comfyuis_latent(backend2, 
     assert_same(theirs, translate.to_comfyui(result["samples"], spec))
 
 
-def test_an_image_input_on_a_text_to_video_wan_is_refused_by_name(pack):
-    """WanImageToVideo before a text-to-video file: ComfyUI would drop the image silently; the xDiT Sampler says so."""
+def test_an_image_input_on_a_text_to_video_wan_is_left_out_as_comfyui_does_and_said(pack, caplog):
+    """WanImageToVideo before a text-to-video file: ComfyUI's own model takes nothing of it (its concat_cond and the
+    blocks' cross-attention ignore it); the xDiT Sampler leaves it out too, so its latent is KSampler's, and says so
+    in the console."""
     from xdit_backend.models import registry
 
     translate = pack_module("translate")
     positive, _ = wan_i2v_prompts(18)
-    with pytest.raises(translate.TranslationError, match="an image to condition on .image-to-video., which this wan "
-                                                         "model does not take"):
-        translate.conditioning(positive, registry.spec("wan-tiny"), 1, "positive")
+    with caplog.at_level("WARNING", logger="comfyui-xdit"):
+        side = translate.conditioning(positive, registry.spec("wan-tiny"), 1, "positive")
+    assert not {"concat_latent_image", "concat_mask"} & set(side.tensors)  # its CLIP tokens go: the model ignores them
+    assert "an image to condition on (image-to-video), which this wan model does not take" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------- Flux Kontext
@@ -646,3 +649,88 @@ def test_flux_kontext_references_give_comfyuis_latent(backend2, pack, tmp_path, 
     assert_same(theirs, result["samples"])
     plain, _ = backend2.sample(request, {k: v for k, v in tensors.items() if not k.startswith("reference_")})
     assert (plain["samples"] - result["samples"]).abs().max() > 1e-2  # the references did something
+
+
+# ----------------------------------------------------------------------------------------------- Flux Fill
+# A tiny Flux.1 Fill file (384 input channels: the latent, the image to inpaint and its 8×8-folded mask, packed) in
+# BFL's layout, with InpaintModelConditioning's conditioning (nodes.py: the masked image's latent and the pixel mask
+# on both sides, the mask also the latent's noise mask).
+
+
+def tiny_flux_fill(tmp_path) -> tuple[str, dict]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_model_files import bfl_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-flux-fill.safetensors")
+    save_file(bfl_state_dict(registry.build("flux-fill-tiny", torch.device("cpu"), torch.float32).transformer), path)
+    return path, load_file(path)
+
+
+def fill_prompts(seed: int):
+    """InpaintModelConditioning's values: the image to inpaint (its latent) and the mask at pixel size."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    image = torch.randn(1, 16, 8, 8, generator=generator)
+    mask = torch.zeros(1, 1, 64, 64)
+    mask[..., 16:48, 8:40] = 1.0
+    sides = prompts(seed)
+    for side in sides:
+        side[0][1].update({"concat_latent_image": image, "concat_mask": mask})
+    return sides, image, mask
+
+
+def test_flux_fills_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
+    """The image resized and moved into model space, the mask averaged, resized to 8× the latent and folded into 64
+    channels: bit for bit ComfyUI's Flux.concat_cond, with a mask, without one (all ones), without an image."""
+    import torch
+
+    from xdit_backend.models import registry
+
+    path, state_dict = tiny_flux_fill(tmp_path)
+    own = comfyuis_model(state_dict, **FLUX_TINY_SIZES).model
+    ours = registry.build(path, torch.device("cpu"), torch.float32)
+    assert ours.spec.concat_channels == 80
+    generator = torch.Generator().manual_seed(2)
+    noise = torch.randn(2, 16, 8, 12, generator=generator)
+    image = torch.randn(2, 16, 10, 10, generator=generator)
+    for cond in ({"concat_latent_image": image, "concat_mask": torch.rand(2, 3, 50, 70, generator=generator)},
+                 {"concat_latent_image": image}, {}):
+        theirs = own.concat_cond(noise=noise, device=torch.device("cpu"), **cond)
+        assert torch.equal(ours.concat(tuple(noise.shape), cond), theirs), sorted(cond)
+
+
+@pytest.mark.parametrize("path_kind, layout", [("model", {"ring": 2}), ("sampler", {"ulysses": 2})])
+def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, path_kind, layout):
+    """InpaintModelConditioning's conditioning and its noise mask on the latent: ComfyUI's own Fill model against
+    the xDiT Model (ComfyUI concatenates the channels and blends) and the xDiT Sampler (the backend does both)."""
+    import comfy.sample
+    import torch
+
+    from xdit_backend.models import registry
+
+    path, state_dict = tiny_flux_fill(tmp_path)
+    own = comfyuis_model(state_dict, **FLUX_TINY_SIZES)
+    (positive, negative), image, mask = fill_prompts(21)
+    noise = comfy.sample.prepare_noise(image, 4)
+    theirs = comfy.sample.sample(own, noise, 3, 1.0, "euler", "simple", positive, negative, image, noise_mask=mask,
+                                 seed=4)
+    if path_kind == "model":
+        xmodel = xdit_model(pack, path, backend2, layout)
+        ours = comfy.sample.sample(xmodel, noise, 3, 1.0, "euler", "simple", positive, negative, image,
+                                   noise_mask=mask, seed=4)
+        assert_same(theirs, ours)
+        return
+    translate = pack_module("translate")
+    spec = registry.spec(path)
+    tensors = {"latent": image, "noise_mask": mask}
+    side = translate.conditioning(positive, spec, 1, "positive")
+    assert {"concat_latent_image", "concat_mask"} <= set(side.tensors)
+    tensors.update(side.tensors)
+    request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "steps": 3, "seed": 4, "cfg": 1.0,
+               "sampler": "euler", "scheduler": "simple", "parallel": layout}
+    result, _ = backend2.sample(request, tensors)
+    assert_same(theirs, result["samples"])

@@ -45,6 +45,25 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
     ),
+    "flux-fill-tiny": BuiltinModel(
+        family="flux",
+        config=dict(
+            patch_size=1,
+            in_channels=384,  # (16 latent + 16 image + 64 mask channels) × a 2×2 patch, as Flux.1 Fill
+            out_channels=64,
+            num_layers=2,
+            num_single_layers=5,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        text_tokens=8,
+        description="Flux.1 Fill architecture (the image to inpaint and its mask concatenated), 2+5 blocks, width "
+                    "64, random weights (a test model)",
+    ),
     "flux-dev-random": BuiltinModel(
         family="flux",
         config=FLUX_DEV,

@@ -18,6 +18,7 @@ from . import latent_formats
 from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references,
                    refuse_references_in_stages)
 from .patch_embed import pack, pad_to_patch, unpack
+from .resize import upscale
 
 FLUX_DEFAULT_SHIFT = 1.15  # ComfyUI's ModelSamplingFlux default
 FLUX_DEFAULT_GUIDANCE = 3.5  # ComfyUI's default when no FluxGuidance node sets one
@@ -111,12 +112,15 @@ class FluxSpec(FamilySpec):
     heads: int
     blocks: int  # double-stream plus single-stream, as PipeFusion counts them
     has_guidance: bool
+    concat: int = 0  # latent channels ComfyUI concatenates to the input: Fill 80 (image, 8×8 mask), Depth/Canny 16
 
     family = "flux"
     # comfy/ldm/flux/model.py Flux.forward(x, timestep, context, y, guidance, ref_latents, control, …); its default
     # reference placement, "offset" (Flux.1 Kontext)
     comfy_model_inputs = {"y": "pooled", "guidance": "guidance", "ref_latents": "references",
                           "ref_latents_method": "offset"}
+    # InpaintModelConditioning (Fill) and InstructPixToPixConditioning (Depth, Canny): comfy_extras/nodes_*.py
+    comfy_conditioning = {"concat_latent_image": "concat_latent_image", "concat_mask": "concat_mask"}
     takes_references = True
     latent_format = latent_formats.FLUX
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
@@ -141,12 +145,32 @@ class FluxSpec(FamilySpec):
     @classmethod
     def from_config(cls, config) -> FluxSpec:
         get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+        packed_in = get("in_channels")
+        packed_out = (config.get("out_channels") if isinstance(config, dict) else getattr(config, "out_channels",
+                                                                                          None)) or packed_in
         return cls(get("joint_attention_dim"), get("pooled_projection_dim"), get("num_attention_heads"),
-                   get("num_layers") + get("num_single_layers"), bool(get("guidance_embeds")))
+                   get("num_layers") + get("num_single_layers"), bool(get("guidance_embeds")),
+                   (packed_in - packed_out) // 4)
 
-    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
+    @property
+    def concat_channels(self) -> int:
+        return self.concat
+
+    @property
+    def optional_conditioning(self) -> tuple[str, ...]:
+        if not self.concat:
+            return ()
+        return ("concat_latent_image", "concat_mask") if self.concat > self.latent_format.channels else (
+            "concat_latent_image",)
+
+    def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """The tensors a request must carry for one side (positive or negative) of the guidance."""
-        return {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
+        shapes = {"context": (batch, text_tokens, self.context_dim), "pooled": (batch, self.pooled_dim)}
+        if self.concat:  # the image to inpaint or to follow (raw latent) and, for Fill, its pixel mask
+            shapes["concat_latent_image"] = (batch, self.latent_format.channels, None, None)
+        if self.concat > self.latent_format.channels:
+            shapes["concat_mask"] = (batch, None, None, None)  # [B, 1, H, W], 1: to be made
+        return shapes
 
 
 class FluxModel(DiffusionModel):
@@ -164,7 +188,7 @@ class FluxModel(DiffusionModel):
         timestep = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         guidance = per_row(guidance, b, self.device) if self.has_guidance else None  # [B] float32
-        tokens, ids = [pack(x)], [image_ids(h, w, self.device)]  # [B, N, 64], [N, 3]
+        tokens, ids = [pack(self.with_concat(x, cond))], [image_ids(h, w, self.device)]  # [B, N, 64 (+ 4·E)], [N, 3]
         for index, (reference, offset) in enumerate(zip(references(cond), kontext_offsets(references(cond)))):
             latent = pad_to_patch(self.latent_format.process_in(reference.to(self.device).float()), self.spec.patch)
             tokens.append(pack(reference_rows(latent, b, index).to(x.dtype)))  # [B, R_i, 64]
@@ -181,6 +205,26 @@ class FluxModel(DiffusionModel):
                 return_dict=False,
             )[0]
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's [B, N, 64] → [B, 16, h, w]
+
+    def concat(self, shape, cond) -> torch.Tensor | None:
+        """ComfyUI's Flux.concat_cond for a latent of ``shape`` [B, 16, h, w]: the image in model space resized to
+        the latent (Depth / Canny: that alone), then (Fill) the pixel mask's mean over its channels, resized to
+        8·h × 8·w and folded into 64 channels, one per pixel of a latent cell: [B, 16 (+ 64), h, w]."""
+        if not self.spec.concat:
+            return None
+        b, _, h, w = shape
+        image = cond.get("concat_latent_image")
+        image = (torch.zeros(shape, device=self.device) if image is None
+                 else upscale(image.to(self.device, torch.float32), h, w))
+        image = self.latent_format.process_in(image)
+        if self.spec.concat <= self.latent_format.channels:
+            return image
+        mask = cond.get("concat_mask")
+        mask = (torch.ones(b, 1, h, w, device=self.device) if mask is None
+                else mask.to(self.device, torch.float32).mean(dim=1, keepdim=True))
+        mask = upscale(mask, 8 * h, 8 * w)  # [B, 1, 8h, 8w]
+        mask = mask.view(b, h, 8, w, 8).permute(0, 2, 4, 1, 3).reshape(b, 64, h, w)  # pixel (r, c) → channel 8r + c
+        return torch.cat([image, mask], dim=1)  # [B, 80, h, w]
 
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
 

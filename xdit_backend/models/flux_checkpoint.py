@@ -84,10 +84,18 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
 
     shape = FileShapes(shapes, prefix)
     width, in_channels = shape("img_in.weight")
+    out_channels = shape("final_layer.linear.weight")[0]
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    # the channels ComfyUI concatenates (packed 2×2: ×4): none, the control image (Depth / Canny: 16 latent channels)
+    # or the masked image and its mask (Fill: 16 + 64)
+    if in_channels not in (out_channels, 2 * out_channels, out_channels + 4 * 80):
+        raise UserError(f"{path}: a Flux file with {in_channels} input channels and {out_channels} output channels "
+                        "is not a variant this version runs", "use a Flux.1 dev / schnell / Kontext, Fill, Depth or "
+                        "Canny file")
     config = {
         "patch_size": 1,
         "in_channels": in_channels,
+        **({"out_channels": out_channels} if out_channels != in_channels else {}),
         "num_layers": count_blocks(shapes, "double_blocks", prefix),
         "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
         "attention_head_dim": head_dim,
@@ -100,7 +108,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     expected = {
         "double_blocks.0.img_attn.qkv.weight": [3 * width, width],
         "double_blocks.0.img_mlp.0.weight": [4 * width, width],
-        "final_layer.linear.weight": [in_channels, width],
+        "final_layer.linear.weight": [out_channels, width],
     }
     if config["num_single_layers"]:
         expected["single_blocks.0.linear1.weight"] = [7 * width, width]

@@ -32,6 +32,7 @@ from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .resize import upscale
 
 WAN_DEFAULT_SHIFT = 8.0  # ComfyUI's WAN21_T2V sampling_settings (WAN22_T2V inherits it)
 CLIP_VISION_WIDTH = 1280  # CLIP-H's hidden states, what ComfyUI's Wan image embedder (MLPProj) takes
@@ -84,21 +85,6 @@ class WanCrossProcessor:
             out = out + F.scaled_dot_product_attention(query, key, heads(attn.add_v_proj(image)))
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)  # [B, N, H·D]
         return attn.to_out[1](attn.to_out[0](out))
-
-
-def upscale(latent: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """ComfyUI's ``common_upscale(latent, width, height, "bilinear", "center")`` for [B, C, T, h', w'] (each frame
-    cropped to the target's aspect at the centre, then resized bilinearly) → [B, C, T, height, width]."""
-    b, c, frames, old_h, old_w = latent.shape
-    flat = latent.movedim(2, 1).reshape(b * frames, c, old_h, old_w)  # [B·T, C, h', w']
-    x = y = 0
-    if old_w / old_h > width / height:
-        x = round((old_w - old_w * ((width / height) / (old_w / old_h))) / 2)
-    elif old_w / old_h < width / height:
-        y = round((old_h - old_h * ((old_w / old_h) / (width / height))) / 2)
-    flat = flat[..., y:old_h - y, x:old_w - x]
-    out = F.interpolate(flat, size=(height, width), mode="bilinear")
-    return out.reshape(b, frames, c, height, width).movedim(1, 2)  # [B, C, T, height, width]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
