@@ -708,7 +708,6 @@ def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, pa
     """InpaintModelConditioning's conditioning and its noise mask on the latent: ComfyUI's own Fill model against
     the xDiT Model (ComfyUI concatenates the channels and blends) and the xDiT Sampler (the backend does both)."""
     import comfy.sample
-    import torch
 
     from xdit_backend.models import registry
 
