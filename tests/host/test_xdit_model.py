@@ -733,3 +733,43 @@ def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, pa
                "sampler": "euler", "scheduler": "simple", "parallel": layout}
     result, _ = backend2.sample(request, tensors)
     assert_same(theirs, result["samples"])
+
+
+def test_wan_first_last_frame_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """A tiny FLF2V file (the image embedder's position table over two frames' CLIP tokens) with
+    WanFirstLastFrameToVideo's conditioning (both frames' latents, a four-channel mask, the two CLIP outputs joined:
+    2 × 6 tokens), the xDiT Sampler under ulysses=2 against ComfyUI's own WAN21 model."""
+    import comfy.sample
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    config = {**registry.BUILTINS["wan-i2v-tiny"].config, "pos_embed_seq_len": 12}
+    torch.manual_seed(3)
+    model = WanTransformer3DModel(**config)
+    with torch.no_grad():
+        model.condition_embedder.image_embedder.pos_embed.normal_()  # zeros at construction: make it count
+    path = str(tmp_path / "tiny-wan-flf2v.safetensors")
+    save_file(original_state_dict(model), path)
+    own = comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+    positive, negative = wan_i2v_prompts(22, image_tokens=12)
+    mask = torch.ones(1, 4, 3, 8, 8)
+    mask[:, :, 0], mask[:, :3, -1] = 0.0, 0.0  # the first frame kept, the last latent frame's first three
+    for side in (positive, negative):
+        side[0][1]["concat_mask"] = mask
+    latent = torch.zeros(1, 16, 3, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 8)
+    theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, latent, seed=8)
+    translate = pack_module("translate")
+    spec = registry.spec(path)
+    tensors = {}
+    for prefix, entries in (("", positive), ("negative_", negative)):
+        side = translate.conditioning(entries, spec, 1, "negative" if prefix else "positive")
+        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "frames": 9, "steps": 3, "seed": 8,
+               "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": {"ulysses": 2}}
+    result, _ = backend2.sample(request, tensors)
+    assert_same(theirs, result["samples"])
