@@ -16,22 +16,18 @@ pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkou
 def xdit_sampler(client, path: str, positive, negative, latent: dict, seed: int, steps: int, cfg: float,
                  sampler: str, layout: dict):
     """The xDiT Sampler's request for these ComfyUI values (the nodes' translation), sent to ``client``."""
-    import importlib
-
+    from host.test_xdit_model import pack_module, sampler_tensors
     from xdit_backend.models import registry
 
-    translate = importlib.import_module("comfyui_xdit.nodes.translate")
-    spec = registry.spec(path)
-    geometry, samples = translate.latent(latent, spec)
-    tensors = {"latent": samples, "noise_mask": translate.noise_mask(latent)}
-    for prefix, entries in (("", positive), ("negative_", negative)):
-        side = translate.conditioning(entries, spec, geometry.batch, "negative" if prefix else "positive")
-        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    translate = pack_module("translate")
+    geometry, samples = translate.latent(latent, registry.spec(path))
+    tensors = {"latent": samples, "noise_mask": translate.noise_mask(latent),
+               **sampler_tensors(path, positive, negative, geometry.batch)}
     request = {"model": path, "dtype": "float32", "width": geometry.width, "height": geometry.height,
                "batch": geometry.batch, "steps": steps, "seed": seed, "cfg": cfg, "sampler": sampler,
                "scheduler": "simple", "parallel": layout}
     result, info = client.sample(request, {k: v for k, v in tensors.items() if v is not None})
-    return translate.to_comfyui(result["samples"], spec), info
+    return translate.to_comfyui(result["samples"], registry.spec(path)), info
 
 
 def prompts(seed: int):

@@ -497,6 +497,17 @@ def pack_module(name: str):
     return importlib.import_module(f"comfyui_xdit.nodes.{name}")
 
 
+def sampler_tensors(path: str, positive, negative, batch: int = 1) -> dict:
+    """The xDiT Sampler's conditioning tensors for these ComfyUI sides, by the nodes' own translation."""
+    from xdit_backend.models import registry
+
+    translate, spec, tensors = pack_module("translate"), registry.spec(path), {}
+    for prefix, entries in (("", positive), ("negative_", negative)):
+        side = translate.conditioning(entries, spec, batch, "negative" if prefix else "positive")
+        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    return tensors
+
+
 def tiny_wan_i2v(tmp_path) -> tuple[str, dict]:
     import torch
     from safetensors.torch import load_file, save_file
@@ -583,10 +594,7 @@ def test_wan_image_to_video_on_the_xdit_sampler_gives_comfyuis_latent(backend2, 
     theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, latent, seed=7)
     spec = registry.spec(path)
     geometry, _ = translate.latent({"samples": latent}, spec)
-    tensors = {}
-    for prefix, entries in (("", positive), ("negative_", negative)):
-        side = translate.conditioning(entries, spec, geometry.batch, "positive" if not prefix else "negative")
-        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    tensors = sampler_tensors(path, positive, negative, geometry.batch)
     assert {"concat_latent_image", "concat_mask", "clip_vision_output"} <= set(tensors)
     request = {"model": path, "dtype": "float32", "width": geometry.width, "height": geometry.height,
                "frames": geometry.frames, "steps": 3, "seed": 7, "cfg": 4.0, "sampler": "euler",
@@ -622,8 +630,6 @@ def test_flux_kontext_references_give_comfyuis_latent(backend2, pack, tmp_path, 
     import comfy.sample
     import torch
 
-    from xdit_backend.models import registry
-
     path = str(tmp_path / "tiny-flux-kontext.safetensors")
     own = comfyuis_model(tiny_flux_file(path), **FLUX_TINY_SIZES)
     generator = torch.Generator().manual_seed(19)
@@ -636,12 +642,7 @@ def test_flux_kontext_references_give_comfyuis_latent(backend2, pack, tmp_path, 
         return
     noise = comfy.sample.prepare_noise(latent, 3)
     theirs = comfy.sample.sample(own, noise, 3, 2.0, "euler", "simple", positive, negative, latent, seed=3)
-    translate = pack_module("translate")
-    spec = registry.spec(path)
-    tensors = {}
-    for prefix, entries in (("", positive), ("negative_", negative)):
-        side = translate.conditioning(entries, spec, 1, "negative" if prefix else "positive")
-        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    tensors = sampler_tensors(path, positive, negative)
     assert {"reference_0", "reference_1"} <= set(tensors)
     request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "steps": 3, "seed": 3, "cfg": 2.0,
                "sampler": "euler", "scheduler": "simple", "parallel": layout}
@@ -763,12 +764,7 @@ def test_wan_first_last_frame_gives_comfyuis_latent(backend2, pack, tmp_path):
     latent = torch.zeros(1, 16, 3, 8, 8)
     noise = comfy.sample.prepare_noise(latent, 8)
     theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, latent, seed=8)
-    translate = pack_module("translate")
-    spec = registry.spec(path)
-    tensors = {}
-    for prefix, entries in (("", positive), ("negative_", negative)):
-        side = translate.conditioning(entries, spec, 1, "negative" if prefix else "positive")
-        tensors.update({prefix + key: tensor for key, tensor in side.tensors.items()})
+    tensors = sampler_tensors(path, positive, negative)
     request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "frames": 9, "steps": 3, "seed": 8,
                "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": {"ulysses": 2}}
     result, _ = backend2.sample(request, tensors)

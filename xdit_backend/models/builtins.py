@@ -27,39 +27,26 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
 
+# the tiny Flux and Wan (the image-input variants are the same models with more input channels)
+FLUX_TINY = dict(patch_size=1, in_channels=64,  # 16 latent channels × a 2×2 patch
+                 num_layers=2, num_single_layers=5,  # 5 single ≈ 2 double in parameters: PipeFusion stages can balance
+                 attention_head_dim=16, num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32,
+                 guidance_embeds=True, axes_dims_rope=(4, 6, 6))  # the RoPE axes sum to attention_head_dim
+WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+                text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
         family="flux",
-        config=dict(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels × a 2×2 patch
-            num_layers=2,
-            num_single_layers=5,  # 5 single ≈ 2 double in parameters: PipeFusion stages can balance
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=64,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        ),
+        config=FLUX_TINY,
         text_tokens=8,
         description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
     ),
     "flux-fill-tiny": BuiltinModel(
         family="flux",
-        config=dict(
-            patch_size=1,
-            in_channels=384,  # (16 latent + 16 image + 64 mask channels) × a 2×2 patch, as Flux.1 Fill
-            out_channels=64,
-            num_layers=2,
-            num_single_layers=5,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=64,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
-        ),
+        # (16 latent + 16 image + 64 mask channels) × a 2×2 patch in, as Flux.1 Fill
+        config={**FLUX_TINY, "in_channels": 384, "out_channels": 64},
         text_tokens=8,
         description="Flux.1 Fill architecture (the image to inpaint and its mask concatenated), 2+5 blocks, width "
                     "64, random weights (a test model)",
@@ -140,43 +127,15 @@ BUILTINS: dict[str, BuiltinModel] = {
     ),
     "wan-tiny": BuiltinModel(
         family="wan",
-        config=dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=32,
-            in_channels=16,
-            out_channels=16,
-            text_dim=64,
-            freq_dim=32,
-            ffn_dim=128,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
-        ),
+        config=WAN_TINY,
         text_tokens=8,
         description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
     ),
     "wan-i2v-tiny": BuiltinModel(
         family="wan",
-        config=dict(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=32,
-            in_channels=36,  # the latent's 16, then the mask's 4 and the start image's 16 (WanImageToVideo)
-            out_channels=16,
-            text_dim=64,
-            freq_dim=32,
-            ffn_dim=128,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            image_dim=1280,  # CLIP-H's hidden states, as Wan 2.1 I2V's image embedder takes them
-            added_kv_proj_dim=64,
-            rope_max_seq_len=1024,
-        ),
+        # the latent's 16 channels, then the mask's 4 and the start image's 16 (WanImageToVideo); CLIP-H's hidden
+        # states (1280) into Wan 2.1 I2V's image embedder, their keys and values in every block's cross-attention
+        config={**WAN_TINY, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 64},
         text_tokens=8,
         description="Wan 2.1 I2V architecture (concatenated start frame and mask, CLIP image tokens), 2 blocks, "
                     "width 64, random weights (a test model)",
