@@ -243,3 +243,15 @@ def test_the_cli_sends_a_noise_mask_and_the_request_checks_it(tmp_path):
     args = cli.build_parser().parse_args([*argv, "--noise-mask", str(tmp_path / "other.safetensors")])
     with pytest.raises(SystemExit, match="holds neither 'mask' nor 'noise_mask'"):
         cli.sample_tensors(args)
+
+
+def test_a_noise_mask_on_wan_22_ti2v_is_refused_by_name():
+    """Wan22ImageToVideoLatent's fixed first frame: ComfyUI's WAN22 then takes a timestep per frame, which the backend
+    does not run; refused rather than run with one timestep (a different latent)."""
+    from xdit_backend.models.wan import WanSpec
+
+    ti2v = WanSpec(64, 2, 2, 48, 48)  # TI2V-5B's 48-channel latent, at a tiny width
+    fields = {"model": "wan-tiny", "width": 64, "height": 64, "frames": 5, "steps": 2}
+    request = SampleRequest.parse(Message("sample", fields, {"noise_mask": torch.ones(1, 1, 64, 64)}))
+    with pytest.raises(RequestError, match="a timestep per frame"):
+        request.check_model(ti2v)

@@ -78,7 +78,9 @@ class FamilySpec(ABC):
     time_factor = 4  # video frames per latent frame after the first (Wan's VAEs)
     default_guidance: float | None = None  # a guidance embedding (Flux-dev); None: the family has none
     takes_shift = True  # flow models have a shift; discrete EPS models (PixArt) have none
-    inpaint_keeps_latent = False  # a noise mask's kept region is the latent itself, not noised (ComfyUI's WAN22)
+    # under a noise mask ComfyUI's model takes a timestep per frame (its WAN22.process_timestep, Wan 2.2 TI2V-5B's
+    # image to video), which the backend does not run yet: such a request is refused
+    masked_timesteps_per_frame = False
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False

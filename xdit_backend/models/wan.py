@@ -139,8 +139,8 @@ class WanSpec(FamilySpec):
         return max(0, self.in_channels - self.channels)
 
     @property
-    def inpaint_keeps_latent(self) -> bool:
-        return self.channels == 48  # ComfyUI's WAN22 (TI2V-5B): scale_latent_inpaint returns the latent
+    def masked_timesteps_per_frame(self) -> bool:
+        return self.channels == 48  # ComfyUI's WAN22 (TI2V-5B)
 
     @property
     def optional_conditioning(self) -> tuple[str, ...]:

@@ -35,7 +35,6 @@ class Generation:
     cpu_noise: bool = False  # ancestral noise from the CPU generator (the ranks' GPUs differ: noise.StepNoise)
     cache: object = None  # parallel/step_cache.CacheOptions, or None: every step computes every block
     noise_mask: torch.Tensor | None = None  # inpainting: 1 where to make, 0 where to keep the latent (inpaint.py)
-    inpaint_keeps_latent: bool = False  # the family's kept region is the latent itself, not noised (Wan 2.2 5B)
 
     @property
     def steps(self) -> int:
@@ -107,7 +106,7 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     inpaint = None
     if gen.noise_mask is not None:
         mask = prepare_mask(gen.noise_mask, tuple(full.shape))[rows].to(device)
-        inpaint = Inpaint(mask, latent, noise, gen.inpaint_keeps_latent)
+        inpaint = Inpaint(mask, latent, noise)
     return Start(x, gen.sigmas, positive, negative, step_noise, inpaint)
 
 

@@ -2,11 +2,12 @@
 as ComfyUI's KSampler does it: comfy/samplers.py ``KSamplerX0Inpaint`` and comfy/sampler_helpers.py
 ``prepare_mask`` (comfy/utils.py ``reshape_mask``).
 
-Before each model call the kept region of x is replaced by the input latent noised to the call's σ (the family's
-``scale_latent_inpaint``: ``noise_scaling`` without the σ_max rule, or the latent itself for Wan 2.2 TI2V-5B), and
-after it the kept region of the denoised estimate is the input latent: x ← x·m + scaled·(1 − m), x0 ← x0·m +
-latent·(1 − m), m the mask (1: to be made). Every tensor here is elementwise in the latent's cells, so a rank's
-rows (dp) and a PipeFusion patch's band take their slice of it (``band``).
+Before each model call the kept region of x is replaced by the input latent noised to the call's σ (ComfyUI's
+``scale_latent_inpaint``: ``noise_scaling`` without the σ_max rule), and after it the kept region of the denoised
+estimate is the input latent: x ← x·m + scaled·(1 − m), x0 ← x0·m + latent·(1 − m), m the mask (1: to be made).
+Every tensor here is elementwise in the latent's cells, so a rank's rows (dp) and a PipeFusion patch's band take
+their slice of it (``band``). Wan 2.2 TI2V-5B, whose ComfyUI model takes a timestep per frame under a mask, is
+refused before (SampleRequest).
 """
 
 from __future__ import annotations
@@ -43,15 +44,11 @@ class Inpaint:
     mask: torch.Tensor
     latent: torch.Tensor
     noise: torch.Tensor
-    keeps_latent: bool = False  # the family's scale_latent_inpaint is the latent itself (ComfyUI's WAN22)
 
     def model_input(self, x: torch.Tensor, sigma: torch.Tensor, sampling) -> torch.Tensor:
         """x [B, ...] at σ [B] (or one σ) with its kept region the input latent noised to σ."""
-        if self.keeps_latent:
-            kept = self.latent
-        else:
-            sigma = sigma.reshape(-1, *(1,) * (x.dim() - 1)) if torch.is_tensor(sigma) else sigma
-            kept = sampling.inpaint_scaling(sigma, self.noise, self.latent)
+        sigma = sigma.reshape(-1, *(1,) * (x.dim() - 1)) if torch.is_tensor(sigma) else sigma
+        kept = sampling.inpaint_scaling(sigma, self.noise, self.latent)
         return x * self.mask + kept * (1.0 - self.mask)
 
     def output(self, x0: torch.Tensor) -> torch.Tensor:
@@ -60,4 +57,4 @@ class Inpaint:
 
     def band(self, a: int, b: int) -> Inpaint:
         """Latent rows [a, b) of dim −2 (a PipeFusion patch)."""
-        return Inpaint(self.mask[..., a:b, :], self.latent[..., a:b, :], self.noise[..., a:b, :], self.keeps_latent)
+        return Inpaint(self.mask[..., a:b, :], self.latent[..., a:b, :], self.noise[..., a:b, :])

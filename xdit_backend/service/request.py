@@ -150,6 +150,12 @@ class SampleRequest:
         mask = self.tensors.get("noise_mask")
         if mask is None:
             return
+        if spec.masked_timesteps_per_frame:
+            raise RequestError(f"a noise mask on a {spec.family} model of {spec.latent_format.channels} latent "
+                               "channels (Wan 2.2 TI2V-5B, Wan22ImageToVideoLatent's fixed first frame): ComfyUI's "
+                               "model then takes a timestep per frame, which the backend does not run yet",
+                               "leave the noise mask out (text to video), or use ComfyUI's own model loader and "
+                               "sampler for TI2V-5B image to video")
         if not 2 <= mask.dim() <= (5 if spec.video else 4) or min(mask.shape) < 1:
             raise RequestError(f"noise_mask has shape {list(mask.shape)}; a mask is [N, 1, H, W] (a video's "
                                "also [1, 1, T, H, W])", "send the LATENT's noise_mask as Set Latent Noise Mask "
@@ -307,7 +313,6 @@ class SampleRequest:
             add_noise=self.add_noise,
             cache=self.cache_options(),
             noise_mask=self.tensors.get("noise_mask"),
-            inpaint_keeps_latent=spec.inpaint_keeps_latent,
         )
 
     def cache_options(self) -> CacheOptions | None:
