@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from xdit_backend.distributed.config import ParallelConfig
 from xdit_backend.models import registry
 from xdit_backend.parallel.pipefusion import PipeFusion, call_sigmas
 from xdit_backend.parallel.stale_kv import Chunk, KVBuffer, StaleKV
@@ -90,7 +91,7 @@ def test_the_sigma_of_each_call_is_a_host_float():
 class _Layout:
     """The part of a mesh.Layout PipeFusion reads: one stage of two, no other parallelism."""
 
-    config = SimpleNamespace(pipefusion=2, num_pipeline_patch=None, warmup_steps=1, sequence=1)
+    config = ParallelConfig(pipefusion=2)
     sequence_group, sequence_index, links = None, 0, None
 
     def group(self, axis):

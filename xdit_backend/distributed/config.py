@@ -104,11 +104,16 @@ class ParallelConfig:
         """Ranks that share one sequence (ring × ulysses)."""
         return self.ring * self.ulysses
 
+    @property
+    def patches(self) -> int:
+        """PipeFusion's patches per step: num_pipeline_patch, else one per stage."""
+        return self.num_pipeline_patch or self.pipefusion
+
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) > 1]
         text = " × ".join(parts) or "serial"
         if self.pipefusion > 1:
-            text += f" ({self.num_pipeline_patch or self.pipefusion} patches, warm-up {self.warmup_steps})"
+            text += f" ({self.patches} patches, warm-up {self.warmup_steps})"
         if self.shard_weights:
             text += f", weights sharded {self.shard_size} ways"
         return text
@@ -205,7 +210,7 @@ class ParallelConfig:
                                   f"(they sum to {sum(counts)})", "or leave it out for an even split")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} must be 0 or more")
-        patches = self.num_pipeline_patch or self.pipefusion
+        patches = self.patches
         if not 1 <= patches <= request.token_rows:
             raise ConfigError(f"num_pipeline_patch={patches}: patches are bands of token rows, and the latent has "
                               f"{request.token_rows} rows (height / 16)", f"use 1..{request.token_rows} patches")

@@ -144,10 +144,11 @@ class FluxSpec(FamilySpec):
 
     @classmethod
     def from_config(cls, config) -> FluxSpec:
-        get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
+        def get(key: str):
+            return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
         packed_in = get("in_channels")
-        packed_out = (config.get("out_channels") if isinstance(config, dict) else getattr(config, "out_channels",
-                                                                                          None)) or packed_in
+        packed_out = get("out_channels") or packed_in
         return cls(get("joint_attention_dim"), get("pooled_projection_dim"), get("num_attention_heads"),
                    get("num_layers") + get("num_single_layers"), bool(get("guidance_embeds")),
                    (packed_in - packed_out) // 4)
@@ -189,7 +190,8 @@ class FluxModel(DiffusionModel):
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         guidance = per_row(guidance, b, self.device) if self.has_guidance else None  # [B] float32
         tokens, ids = [pack(self.with_concat(x, cond))], [image_ids(h, w, self.device)]  # [B, N, 64 (+ 4·E)], [N, 3]
-        for index, (reference, offset) in enumerate(zip(references(cond), kontext_offsets(references(cond)))):
+        placed = references(cond)
+        for index, (reference, offset) in enumerate(zip(placed, kontext_offsets(placed))):
             latent = pad_to_patch(self.latent_format.process_in(reference.to(self.device).float()), self.spec.patch)
             tokens.append(pack(reference_rows(latent, b, index).to(x.dtype)))  # [B, R_i, 64]
             ids.append(image_ids(*latent.shape[-2:], self.device) + offset.to(self.device))  # [R_i, 3]

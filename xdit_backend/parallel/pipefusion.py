@@ -146,7 +146,7 @@ class PipeFusion:
         self.links, self.sp_group = layout.links, layout.sequence_group
         self.sp_index, self.sp_parts = layout.sequence_index, config.sequence
         self.cfg_group = layout.group("cfg")
-        self.patches = config.num_pipeline_patch or config.pipefusion
+        self.patches = config.patches
         self.warmup = config.warmup_steps
         self.blocks = blocks  # this stage's blocks, in order
         self.holds_cache_head = holds_cache_head  # the step cache's first block: this stage decides (step_cache.py)
@@ -378,11 +378,7 @@ class PipeFusion:
     def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's x0 (gathered, guided), each patch's sampler update, the return to stage 0."""
         sigma = self._sigma(item.step)
-        if self.sp_group is not None:
-            out = stale_kv.gather_tokens(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
-        a, b = self._rows(item)
-        shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
-        raw = self.model.unpatchify(out, shape).float()  # [batch, C, (T,) b − a, w]
+        a, b, raw = self._raw_rows(item, out)
         x = torch.cat([self.calls[p].x for p in range(item.first, item.end)], dim=-2)  # [B, C, (T,) b − a, w]
         x = self._inpainted(x, item, a, b)  # what the model was given
         batched = x.repeat(self.batch // x.shape[0], *(1,) * (x.dim() - 1))
@@ -406,6 +402,15 @@ class PipeFusion:
                 following.append(end.value)
         self.x[..., a:b, :] = update = torch.cat(following, dim=-2)  # [B, C, (T,) b − a, w]
         self.sends.append((update, _isend(update, self.links.outgoing)))  # back to stage 0
+
+    def _raw_rows(self, item, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """Last stage: the item's latent rows [a, b) and the model's raw output on them [batch, C, (T,) b − a, w]
+        (float32), from the head's tokens ``out`` [batch, n/P, V] (gathered over the sequence ranks)."""
+        if self.sp_group is not None:
+            out = stale_kv.gather_tokens(out, self.sp_group)  # [batch, n/P, V] → [batch, n, V]
+        a, b = self._rows(item)
+        shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
+        return a, b, self.model.unpatchify(out, shape).float()
 
     def _wait_sends(self) -> None:
         for _, request in self.sends:  # (tensor kept alive until sent, request)

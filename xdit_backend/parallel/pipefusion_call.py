@@ -103,9 +103,5 @@ class PipelinedCall(PipeFusion):
 
     def _finish(self, item, out: torch.Tensor) -> None:
         """Last stage: the item's output rows [per, C, (T,) b − a, W], back to stage 0 (``_apply_returns`` there)."""
-        if self.sp_group is not None:
-            out = stale_kv.gather_tokens(out, self.sp_group)  # [per, n/P, V] → [per, n, V]
-        a, b = self._rows(item)
-        shape = (self.batch, *self.x.shape[1:-2], b - a, self.x.shape[-1])
-        raw = self.model.unpatchify(out, shape).float().contiguous()
+        raw = self._raw_rows(item, out)[2].contiguous()
         self.sends.append((raw, _isend(raw, self.links.outgoing)))

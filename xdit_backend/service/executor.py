@@ -311,8 +311,7 @@ class Executor:
         """What this PipeFusion stage keeps across the calls of the sampling run ``request`` belongs to (the xDiT
         MODEL): its K/V and step-cache residuals, new when the run, the model, the layout or the cache's settings
         change. The same on every rank: they all see every call."""
-        identity = (request.generation, key, request.parallel, request.cache_options() if request.cache != "none"
-                    else None)
+        identity = (request.generation, key, request.parallel, request.cache_options())
         if self.run_stages is None or self.run_stages[0] != identity:
             self.run_stages = (identity, RunStage())
         return self.run_stages[1]
@@ -332,8 +331,8 @@ class Executor:
         identity = (request.generation, key, request.parallel, options, request.steps)
         if self.run_caches is None or self.run_caches[0] != identity:
             config = request.parallel
-            computes = (always_computed(config.warmup_steps, config.num_pipeline_patch or config.pipefusion,
-                                        request.steps) if config is not None and config.pipefusion > 1 else frozenset())
+            computes = (always_computed(config.warmup_steps, config.patches, request.steps)
+                        if config is not None and config.pipefusion > 1 else frozenset())
             self.run_caches = (identity, StepCache(options, request.steps, self.computing.spec.cache_plan.teacache,
                                                    computes=computes))
         self.last_cache = self.run_caches[1]
