@@ -129,6 +129,30 @@ def tiny_sd3_file(path: Path) -> None:
     save_file(original_state_dict(model), str(path))
 
 
+def start_comfyui(base: Path, env: dict, log_path: Path):
+    """ComfyUI headless on a free port, waited for: ``(Host, log)``, or ``(None, log)`` when it exited before
+    answering; raises when it neither answers nor exits within two minutes."""
+    port = free_port()
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1",
+         "--port", str(port), "--base-directory", str(base), "--database-url", "sqlite:///:memory:"],
+        cwd=COMFYUI_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    host = Host(base, port, process)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            host.get("/system_stats")
+            return host, log
+        except OSError:
+            if process.poll() is not None:
+                return None, log
+            if time.monotonic() > deadline:
+                process.kill()
+                raise AssertionError("ComfyUI did not start:\n" + log_path.read_text()[-3000:])
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def host(tmp_path_factory):
     base = tmp_path_factory.mktemp("comfyui-base")
@@ -137,27 +161,23 @@ def host(tmp_path_factory):
     (base / "models" / "diffusion_models").mkdir(parents=True)
     tiny_sd3_file(base / "models" / "diffusion_models" / "tiny-sd3.safetensors")
     sock_dir = Path(f"/tmp/xdit-host-{uuid.uuid4().hex[:8]}")
-    port = free_port()
     env = {**os.environ, "XDIT_SOCKET": str(sock_dir / "backend.sock")}
-    log = open(base / "comfyui.log", "w")
-    process = subprocess.Popen(
-        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1",
-         "--port", str(port), "--base-directory", str(base), "--database-url", "sqlite:///:memory:"],
-        cwd=COMFYUI_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
-    host = Host(base, port, process)
-    host.socket = sock_dir / "backend.sock"  # the backend the pack's nodes start and use
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            host.get("/system_stats")
+    log_path = base / "comfyui.log"
+    # A free port is free when asked, not when ComfyUI binds it: another test's process (a backend's TCP store,
+    # a client's ephemeral port) may take it in between. ComfyUI then exits at once; start it on a new port.
+    for _ in range(5):
+        host, log = start_comfyui(base, env, log_path)
+        if host is not None:
             break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("ComfyUI did not start:\n" + (base / "comfyui.log").read_text()[-3000:])
-            time.sleep(0.5)
+        log.close()
+        if "address already in use" not in log_path.read_text():
+            raise AssertionError("ComfyUI did not start:\n" + log_path.read_text()[-3000:])
+    else:
+        raise AssertionError("ComfyUI found no free port in 5 tries:\n" + log_path.read_text()[-3000:])
+    host.socket = sock_dir / "backend.sock"  # the backend the pack's nodes start and use
     yield host
-    process.terminate()
-    process.wait(timeout=30)
+    host.process.terminate()
+    host.process.wait(timeout=30)
     from xdit_backend.launch import launcher
 
     launcher.stop(sock_dir / "backend.sock", timeout=15)
