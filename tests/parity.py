@@ -27,6 +27,7 @@ def uneven_cogvideox() -> dict:
 SIZES = {
     "sd3-tiny": {"width": 128, "height": 64},
     "flux-fill-tiny": {"width": 128, "height": 64},  # 32 image tokens, 80 channels concatenated (image, 8×8 mask)
+    "flux-kontext-tiny": {"width": 128, "height": 64},  # 32 image tokens and 15 of the reference's, drawn from the seed
     "pixart-tiny": {"width": 128, "height": 64},
     "wan-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]
     # the same latent, with the start frame's latent and mask concatenated (20 channels) and 8 CLIP tokens

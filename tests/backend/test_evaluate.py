@@ -117,7 +117,8 @@ def euler_through_calls(client, fields: dict, conditioning: dict, steps: int, cf
     sigmas = schedulers.sigmas("simple", sampling, steps, 1.0, sampler="euler").float()
     shape = spec.latent_shape(1, 64, 64)
     x = sampling.noise_scaling(sigmas[0], comfy_noise(shape, seed), torch.zeros(shape))
-    inputs = {key: torch.cat([conditioning[key], conditioning[f"negative_{key}"]]) for key in ("context", "pooled")}
+    inputs = {key: torch.cat([value, conditioning[f"negative_{key}"]]) for key, value in conditioning.items()
+              if not key.startswith("negative_")}  # context, pooled (and reference_0, …): cond rows first
     infos = []
     for i in range(steps):
         sigma = sigmas[i:i + 1].expand(2)
@@ -168,6 +169,22 @@ def test_pipefusion_across_the_calls_of_a_run_gives_the_xdit_samplers_pipefusion
     assert "pipefusion=2" in infos[-1]["layout"]
     assert (latent - pipelined["samples"]).abs().max() <= 1e-5
     assert (latent - serial_latent["samples"]).abs().max() > 1e-4  # stale K/V: PipeFusion's approximation
+
+
+def test_pipefusion_calls_with_a_reference_give_the_xdit_samplers_pipefusion_latent(backend2):
+    """A Kontext edit (flux-tiny given a reference latent) under PipeFusion, 4 patches after 2 warm-up steps: the
+    reference tokens travel with each call's first patch as with each step's under the xDiT Sampler, and the two give
+    the same latent."""
+    from conftest import flux_tiny_conditioning
+
+    conditioning = {k: v[:1] for k, v in flux_tiny_conditioning(seed=5).items()}
+    reference = torch.randn(1, 16, 6, 10, generator=torch.Generator().manual_seed(6))  # 15 tokens beside the 16
+    conditioning.update(reference_0=reference, negative_reference_0=reference)
+    parallel = ParallelConfig(pipefusion=2, num_pipeline_patch=4, warmup_steps=2).to_json()
+    sample = {"model": "flux-tiny", "width": 64, "height": 64, "steps": 6, "seed": 2, "cfg": 2.5, "dtype": "float32"}
+    pipelined, _ = backend2.sample({**sample, "parallel": parallel}, conditioning)
+    latent, _ = euler_through_calls(backend2, {**FIELDS, "parallel": parallel}, conditioning, 6, 2.5, 2, {})
+    assert (latent - pipelined["samples"]).abs().max() <= 1e-5
 
 
 def test_pipefusion_warmed_up_over_every_call_equals_the_serial_call(backend2):

@@ -1,7 +1,7 @@
 """The families through a backend beyond the parity table (test_parity.py): step ranges over the socket, and an
 edit model's reference latent."""
 
-from parity import TOLERANCE, bound, family
+from parity import TOLERANCE, bound, family, serial
 
 from xdit_backend.models import registry
 from xdit_backend.service.reference import serial_latent
@@ -15,21 +15,32 @@ def test_step_ranges_through_the_backend(backend2):
     assert (second["samples"] - whole["samples"]).abs().max() <= TOLERANCE
 
 
-def test_a_reference_latent_through_the_backend_changes_qwen_image_and_stays_exact_under_ulysses_2(backend2):
+def test_a_reference_latent_through_the_backend_changes_qwen_image_and_stays_exact_under_ulysses_and_pipefusion(
+        backend2):
     """An edit request end to end: the reference latent (reference_0, as --reference-latent and the nodes send
-    it) moves the result well beyond the tolerance, and ulysses=2 gives the serial latent. 10 × 6 latent cells
-    of reference: 15 reference tokens with the 32 image tokens, which 2 does not divide (padded shares)."""
+    it) moves the result well beyond the tolerance, and ulysses=2 and pipefusion=2 (full warm-up: the reference
+    tokens travel with the chunk) give the serial latent. 10 × 6 latent cells of reference: 15 reference tokens
+    with the 32 image tokens, which 2 does not divide (padded shares)."""
     message = family("qwen-image-tiny")
     spec = registry.spec("qwen-image-tiny")
     positive, negative = registry.random_conditioning("qwen-image-tiny", 1, 7, spec, references=((6, 10),))
     tensors = {**positive, **{f"negative_{key}": value for key, value in negative.items()}}
     serial = serial_latent(message, tensors)
-    result, _ = backend2.sample({**message, "parallel": {"ulysses": 2}}, tensors)
-    difference = (result["samples"] - serial).abs().max().item()
-    assert difference <= bound(serial), f"ulysses=2 with a reference: max |parallel − serial| = {difference:.3g}"
+    for degrees in ({"ulysses": 2}, {"pipefusion": 2, "num_pipeline_patch": 2, "warmup_steps": message["steps"]}):
+        result, _ = backend2.sample({**message, "parallel": degrees}, tensors)
+        difference = (result["samples"] - serial).abs().max().item()
+        assert difference <= bound(serial), f"{degrees} with a reference: max |parallel − serial| = {difference:.3g}"
     without, _ = backend2.sample({**message, "parallel": {"ulysses": 2}},
                                  {k: v for k, v in tensors.items() if "reference" not in k})
     assert (without["samples"] - serial).abs().max() > 10 * bound(serial)  # 0.09: 50 × the bound (random weights)
+
+
+def test_flux_kontext_tinys_own_reference_moves_the_result():
+    """flux-kontext-tiny is flux-tiny (the same weights and seeded text) given a reference drawn from the seed: its
+    serial latent differs from flux-tiny's by far more than the parity tolerance (its layouts: test_parity.py)."""
+    kontext = serial(family("flux-kontext-tiny"))
+    plain = serial({**family("flux-kontext-tiny"), "model": "flux-tiny"})
+    assert (kontext - plain).abs().max() > 100 * bound(kontext)
 
 
 def test_wan_image_to_video_inputs_each_move_the_result_and_a_wrong_frame_count_is_named(backend2):

@@ -16,7 +16,7 @@ from xdit_backend.wire.protocol import Message
 
 B, L, H, D = 2, 3, 2, 4
 FRAMES, ROWS, COLUMNS = 2, 4, 3
-TOKENS = L + FRAMES * ROWS * COLUMNS  # every position a buffer holds
+TOKENS = L + FRAMES * ROWS * COLUMNS  # every position a buffer holds (without references)
 
 
 def _attention(sees_text=True):
@@ -30,38 +30,46 @@ def _attention(sees_text=True):
     return StaleKV(Chunk(), None, kernel, sees_text, KVBuffer()), seen
 
 
-def _run_chunk(attention, truth_k, truth_v, rows, with_text):
-    """One chunk through ``attention``: its text (when carried) and its rows of every frame, cut from the truth."""
+def _run_chunk(attention, truth_k, truth_v, rows, first, references=0):
+    """One chunk through ``attention``: its text and references (the step's ``first`` chunk carries them) and its
+    rows of every frame, cut from the truth [B, L + R + N, H, D]."""
     chunk = attention.chunk
-    chunk.describe(L if with_text else 0, L, (FRAMES, ROWS, COLUMNS), rows)
-    image = [truth[:, L:].view(B, FRAMES, ROWS, COLUMNS, H, D)[:, :, rows[0]:rows[1]].reshape(B, -1, H, D)
+    chunk.describe(L if first else 0, L, (FRAMES, ROWS, COLUMNS), rows, references if first else 0, references)
+    prefix = L + references
+    image = [truth[:, prefix:].view(B, FRAMES, ROWS, COLUMNS, H, D)[:, :, rows[0]:rows[1]].reshape(B, -1, H, D)
              for truth in (truth_k, truth_v)]  # [B, T · rows · C, H, D]
-    carried = with_text and attention.sees_text  # a module that does not see the text is given the image only
-    key, value = ((torch.cat([truth[:, :L], part], dim=1) if carried else part)
+    start = 0 if attention.sees_text else L  # a module that does not see the text is given the rest only
+    key, value = ((torch.cat([truth[:, start:prefix], part], dim=1) if first else part)
                   for truth, part in zip((truth_k, truth_v), image))
     attention(key.clone(), key, value)
 
 
-def _written(rows_written: set, with_text: bool) -> torch.Tensor:
-    """[L + N] bool: the positions a chunk sequence wrote, in token order (text, then frame-major rows)."""
+def _written(rows_written: set, with_text: bool, references: int = 0) -> torch.Tensor:
+    """[L + R + N] bool: the positions a chunk sequence wrote, in token order (text, references, then frame-major
+    rows)."""
     rows = torch.tensor([r in rows_written for r in range(ROWS)])
     image = rows.view(1, ROWS, 1).expand(FRAMES, ROWS, COLUMNS).reshape(-1)
-    return torch.cat([torch.full((L,), with_text), image])
+    return torch.cat([torch.full((L,), with_text), torch.ones(references, dtype=torch.bool), image])
 
 
+@pytest.mark.parametrize("references", [0, 5])
 @pytest.mark.parametrize("sees_text", [True, False])
-def test_stale_kv_attends_to_exactly_the_written_positions_in_token_order(sees_text):
+def test_stale_kv_attends_to_exactly_the_written_positions_in_token_order(sees_text, references):
     """A first step without warm-up: patches of rows 2, then 0, then 1 and 3 (non-contiguous,
-    two frames); each read holds the written positions only, as a mask over the tokens picks them."""
-    truth_k, truth_v = torch.randn(B, TOKENS, H, D), torch.randn(B, TOKENS, H, D)
+    two frames), the first carrying the text and the reference tokens (an edit's); each read holds the written
+    positions only, as a mask over the tokens picks them; then a second step's first patch, whose read is whole."""
+    truth_k, truth_v = (torch.randn(B, TOKENS + references, H, D) for _ in range(2))
     attention, seen = _attention(sees_text)
     written = set()
     for index, rows in enumerate([(2, 3), (0, 1), (1, 2), (3, 4)]):
-        _run_chunk(attention, truth_k, truth_v, rows, with_text=index == 0)
+        _run_chunk(attention, truth_k, truth_v, rows, first=index == 0, references=references)
         written |= set(range(*rows))
-        mask = _written(written, with_text=sees_text)
+        mask = _written(written, sees_text, references)
         k, v = seen[-1]
         assert torch.equal(k, truth_k[:, mask]) and torch.equal(v, truth_v[:, mask]), (index, rows)
+    _run_chunk(attention, truth_k, truth_v, (0, 2), first=True, references=references)
+    mask = _written(written, sees_text, references)
+    assert torch.equal(seen[-1][0], truth_k[:, mask]) and torch.equal(seen[-1][1], truth_v[:, mask])
 
 
 def test_stale_kv_reads_nothing_back_from_the_device():
@@ -71,7 +79,7 @@ def test_stale_kv_reads_nothing_back_from_the_device():
     truth = torch.empty(B, TOKENS, H, D, device=meta)
     attention, seen = _attention()
     for index, rows in enumerate([(0, 2), (2, 4), (0, 2)]):
-        _run_chunk(attention, truth, truth, rows, with_text=index == 0)
+        _run_chunk(attention, truth, truth, rows, first=index == 0)
     sizes = [k.shape[1] for k, _ in seen]
     assert sizes == [L + FRAMES * 2 * COLUMNS, TOKENS, TOKENS]
     assert seen[-1][0].device == meta

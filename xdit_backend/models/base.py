@@ -171,14 +171,6 @@ def reference_rows(latent: torch.Tensor, batch: int, index: int) -> torch.Tensor
     return latent.repeat_interleave(batch // latent.shape[0], dim=0)
 
 
-def refuse_references_in_stages(cond: dict, family: str) -> None:
-    """PipeFusion's patches are bands of the generated image; reference tokens belong to none of them."""
-    if references(cond):
-        raise UserError(f"{family} reference latents do not run under PipeFusion yet: its patches are bands of the "
-                        "generated image, and the reference tokens belong to none of them",
-                        "drop pipefusion from the parallel degrees; ulysses and ring split the references")
-
-
 def shape_fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
     """``shape`` is the ``wanted`` of a spec's ``conditioning_shapes``, where None is any length of at least 1."""
     return len(shape) == len(wanted) and all(d == w or (w is None and d > 0) for d, w in zip(shape, wanted))
@@ -275,6 +267,17 @@ class DiffusionModel(ABC):
 
     def embed(self, x: torch.Tensor, tokens: torch.Tensor, inputs: dict, positions) -> torch.Tensor:
         """Stage 0: the patch x [B, C, (T,) rows, w] (model input) → its tokens [B, n, D], positions added."""
+        raise NotImplementedError
+
+    def stage_references(self, cond: dict, positions):
+        """The reference latents of ``cond`` (edits) as model-input tokens [B, R, C_in] (None without), and
+        ``positions`` extended over them: the references follow the image sequence, at indices [N, N + R). Under
+        PipeFusion they travel with each step's first chunk, replicated on the sequence ranks (stale_kv.py keeps
+        their K/V in a region of their own)."""
+        return None, positions
+
+    def embed_references(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Stage 0: the reference tokens [B, R, C_in] of ``stage_references`` → [B, R, D]."""
         raise NotImplementedError
 
     def joint_text_tokens(self, cond: dict) -> int:

@@ -20,6 +20,8 @@ class BuiltinModel:
     text_tokens: int  # length of the random conditioning a request without embeddings gets
     seed: int = 0
     description: str = field(default="", compare=False)
+    # the latent (rows, columns) of each reference latent a request that sends none gets, drawn from its seed
+    references: tuple[tuple[int, int], ...] = ()
 
 
 # Flux.1-dev's transformer config (its diffusers config.json), for the full-size random-weight built-ins
@@ -50,6 +52,14 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Flux.1 Fill architecture (the image to inpaint and its mask concatenated), 2+5 blocks, width "
                     "64, random weights (a test model)",
+    ),
+    "flux-kontext-tiny": BuiltinModel(
+        family="flux",
+        config=FLUX_TINY,
+        text_tokens=8,
+        description="Flux.1 Kontext (flux-tiny given a reference image: 6 × 10 latent cells, 15 more tokens beside "
+                    "the image's), random weights (a test model)",
+        references=((6, 10),),
     ),
     "flux-dev-random": BuiltinModel(
         family="flux",

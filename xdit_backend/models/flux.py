@@ -15,8 +15,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references,
-                   refuse_references_in_stages)
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 from .patch_embed import pack, pad_to_patch, unpack
 from .resize import upscale
 
@@ -189,12 +188,9 @@ class FluxModel(DiffusionModel):
         timestep = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
         guidance = per_row(guidance, b, self.device) if self.has_guidance else None  # [B] float32
-        tokens, ids = [pack(self.with_concat(x, cond))], [image_ids(h, w, self.device)]  # [B, N, 64 (+ 4·E)], [N, 3]
-        placed = references(cond)
-        for index, (reference, offset) in enumerate(zip(placed, kontext_offsets(placed))):
-            latent = pad_to_patch(self.latent_format.process_in(reference.to(self.device).float()), self.spec.patch)
-            tokens.append(pack(reference_rows(latent, b, index).to(x.dtype)))  # [B, R_i, 64]
-            ids.append(image_ids(*latent.shape[-2:], self.device) + offset.to(self.device))  # [R_i, 3]
+        reference_tokens, reference_ids = self._references(cond, b)
+        tokens = [pack(self.with_concat(x, cond)), *(t.to(x.dtype) for t in reference_tokens)]  # [B, N, 64 (+ 4·E)]…
+        ids = [image_ids(h, w, self.device), *reference_ids]  # [N, 3], [R_i, 3]…
         with time_embedded_in_float32(self.transformer.time_text_embed, timestep, guidance):
             velocity = self.transformer(
                 hidden_states=torch.cat(tokens, dim=1),  # [B, N (+ R), 64]
@@ -207,6 +203,17 @@ class FluxModel(DiffusionModel):
                 return_dict=False,
             )[0]
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's [B, N, 64] → [B, 16, h, w]
+
+    def _references(self, cond: dict, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reference latents (Flux.1 Kontext) as packed tokens [batch, R_i, 64] (float32) and their ids [R_i, 3],
+        placed as ComfyUI's default "offset" method places them."""
+        tokens, ids = [], []
+        placed = references(cond)
+        for index, (reference, offset) in enumerate(zip(placed, kontext_offsets(placed))):
+            latent = pad_to_patch(self.latent_format.process_in(reference.to(self.device).float()), self.spec.patch)
+            tokens.append(pack(reference_rows(latent, batch, index)))  # [batch, 16, h', w'] → [batch, R_i, 64]
+            ids.append(image_ids(*latent.shape[-2:], self.device) + offset.to(self.device))  # [R_i, 3]
+        return tokens, ids
 
     def concat(self, shape, cond) -> torch.Tensor | None:
         """ComfyUI's Flux.concat_cond for a latent of ``shape`` [B, 16, h, w]: the image in model space resized to
@@ -233,10 +240,18 @@ class FluxModel(DiffusionModel):
     def positions(self, shape):
         return image_ids(shape[-2], shape[-1], self.device)  # [N, 3]
 
+    def stage_references(self, cond, positions):
+        tokens, ids = self._references(cond, cond["context"].shape[0])
+        if not tokens:
+            return None, positions
+        return torch.cat(tokens, dim=1).to(self.dtype), torch.cat([positions, *ids])  # [B, R, 64], [N + R, 3]
+
+    def embed_references(self, tokens):
+        return self.transformer.x_embedder(tokens)  # [B, R, 64] → [B, R, D]
+
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time (and guidance) embedding, as diffusers' forward computes it but from float32
         1000·σ and 1000·guidance, as ComfyUI's (see ``time_embedded_in_float32``)."""
-        refuse_references_in_stages(cond, "Flux Kontext")
         t = self.transformer
         timestep = timestep.to(self.device, torch.float32) * 1000  # [B]
         pooled = cond["pooled"].to(self.device, self.dtype)  # [B, pooled_dim]

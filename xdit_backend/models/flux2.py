@@ -26,8 +26,7 @@ import torch
 
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, references,
-                   refuse_references_in_stages)
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, references
 
 FLUX2_DEFAULT_SHIFT = 2.02  # comfy/supported_models.py, Flux2.sampling_settings
 FLUX2_DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py, Flux.extra_conds: kwargs.get("guidance", 3.5)
@@ -224,11 +223,9 @@ class Flux2Model(DiffusionModel):
         b, _, h, w = x.shape
         sigma = timestep.to(self.device, torch.float32)  # [B]
         context = cond["context"].to(self.device, self.dtype)  # [B, L ≥ 512, C]: Flux2Spec.prepare_conditioning
-        tokens, ids = [pack(x)], [image_ids(h, w, device=self.device)]  # [B, h·w, 128], [h·w, 4]
-        for number, reference in enumerate(references(cond), start=1):
-            reference = self.latent_format.process_in(to_batch(reference, b).to(self.device, torch.float32))
-            tokens.append(pack(reference.to(self.dtype)))  # [B, h_r·w_r, 128]
-            ids.append(image_ids(*reference.shape[-2:], index=number * REFERENCE_INDEX_SCALE, device=self.device))
+        reference_tokens, reference_ids = self._references(cond, b)
+        tokens = [pack(x), *reference_tokens]  # [B, h·w, 128], [B, h_r·w_r, 128]…
+        ids = [image_ids(h, w, device=self.device), *reference_ids]  # [h·w, 4], [h_r·w_r, 4]…
         scale = self._guidance(b, guidance)
         with time_embedded_in_float32(self.transformer.time_guidance_embed, sigma, scale, self.dtype):
             velocity = self.transformer(
@@ -242,14 +239,32 @@ class Flux2Model(DiffusionModel):
             )[0]
         return unpack(velocity[:, :h * w], h, w)  # the image's tokens [B, N, 128] → [B, 128, h, w]
 
-    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
+    def _references(self, cond: dict, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reference latents as packed tokens [batch, h_r·w_r, 128] and their ids [h_r·w_r, 4] (time index 10,
+        20, …)."""
+        tokens, ids = [], []
+        for number, reference in enumerate(references(cond), start=1):
+            reference = self.latent_format.process_in(to_batch(reference, batch).to(self.device, torch.float32))
+            tokens.append(pack(reference.to(self.dtype)))  # [batch, 128, h_r, w_r] → [batch, h_r·w_r, 128]
+            ids.append(image_ids(*reference.shape[-2:], index=number * REFERENCE_INDEX_SCALE, device=self.device))
+        return tokens, ids
+
+    # PipeFusion stages (base.DiffusionModel): text (and references) travel with the step's first patch.
 
     def positions(self, shape):
         return image_ids(shape[-2], shape[-1], device=self.device)  # [N, 4]
 
+    def stage_references(self, cond, positions):
+        tokens, ids = self._references(cond, cond["context"].shape[0])
+        if not tokens:
+            return None, positions
+        return torch.cat(tokens, dim=1), torch.cat([positions, *ids])  # [B, R, 128], [N + R, 4]
+
+    def embed_references(self, tokens):
+        return self.transformer.x_embedder(tokens)  # [B, R, 128] → [B, R, D]
+
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time embedding and the three shared modulations, once per step."""
-        refuse_references_in_stages(cond, "Flux.2")
         t = self.transformer
         sigma = timestep.to(self.device, torch.float32)  # [B]
         temb = time_embedding(t.time_guidance_embed, sigma, self._guidance(sigma.shape[0], guidance), self.dtype)

@@ -27,8 +27,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import (CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows,
-                   references, refuse_references_in_stages)
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 from .patch_embed import pack, pad_to_patch, unpack
 
 QWEN_IMAGE_DEFAULT_SHIFT = 1.15  # ComfyUI's supported_models.QwenImage sampling_settings (ModelSamplingFlux)
@@ -191,13 +190,9 @@ class QwenImageModel(DiffusionModel):
         space) join as more image tokens, and only the noisy latent's come out."""
         b, _, h, w = x.shape
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
-        tokens, positions = [pack(x)], [image_positions(h, w, 0)]  # [B, N, 64], [N, 3]
-        for index, reference in enumerate(references(cond), start=1):
-            latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
-            latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
-            latent = reference_rows(latent, b, index - 1)  # [B, 16, h', w']
-            tokens.append(pack(latent))  # [B, R_i, 64]
-            positions.append(image_positions(*latent.shape[-2:], index))
+        reference_tokens, reference_positions = self._references(cond, b)
+        tokens = [pack(x), *reference_tokens]  # [B, N, 64], [B, R_i, 64]…
+        positions = [image_positions(h, w, 0), *reference_positions]  # [N, 3], [R_i, 3]…
         tables = (rope(torch.cat(positions), self.spec.rope_axes, self.dtype, self.device),  # [N + R, D/2]
                   rope(text_positions(h, w, context.shape[1]), self.spec.rope_axes, self.dtype, self.device))
         timestep = timestep.to(self.device, torch.float32)  # [B] σ
@@ -211,15 +206,37 @@ class QwenImageModel(DiffusionModel):
             )[0]  # [B, N + R, 64]
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
 
-    # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch.
+    def _references(self, cond: dict, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reference latents as packed tokens [batch, R_i, 64] and their positions [R_i, 3] (frame index 1,
+        2, …)."""
+        tokens, positions = [], []
+        for index, reference in enumerate(references(cond), start=1):
+            latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
+            latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
+            latent = reference_rows(latent, batch, index - 1)  # [batch, 16, h', w']
+            tokens.append(pack(latent))  # [batch, R_i, 64]
+            positions.append(image_positions(*latent.shape[-2:], index))
+        return tokens, positions
+
+    # PipeFusion stages (base.DiffusionModel): text (and references) travel with the step's first patch.
 
     def positions(self, shape):
         """The image RoPE [N, D/2] of the whole latent, and the latent's size for the text's."""
         h, w = shape[-2:]
         return rope(image_positions(h, w, 0), self.spec.rope_axes, self.dtype, self.device), (h, w)
 
+    def stage_references(self, cond, positions):
+        tokens, placed = self._references(cond, cond["context"].shape[0])
+        if not tokens:
+            return None, positions
+        image, size = positions
+        extra = rope(torch.cat(placed), self.spec.rope_axes, self.dtype, self.device)  # [R, D/2]
+        return torch.cat(tokens, dim=1), (torch.cat([image, extra]), size)  # [B, R, 64], ([N + R, D/2], (h, w))
+
+    def embed_references(self, tokens):
+        return self.transformer.img_in(tokens)  # [B, R, 64] → [B, R, D]
+
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
-        refuse_references_in_stages(cond, "Qwen-Image-Edit")
         context = cond["context"]
         t = self.transformer
         anchor = torch.empty(0, device=self.device, dtype=self.dtype)  # the embedding's dtype

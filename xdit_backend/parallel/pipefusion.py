@@ -8,7 +8,9 @@ For any family, from its StagePlan (models/base.py) and its model wrapper's stag
   in the latent it is always the slice [..., rows, :] of dim −2, whatever the rank, and its tokens
   are frames × band rows × columns (positions: those of the whole latent, cut to the patch). The
   first ``warmup_steps`` steps send the whole latent as one chunk (exact); later steps send
-  ``num_pipeline_patch`` patches. Joint-text families' text travels with each step's first chunk.
+  ``num_pipeline_patch`` patches. Joint-text families' text travels with each step's first chunk,
+  and so do reference latents' tokens (edits: DiffusionModel.stage_references), ahead of the
+  chunk's image tokens and replicated on the sequence ranks; the last stage drops them before the head.
 - Carried tensors (StagePlan.carries: HunyuanDiT's long skips): a patch's blocks may leave
   tensors [B, n/P, D] for its later blocks on a per-patch list; the ones still on it at a stage's
   end travel with the patch's activations, [text; image; carried...] along the tokens.
@@ -213,6 +215,12 @@ class PipeFusion:
         self.bands = [(int(b[0]), int(b[-1]) + 1)  # token rows [r0, r1) per patch
                       for b in torch.tensor_split(torch.arange(token_rows), self.patches)]
         self.positions = self.model.positions(shape)
+        # reference latents (edits): model-input tokens [batch, R, C_in] that travel with each step's first chunk,
+        # their positions appended to the image sequence's at indices [N, N + R)
+        self.reference_input, self.positions = self.model.stage_references(self.sides, self.positions)
+        self.references = 0 if self.reference_input is None else self.reference_input.shape[1]
+        image_tokens = self.grid.numel()
+        self.reference_tokens = torch.arange(image_tokens, image_tokens + self.references, device=self.device)  # [R]
         # the channels ComfyUI concatenates to the model input (image to video), for the whole latent: [batch, E, ...]
         latent = shape[1] == self.model.spec.latent_format.channels
         self.concat = self.model.concat((self.batch, *shape[1:]), self.sides) if latent else None
@@ -274,8 +282,12 @@ class PipeFusion:
         per = band.numel() // self.sp_parts
         return band, band[self.sp_index * per:(self.sp_index + 1) * per]
 
-    def _with_text(self, index: int) -> bool:
-        return bool(self.text) and (index == 0 or self.work[index - 1].step != self.work[index].step)
+    def _prefix(self, index: int) -> tuple[int, int]:
+        """(text, reference) tokens item ``index`` carries ahead of its image tokens: all of them with a step's first
+        chunk, none with the others."""
+        if index == 0 or self.work[index - 1].step != self.work[index].step:
+            return self.text, self.references
+        return 0, 0
 
     def _post(self, gates, gate: int) -> None:
         """Post the receives of the messages the peer sends between gate − 1 and gate (schedule.window)."""
@@ -291,9 +303,9 @@ class PipeFusion:
         for index in schedule.window(gates[self.stage - 1], gate):
             item = self.work[index]
             local = self._tokens(item)[1].numel()
-            tokens = local * (1 + self.carried) + (self.text if self._with_text(index) else 0) + (self.cache is not None)
+            tokens = local * (1 + self.carried) + sum(self._prefix(index)) + (self.cache is not None)
             buffer = torch.empty(self.batch, tokens, self.width, device=self.device, dtype=self.model.dtype)
-            # [B, L + n/P + carried·n/P (+ 1: the step cache's flag), D] from the previous stage
+            # [B, (L + R +) n/P + carried·n/P (+ 1: the step cache's flag), D] from the previous stage
             self.pending[index] = (buffer, _irecv(buffer, self.links.incoming))
             self.trace.append(("post", item.step, item.first))
 
@@ -310,11 +322,14 @@ class PipeFusion:
         model = self.model
         inputs = self._inputs(item.step)
         band, local = self._tokens(item)
-        text = self.text if self._with_text(index) else 0
-        self.chunk.describe(text, self.text, tuple(self.grid.shape), self._token_rows(item))
+        text, references = self._prefix(index)
+        self.chunk.describe(text, self.text, tuple(self.grid.shape), self._token_rows(item), references,
+                            self.references)
         if self.first:
             image = model.embed(self._model_input(item).to(model.dtype), band, inputs, self.positions)
             image = image[:, self.sp_index * local.numel():(self.sp_index + 1) * local.numel()]  # [batch, n/P, D]
+            if references:  # [batch, R + n/P, D]: the references ahead of the patch's tokens
+                image = torch.cat([model.embed_references(self.reference_input), image], dim=1)
             context = model.embed_text(inputs) if text else None
             if self.text and not text:
                 context = image.new_zeros(self.batch, 0, image.shape[2])  # joint blocks without the text this time
@@ -327,11 +342,14 @@ class PipeFusion:
                 self.cache.read_flag(received[:, -1:], (item.first, item.end), item.step)  # [batch, 1, D]
                 received = received[:, :-1]
             n = local.numel()
-            context, image = received[:, :text], received[:, text:text + n]  # [batch, L or 0, D], [batch, n/P, D]
+            # [batch, L or 0, D], [batch, (R +) n/P, D]
+            context, image = received[:, :text], received[:, text:text + references + n]
             # carried × [batch, n/P, D]
-            carry = list(received[:, text + n:].split(n, dim=1)) if self.carried else []
+            carry = list(received[:, text + references + n:].split(n, dim=1)) if self.carried else []
             if not self.text:
                 context = None
+        if references:
+            local = torch.cat([self.reference_tokens, local])  # [R + n/P]: the references' positions first
         kwargs = model.block_kwargs(inputs, self.positions, local, text)
         if self.plan.carries:
             kwargs["carry"] = carry  # the blocks pop and push the patch's carried tensors here
@@ -348,7 +366,7 @@ class PipeFusion:
             # [batch, L + n/P + carried·n/P (+ 1), D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
-        self._finish(item, model.head(image, inputs))
+        self._finish(item, model.head(image[:, references:], inputs))  # the patch's tokens alone
 
     def _sigma(self, step: int) -> torch.Tensor:
         return self.x.new_full([self.batch], self.sigmas[step])  # [batch], filled from the host float

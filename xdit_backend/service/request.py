@@ -183,7 +183,8 @@ class SampleRequest:
 
     def sides(self, spec) -> tuple[dict, dict | None]:
         """The positive and (optional) negative conditioning every rank runs: as sent, or for a built-in
-        test model sent none, its stand-in text from the seed with any reference latents sent."""
+        test model sent none, its stand-in text from the seed with the reference latents sent (or, sent none, its
+        own drawn from the seed: BuiltinModel.references)."""
         positive, negative = self.conditioning(spec)
         if positive is not None:
             return positive, negative
@@ -193,8 +194,10 @@ class SampleRequest:
                                "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
         latent = spec.latent_shape(self.batch, self.width, self.height, self.frames)
+        sent = any(REFERENCE.fullmatch(name.removeprefix("negative_")) for name in self.tensors)
+        drawn = () if sent else registry.resolve_builtin(self.model).references  # flux-kontext-tiny's own
         return self.with_references(spec, *registry.random_conditioning(self.model, self.batch, self.seed, spec,
-                                                                        latent=latent))
+                                                                        references=drawn, latent=latent))
 
     def with_references(self, spec, positive: dict, negative: dict | None) -> tuple[dict, dict | None]:
         """Stand-in text (a built-in's, registry.random_conditioning) with the reference latents the
