@@ -94,17 +94,20 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
     if context is None:
         raise ModelCallError("the model call carries no text conditioning (context)", "connect a text encoder's output")
     rows = x.shape[0]
-    if timestep.numel() not in (1, rows):
-        raise ModelCallError(f"the model call carries a timestep per token ({list(timestep.shape)}: Wan 2.2 TI2V's "
-                             "fixed first frame), which the xDiT MODEL does not run yet",
-                             "use the xDiT Sampler for this model")
+    # Wan 2.2 TI2V-5B under a noise mask: ComfyUI's WAN22.process_timestep gives one per row and latent frame
+    per_frame = spec.masked_timesteps_per_frame and timestep.dim() == 2 and x.dim() == 5 and tuple(
+        timestep.shape) == (rows, x.shape[2])
+    if timestep.numel() not in (1, rows) and not per_frame:
+        raise ModelCallError(f"the model call carries timesteps of shape {list(timestep.shape)} for {rows} rows, "
+                             f"which a {spec.family} model does not take", "use the xDiT Sampler for this model")
 
     def host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to("cpu", torch.float32).contiguous()
 
     if one_frame(spec, x):
         x = x[:, :, 0]  # [N, C, 1, h, w] → [N, C, h, w]: the backend's image latent
-    tensors = {"x": host(x), "timestep": host(timestep).reshape(-1).expand(rows).contiguous()}
+    timestep = host(timestep) if per_frame else host(timestep).reshape(-1).expand(rows).contiguous()  # [N] or [N, T]
+    tensors = {"x": host(x), "timestep": timestep}
     inputs = {"context": host(context)}
     for name, value in extra.items():
         if value is None:
@@ -121,6 +124,8 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
             raise ModelCallError(f"the model call carries {what}, which the xDiT MODEL does not run for {spec.family} "
                                  "models yet", "take the node that adds it out of the conditioning's path, or use "
                                  "ComfyUI's own model loader for this workflow")
+        if key == "timestep":  # read already: the timesteps per frame ComfyUI made from it (denoise_mask)
+            continue
         if key == "guidance":
             tensors["guidance"] = host(value).reshape(-1).expand(rows).contiguous()  # [N]
         elif key == "references":

@@ -22,6 +22,21 @@ def uneven_cogvideox() -> dict:
             "negative_context": torch.randn(1, 7, 64, generator=generator)}
 
 
+def ti2v_first_frame(batch: int = 1) -> dict:
+    """Wan22ImageToVideoLatent's LATENT for wan-ti2v-tiny at 128² px, 5 frames ([1, 48, 2, 8, 8]): the start image's
+    latent in the first frame (raw), the mean elsewhere (process_out of zero), and its noise mask, 0 on that frame."""
+    from xdit_backend.models import latent_formats
+
+    generator = torch.Generator().manual_seed(5)
+    latent = latent_formats.WAN22.process_out(torch.zeros(batch, 48, 2, 8, 8))
+    latent[:, :, :1] = torch.randn(batch, 48, 1, 8, 8, generator=generator)
+    mask = torch.ones(batch, 1, 2, 8, 8)
+    mask[:, :, :1] = 0.0
+    return {"latent": latent, "noise_mask": mask}
+
+
+TI2V = {"model": "wan-ti2v-tiny", "width": 128, "height": 128, "frames": 5, "steps": 3, "seed": 7, "cfg": 3.5}
+
 # Each family at a size whose token count (32) every degree below divides; cfg 3.5 with the built-in's seeded
 # negative, so cfg=2 has two passes to split
 SIZES = {
@@ -57,6 +72,8 @@ CONDITIONING = {
     "flux": flux_tiny_conditioning,  # a batch of 2, 8 text tokens, positive and negative
     "flux-7-tokens": lambda: flux_tiny_conditioning(seed=11, batch=1, text_tokens=7),  # no degree divides 7
     "cogvideox-7-tokens": uneven_cogvideox,
+    "ti2v-first-frame": ti2v_first_frame,
+    "ti2v-first-frames-2": lambda: ti2v_first_frame(batch=2),  # two start images: dp takes one each
 }
 
 

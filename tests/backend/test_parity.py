@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from parity import PIPELINED, SIZES, TOLERANCE, bound, conditioning, family, serial
+from parity import PIPELINED, SIZES, TI2V, TOLERANCE, bound, conditioning, family, serial
 
 from xdit_backend.models import registry
 
@@ -108,6 +108,11 @@ ROWS = [
     Row(family("flux2-tiny"), 2, {"ulysses": 2, "shard_weights": True}),
     # HunyuanVideo 1.5 runs its blocks from its own loop, never the transformer's forward: FSDP's gathers still fire
     Row(family("hunyuan-video-1.5-tiny"), 2, {"ulysses": 2, "shard_weights": True}, layout=SHARDED),
+    # Wan 2.2 TI2V-5B's image to video: the first frame fixed by a noise mask, a timestep per frame (per token)
+    *(Row(TI2V, world, degrees, conditioning="ti2v-first-frame") for world, degrees in FAMILY_LAYOUTS),
+    Row({**TI2V, "batch": 2}, 2, {"dp": 2}, conditioning="ti2v-first-frames-2"),
+    *(Row(TI2V, world, full_warmup(TI2V, degrees), conditioning="ti2v-first-frame")
+      for world, degrees in PIPEFUSION_LAYOUTS),
     # multistep samplers under PipeFusion (4 patches): each patch's walk equals its band of the serial walk
     *(Row(family("sd3-tiny", sampler=sampler, steps=4), 2, {"pipefusion": 2, "num_pipeline_patch": 4, "warmup_steps": 4})
       for sampler in ["euler_ancestral", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc"]),

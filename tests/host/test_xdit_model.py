@@ -769,3 +769,72 @@ def test_wan_first_last_frame_gives_comfyuis_latent(backend2, pack, tmp_path):
                "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": {"ulysses": 2}}
     result, _ = backend2.sample(request, tensors)
     assert_same(theirs, result["samples"])
+
+
+# ----------------------------------------------------------------------------------------------- Wan 2.2 TI2V-5B
+# A tiny TI2V-5B file (48 channels) against ComfyUI's own WAN22, with Wan22ImageToVideoLatent's LATENT (the start
+# image's latent in the first frame, its noise mask 0 there): ComfyUI's model takes a timestep per frame from the mask
+# (process_timestep) and keeps the first frame clean (scale_latent_inpaint).
+
+
+def ti2v_latent(seed: int, frames: int = 3, size: int = 8) -> tuple:
+    """Wan22ImageToVideoLatent's samples (raw: the mean where the video is to be made, the start latent in front) and
+    noise mask [1, 1, T, h, w]."""
+    import comfy.latent_formats
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    latent = comfy.latent_formats.Wan22().process_out(torch.zeros(1, 48, frames, size, size))
+    latent[:, :, :1] = torch.randn(1, 48, 1, size, size, generator=generator)
+    mask = torch.ones(1, 1, frames, size, size)
+    mask[:, :, :1] = 0.0
+    return latent, mask
+
+
+def tiny_wan_ti2v(tmp_path) -> tuple[str, object]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-wan-ti2v.safetensors")
+    save_file(original_state_dict(registry.build("wan-ti2v-tiny", torch.device("cpu"), torch.float32).transformer),
+              path)
+    return path, comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"pipefusion": 2, "warmup_steps": 3}], ids=["ulysses", "pipefusion"])
+def test_wan_ti2v_first_frame_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """KSampler with the noise mask on ComfyUI's WAN22 against the xDiT Sampler sent the LATENT's samples and mask
+    (the timesteps per frame split with the tokens, or taken per chunk): the same latent, its first frame the start
+    image's."""
+    import comfy.sample
+
+    path, own = tiny_wan_ti2v(tmp_path)
+    latent, mask = ti2v_latent(31)
+    positive, negative = prompts(32, pooled=None)
+    noise = comfy.sample.prepare_noise(latent, 9)
+    theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, latent, noise_mask=mask,
+                                 seed=9)
+    request = {"model": path, "dtype": "float32", "width": 128, "height": 128, "frames": 9, "steps": 3, "seed": 9,
+               "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": layout}
+    result, _ = backend2.sample(request, {**sampler_tensors(path, positive, negative), "latent": latent,
+                                          "noise_mask": mask})
+    assert_same(theirs, result["samples"])
+    assert (theirs[:, :, 0] - latent[:, :, 0]).abs().max() < 1e-4  # the start frame kept
+
+
+def test_wan_ti2v_first_frame_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """ComfyUI's sampler on the xDiT Model: its WAN22 turns the mask into timesteps per frame, which the calls carry
+    ([N, T]); the backend modulates each token by its frame's, under ulysses=2."""
+    path, own = tiny_wan_ti2v(tmp_path)
+    latent, mask = ti2v_latent(33)
+    import comfy.sample
+
+    xmodel = xdit_model(pack, path, backend2, {"ulysses": 2})
+    noise = comfy.sample.prepare_noise(latent, 10)
+    positive, negative = prompts(34, pooled=None)
+    own_latent, xdit_latent = (comfy.sample.sample(model, noise, 3, 4.0, "euler", "simple", positive, negative, latent,
+                                                   noise_mask=mask, seed=10) for model in (own, xmodel))
+    assert_same(own_latent, xdit_latent)

@@ -75,7 +75,7 @@ def run_stages(model, x, timestep, cond, tokens):
     kwargs = model.block_kwargs(inputs, positions, tokens, text.shape[1])
     for block in model.transformer.transformer_blocks:
         image, text = model.run_block(block, image, text, kwargs)
-    return model.unpatchify(model.head(image, inputs), tuple(x.shape))
+    return model.unpatchify(model.head(image, inputs, tokens), tuple(x.shape))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -245,13 +245,19 @@ def test_the_cli_sends_a_noise_mask_and_the_request_checks_it(tmp_path):
         cli.sample_tensors(args)
 
 
-def test_a_noise_mask_on_wan_22_ti2v_is_refused_by_name():
-    """Wan22ImageToVideoLatent's fixed first frame: ComfyUI's WAN22 then takes a timestep per frame, which the backend
-    does not run; refused rather than run with one timestep (a different latent)."""
+def test_a_noise_mask_on_wan_22_ti2v_makes_the_mask_condition_the_model():
+    """Wan22ImageToVideoLatent's fixed first frame: ComfyUI's WAN22 then takes a timestep per frame from the mask
+    and keeps the fixed frame clean; the generation says so (and the memory model counts a timestep per token).
+    Wan 2.1's 16-channel model takes the mask as any model does."""
     from xdit_backend.models.wan import WanSpec
 
-    ti2v = WanSpec(64, 2, 2, 48, 48)  # TI2V-5B's 48-channel latent, at a tiny width
+    ti2v, t2v = WanSpec(64, 2, 2, 48, 48), WanSpec(64, 2, 2, 16, 16)  # TI2V-5B's 48-channel latent; Wan 2.1's
     fields = {"model": "wan-tiny", "width": 64, "height": 64, "frames": 5, "steps": 2}
     request = SampleRequest.parse(Message("sample", fields, {"noise_mask": torch.ones(1, 1, 64, 64)}))
-    with pytest.raises(RequestError, match="a timestep per frame"):
-        request.check_model(ti2v)
+    for spec, conditions in ((ti2v, True), (t2v, False)):
+        request.check_model(spec)
+        context = {"context": torch.zeros(1, 8, 64)}
+        assert request.generation(spec, context, None).mask_conditions_model is conditions
+        assert request.modulates_per_token(spec) is conditions
+    plain = SampleRequest.parse(Message("sample", fields, {}))
+    assert not plain.modulates_per_token(ti2v)

@@ -73,9 +73,18 @@ def test_the_stand_in_holds_no_weights_and_returns_what_the_backend_sends_on_xs_
     assert torch.equal(out, X * 2) and sorted(sent[0]) == ["context", "pooled"]
 
 
-def test_a_timestep_per_token_is_refused():
-    with pytest.raises(model_call.ModelCallError, match="timestep per token"):
+def test_a_timestep_per_token_is_refused_and_wan_ti2vs_per_frame_timesteps_pass():
+    """ComfyUI's WAN22 under a noise mask calls its model with one timestep per row and latent frame (from the mask
+    it also passes, as denoise_mask): those go to the backend as they are; any other shape is refused."""
+    with pytest.raises(model_call.ModelCallError, match=r"timesteps of shape \[2, 16\] for 2 rows"):
         model_call.call_tensors(SD3, X, torch.rand(2, 16), CONTEXT, None, PLAIN, {"y": torch.randn(2, 32)})
+    from xdit_backend.models.wan import WanSpec
+
+    ti2v = WanSpec(64, 2, 2, 48, 48)
+    x, per_frame = torch.randn(2, 48, 3, 4, 4), torch.rand(2, 3)
+    tensors, inputs = model_call.call_tensors(ti2v, x, per_frame, torch.randn(2, 8, 64), None, PLAIN,
+                                              {"denoise_mask": torch.ones(2, 48, 3, 4, 4)})
+    assert torch.equal(tensors["timestep"], per_frame) and set(inputs) == {"context"}
 
 
 def test_the_run_position_numbers_steps_slots_and_runs_as_the_backends_step_cache_needs_them():

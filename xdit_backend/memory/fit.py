@@ -60,9 +60,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def needed(model: ResolvedModel, compute_dtype: torch.dtype, weight_dtype: str, shard_ranks: int, config,
-           tokens_per_rank: int, rows: int) -> memory_model.Estimate:
+           tokens_per_rank: int, rows: int, modulation_per_token: bool = False) -> memory_model.Estimate:
     """The memory model's bytes for loading ``model`` and running a request with it on one rank;
-    ``config``: the request's ParallelConfig (None: one rank)."""
+    ``config``: the request's ParallelConfig (None: one rank); ``modulation_per_token``: the request gives the model
+    a timestep per token (SampleRequest.modulates_per_token)."""
     transformer = model.on_meta()
     stages = config.pipefusion if config else 1
     stale = model.spec.stage_plan.buffers_per_block(transformer) if stages > 1 else 0
@@ -71,7 +72,8 @@ def needed(model: ResolvedModel, compute_dtype: torch.dtype, weight_dtype: str, 
                                  compute_dtype=compute_dtype,
                                  shard_ranks=shard_ranks, tokens_per_rank=tokens_per_rank, rows=rows,
                                  stages=stages, ulysses=config.ulysses if config else 1,
-                                 ring=config.ring if config else 1, stale_buffers=stale)
+                                 ring=config.ring if config else 1, stale_buffers=stale,
+                                 modulation_per_token=modulation_per_token)
 
 
 def storage_rule(source: ModelSource, compute_dtype: torch.dtype, weight_dtype: str):

@@ -21,7 +21,10 @@ activations (what one block's forward holds at its peak, per token, × rows × t
       + C     the attention's output
       + 2·F   the widest projection's output and its activation's (GELU/SwiGLU) output
     at the compute dtype's size, plus per row 12·C for the modulation vectors (two streams × shift,
-    scale and gate for attention and MLP). Inference holds no graph: one block's peak is the peak.
+    scale and gate for attention and MLP). A timestep per token (Wan 2.2 TI2V-5B under a noise mask,
+    ``modulation_per_token``) adds per token the time embedding and its projection (7·C at the compute
+    dtype) and a block's modulation sum, taken in float32 (6·C at 4 bytes): diffusers' per-token form.
+    Inference holds no graph: one block's peak is the peak.
     Under PipeFusion each of the stage's blocks also keeps its attention's K and V over the whole
     sequence (parallel/stale_kv.py: every sequence rank holds the whole chunk's), 2·C per token of
     all ring × ulysses ranks, × rows × the stage's blocks (⌈blocks / stages⌉) × the buffers a block
@@ -172,11 +175,15 @@ class Widths:
         return cls(heads * head, widest, heads)
 
 
-def activation_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank: int, rows: int) -> int:
-    """One block's peak at ``tokens_per_rank`` tokens: (7·C + 2·F) per token + 12·C per row."""
-    c, f = widths.hidden, widths.widest
-    per_token = 3 * c + 3 * c + c + 2 * f
-    return rows * (tokens_per_rank * per_token + MODULATION_PER_ROW * c) * compute_dtype.itemsize
+def activation_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank: int, rows: int,
+                     modulation_per_token: bool = False) -> int:
+    """One block's peak at ``tokens_per_rank`` tokens: (7·C + 2·F) per token + 12·C per row; with a timestep
+    per token, 7·C more per token and 6·C float32."""
+    c, f, e = widths.hidden, widths.widest, compute_dtype.itemsize
+    per_token = (3 * c + 3 * c + c + 2 * f) * e
+    if modulation_per_token:
+        per_token += 7 * c * e + 6 * c * 4
+    return rows * (tokens_per_rank * per_token + MODULATION_PER_ROW * c * e)
 
 
 def workspace_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank: int, rows: int,
@@ -200,7 +207,8 @@ def workspace_bytes(widths: Widths, compute_dtype: torch.dtype, tokens_per_rank:
 
 def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRule, compute_dtype: torch.dtype,
              shard_ranks: int, tokens_per_rank: int, rows: int, stages: int = 1, prefetch: bool = True,
-             attention: str = "fused", ulysses: int = 1, ring: int = 1, stale_buffers: int = 1) -> Estimate:
+             attention: str = "fused", ulysses: int = 1, ring: int = 1, stale_buffers: int = 1,
+             modulation_per_token: bool = False) -> Estimate:
     """One rank's bytes for a request.
 
     ``transformer``: a diffusers transformer, on the meta device or loaded. ``storage_bytes_per_value``:
@@ -211,6 +219,7 @@ def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRu
     two passes share a forward). ``stages``: PipeFusion stages (a rank holds 1/stages of the blocks).
     ``ulysses``, ``ring``: the sequence-parallel degrees (their buffers; the math path's score matrix).
     ``stale_buffers``: PipeFusion's K/V buffers per block (StagePlan.buffers_per_block).
+    ``modulation_per_token``: a timestep per token (Wan 2.2 TI2V-5B under a noise mask).
     """
     if shard_ranks < 1 or tokens_per_rank < 0 or rows < 1 or stages < 1:
         raise ValueError(f"shard_ranks={shard_ranks}, tokens_per_rank={tokens_per_rank}, rows={rows}, "
@@ -224,6 +233,7 @@ def estimate(transformer: torch.nn.Module, *, storage_bytes_per_value: StorageRu
         stale = 2 * widths.hidden * tokens_per_rank * ulysses * ring * rows * -(-blocks // stages) \
             * stale_buffers * compute_dtype.itemsize  # each buffer's K and V [rows, all tokens, C]
     return Estimate(weights=resident + transient,
-                    activations=activation_bytes(widths, compute_dtype, tokens_per_rank, rows) + stale,
+                    activations=activation_bytes(widths, compute_dtype, tokens_per_rank, rows,
+                                                 modulation_per_token) + stale,
                     workspace=workspace_bytes(widths, compute_dtype, tokens_per_rank, rows, attention, ulysses, ring),
                     weights_resident=resident)

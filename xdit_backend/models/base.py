@@ -78,8 +78,9 @@ class FamilySpec(ABC):
     time_factor = 4  # video frames per latent frame after the first (Wan's VAEs)
     default_guidance: float | None = None  # a guidance embedding (Flux-dev); None: the family has none
     takes_shift = True  # flow models have a shift; discrete EPS models (PixArt) have none
-    # under a noise mask ComfyUI's model takes a timestep per frame (its WAN22.process_timestep, Wan 2.2 TI2V-5B's
-    # image to video), which the backend does not run yet: such a request is refused
+    # under a noise mask ComfyUI's model takes a timestep per frame and keeps the masked-out region clean (its WAN22
+    # process_timestep and scale_latent_inpaint: Wan 2.2 TI2V-5B's image to video): the sampler hands the model the
+    # mask as ``denoise_mask`` (sampling/generate.py)
     masked_timesteps_per_frame = False
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
@@ -302,8 +303,10 @@ class DiffusionModel(ABC):
         ``block`` runs (what the previous stage sends with the activations when ``block`` starts a stage)."""
         return 0
 
-    def head(self, image: torch.Tensor, inputs: dict) -> torch.Tensor:
-        """Last stage: the output layers, per token: [B, n, D] → [B, n, patch values]."""
+    def head(self, image: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
+        """Last stage: the output layers, per token: [B, n, D] → [B, n, patch values]; ``tokens`` [n]: their indices
+        in the image sequence (a per-token modulation: Wan 2.2 TI2V under a noise mask), None from a family's own
+        whole forward."""
         raise NotImplementedError
 
     def unpatchify(self, tokens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -320,12 +323,14 @@ class Cut:
             (each tensor of a tuple output: RoPE's cos and sin);
     dim:    the sequence dimension of that tensor;
     text:   a text tensor (a joint model's text tokens are cut too): the text length must divide.
+    optional: cut it only when it comes with that dimension.
     """
 
     module: str
     arg: str | int | None
     dim: int
     text: bool = False
+    optional: bool = False  # cut only when the tensor has ``dim`` (Wan's timestep: [B, N] per token is cut, [B] not)
 
 
 @dataclass(frozen=True)

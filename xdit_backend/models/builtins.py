@@ -150,6 +150,14 @@ BUILTINS: dict[str, BuiltinModel] = {
         description="Wan 2.1 I2V architecture (concatenated start frame and mask, CLIP image tokens), 2 blocks, "
                     "width 64, random weights (a test model)",
     ),
+    "wan-ti2v-tiny": BuiltinModel(
+        family="wan",
+        # Wan 2.2 TI2V-5B's 48-channel latent (a 16× VAE): image to video by a fixed first frame and its noise mask
+        config={**WAN_TINY, "in_channels": 48, "out_channels": 48},
+        text_tokens=8,
+        description="Wan 2.2 TI2V-5B architecture (48 latent channels), 2 blocks, width 64, random weights (a test "
+                    "model)",
+    ),
     "hunyuan-video-1.5-tiny": BuiltinModel(
         family="hunyuan_video15",
         config=dict(

@@ -217,7 +217,7 @@ class CogVideoXModel(DiffusionModel):
     def run_block(self, block, image, text, kwargs):
         return block(hidden_states=image, encoder_hidden_states=text, **kwargs)  # (video, text)
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         t = self.transformer
         return t.proj_out(t.norm_out(t.norm_final(image), temb=inputs["temb"]))  # [B, n, patch values]
 

@@ -276,7 +276,7 @@ class FluxModel(DiffusionModel):
         text, image = block(hidden_states=image, encoder_hidden_states=text, **kwargs)
         return image, text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
 
     def unpatchify(self, tokens, shape):

@@ -291,7 +291,7 @@ class Flux2Model(DiffusionModel):
                             image_rotary_emb=kwargs["rope"], split_hidden_states=True)
         return image, text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 128]
 
     def unpatchify(self, tokens, shape):

@@ -203,7 +203,7 @@ class HunyuanDiTModel(DiffusionModel):
         layer, half = self.layers[block], self.spec.blocks // 2
         return min(layer, half - 1) - max(0, layer - half - 1)
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         t = self.transformer
         return t.proj_out(t.norm_out(image, inputs["temb"].to(torch.float32)))  # [B, n, p·p·2C]
 

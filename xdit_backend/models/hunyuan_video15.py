@@ -156,7 +156,7 @@ class HunyuanVideo15Model(DiffusionModel):
         text = inputs["text"]  # [B, L, D]
         for block in t.transformer_blocks:  # positional, as the sequence plan cuts block 0's inputs
             image, text = block(image, text, inputs["temb"], inputs["mask"], rope)
-        return self.unpatchify(self.head(image, inputs), tuple(x.shape))
+        return self.unpatchify(self.head(image, inputs, None), tuple(x.shape))
 
     def _with_image_condition(self, x):
         """[B, 32, T, h, w] → [B, 65, T, h, w]: no image latent and a zero mask (text to video), as
@@ -234,7 +234,7 @@ class HunyuanVideo15Model(DiffusionModel):
     def run_block(self, block, image, text, kwargs):
         return block(image, text, **kwargs)
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 32]
 
     def unpatchify(self, tokens, shape):

@@ -120,7 +120,7 @@ class PixArtModel(DiffusionModel):
     def run_block(self, block, image, text, kwargs):
         return block(image, **kwargs), text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         t = self.transformer
         shift, scale = (t.scale_shift_table[None] + inputs["embedded"][:, None]).chunk(2, dim=1)  # [B, 1, D] each
         return t.proj_out(t.norm_out(image) * (1 + scale) + shift)  # [B, n, p·p·2C]

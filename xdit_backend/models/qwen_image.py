@@ -260,7 +260,7 @@ class QwenImageModel(DiffusionModel):
                             **kwargs)
         return image, text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
 
     def unpatchify(self, tokens, shape):

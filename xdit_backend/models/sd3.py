@@ -98,7 +98,7 @@ class SD3Model(DiffusionModel):
         text, image = block(hidden_states=image, encoder_hidden_states=text, **kwargs)
         return image, text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, p·p·C]
 
     def unpatchify(self, tokens, shape):

@@ -19,6 +19,14 @@ WanFirstLastFrameToVideo put them on the conditioning (comfy_extras/nodes_wan.py
   I2V's image embedder turns them into tokens its cross-attention attends to beside the text, through its own
   keys and values (``WanCrossProcessor``). They are keys, whole on every rank, like the text. A model without an
   image embedder (Wan 2.2) ignores them, as ComfyUI's does.
+
+Wan 2.2 TI2V-5B image to video (Wan22ImageToVideoLatent: the start image's latent in the first frame, a noise mask
+0 there). ComfyUI's WAN22 (comfy/model_base.py ``process_timestep``, ``scale_latent_inpaint``) then gives the model
+a timestep per latent frame, t times the mask's mean over the frame (0: the fixed frame), and keeps the fixed
+region as the clean latent (sampling/inpaint.py ``clean``). The sampler puts the prepared mask on the conditioning
+as ``denoise_mask`` (ComfyUI's extra cond), a model call from ComfyUI's sampler brings the timesteps [B, T]; either
+way the transformer takes one per token [B, N] (diffusers' TI2V form) and modulates each token by its frame's.
+Sequence parallelism cuts the per-token timesteps with the tokens; a PipeFusion chunk takes its tokens' frames'.
 """
 
 from __future__ import annotations
@@ -111,14 +119,16 @@ class WanSpec(FamilySpec):
     family = "wan"
     # comfy/ldm/wan/model.py WanModel.forward(x, timestep, context, clip_fea, time_dim_concat, …); x comes with the
     # concatenated channels (model_base._apply_model concatenates c_concat)
-    comfy_model_inputs = {"clip_fea": "clip_vision_output"}
+    # (and WAN22's denoise_mask, which ComfyUI's process_timestep has turned into the timesteps per frame)
+    comfy_model_inputs = {"clip_fea": "clip_vision_output", "denoise_mask": "timestep"}
     # comfy_extras/nodes_wan.py WanImageToVideo / WanFirstLastFrameToVideo's options; the CLIP output's hidden
     # states as model_base.WAN21.extra_conds reads them
     comfy_conditioning = {"concat_latent_image": "concat_latent_image", "concat_mask": "concat_mask",
                           "clip_vision_output.penultimate_hidden_states": "clip_vision_output"}
     video = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
-    sequence_plan = SequencePlan(cuts=(Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
+    sequence_plan = SequencePlan(cuts=(Cut("", "timestep", 1, optional=True),  # [B, N] per token (TI2V mask), or [B]
+                                       Cut("rope", None, 1),  # (cos, sin) [1, N, 1, D] each
                                        Cut("blocks.0", 0, 1)),  # the patch tokens [B, N, D]
                                  attention=(("attn1", WanProcessor),))
     stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", WanProcessor, False),))
@@ -176,15 +186,31 @@ class WanModel(DiffusionModel):
         """The velocity for x [B, C, T, h, w] at timestep 1000·σ [B], float32 into the sinusoidal
         embedding as in ComfyUI (not rounded to the weights' dtype)."""
         self.images.tokens = self.image_tokens(cond)
+        frames = self.frame_timesteps(timestep, cond)  # [B, T] under a TI2V noise mask, else None
+        if frames is not None:  # one per token [B, N]: each frame's over its rows × columns (frame-major)
+            timestep = frames.repeat_interleave(x.shape[-2] * x.shape[-1] // (self.spec.patch[1] * self.spec.patch[2]),
+                                                dim=1)
         try:
             return self.transformer(
                 hidden_states=self.with_concat(x, cond),  # [B, C (+ 20), T, h, w]
-                timestep=timestep.to(self.device, torch.float32),
+                timestep=timestep.to(self.device, torch.float32),  # [B] or [B, N]
                 encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
                 return_dict=False,
             )[0]
         finally:
             self.images.tokens = None
+
+    def frame_timesteps(self, timestep: torch.Tensor, cond: dict) -> torch.Tensor | None:
+        """The timesteps per latent frame [B, T] ComfyUI's WAN22 gives its model under a noise mask
+        (``process_timestep``: t times the mean of ``denoise_mask`` [B, C, T, h, w] over each frame), or as a model
+        call brings them; None: one timestep per row."""
+        if timestep.dim() == 2:
+            return timestep.to(self.device, torch.float32)
+        mask = cond.get("denoise_mask")
+        if mask is None:
+            return None
+        mask = mask.to(self.device, torch.float32)
+        return mask.mean(dim=(1, 3, 4)) * timestep.to(self.device, torch.float32)[:, None]  # [B, T]
 
     def image_tokens(self, cond: dict) -> torch.Tensor | None:
         """The CLIP image tokens [B, n, D] through the image embedder, as ComfyUI's MLPProj (FLF2V: the position
@@ -238,12 +264,27 @@ class WanModel(DiffusionModel):
         return self.transformer.rope(torch.empty(shape, device="meta"))
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time embedding and its projection (per row, or per latent frame under a TI2V noise mask) and the
+        projected text."""
         self.images.tokens = self.image_tokens(cond)  # the same for every chunk of the generation
+        frames = self.frame_timesteps(timestep, cond)  # [B, T] or None
+        flat = timestep.to(self.device, torch.float32) if frames is None else frames.flatten()  # [B] or [B·T]
         temb, projection, context, _ = self.transformer.condition_embedder(
-            timestep.to(self.device, torch.float32), cond["context"].to(self.device, self.dtype), None,
-            timestep_seq_len=None)
-        # temb [B, D]; projection [B, 6·D] → [B, 6, D]; context [B, L, D]
-        return {"temb": temb, "projection": projection.unflatten(1, (6, -1)), "context": context}
+            flat, cond["context"].to(self.device, self.dtype), None,
+            timestep_seq_len=None if frames is None else frames.shape[1])
+        # temb [B, D] or [B, T, D]; projection [B, 6·D] → [B, 6, D], or [B, T, 6·D] → [B, T, 6, D]; context [B, L, D]
+        inputs = {"temb": temb, "projection": projection.unflatten(-1, (6, -1)), "context": context}
+        if frames is not None:
+            pt, ph, pw = self.spec.patch
+            inputs["frame_tokens"] = shape[-2] // ph * (shape[-1] // pw)  # tokens per latent frame (pt = 1)
+        return inputs
+
+    @staticmethod
+    def _per_token(embedding: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
+        """A per-frame embedding [B, T, ...] at ``tokens`` [n] (indices in the frame-major sequence) → [B, n, ...];
+        a per-row one [B, ...] as it is."""
+        frame_tokens = inputs.get("frame_tokens")
+        return embedding if frame_tokens is None else embedding[:, tokens // frame_tokens]
 
     def embed(self, x, tokens, inputs, positions):
         patches = self.transformer.patch_embedding(x)  # [B, D, T/pt, rows/ph, w/pw]
@@ -251,15 +292,20 @@ class WanModel(DiffusionModel):
 
     def block_kwargs(self, inputs, positions, tokens, text_tokens):
         cos, sin = positions
-        return {"encoder_hidden_states": inputs["context"], "temb": inputs["projection"],
+        return {"encoder_hidden_states": inputs["context"],
+                "temb": self._per_token(inputs["projection"], inputs, tokens),  # [B, 6, D] or [B, n, 6, D]
                 "rotary_emb": (cos[:, tokens], sin[:, tokens])}  # [1, n, 1, D] each
 
     def run_block(self, block, image, text, kwargs):
         return block(image, **kwargs), text
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         t = self.transformer
-        shift, scale = (t.scale_shift_table + inputs["temb"].unsqueeze(1)).chunk(2, dim=1)  # [B, 1, D] each
+        temb = self._per_token(inputs["temb"], inputs, tokens)  # [B, D] or [B, n, D]
+        if temb.dim() == 3:  # [1, 1, 2, D] + [B, n, 1, D] → [B, n, D] each
+            shift, scale = (t.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
+        else:
+            shift, scale = (t.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)  # [B, 1, D] each
         image = (t.norm_out(image.float()) * (1 + scale) + shift).type_as(image)
         return t.proj_out(image)  # [B, n, pt·ph·pw·C]
 

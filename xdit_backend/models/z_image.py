@@ -256,7 +256,7 @@ class ZImageModel(DiffusionModel):
         unified = block(torch.cat([text, image], dim=1), None, kwargs["joint"], kwargs["adaln"])  # [B, L + n, D]
         return unified[:, L:], unified[:, :L]
 
-    def head(self, image, inputs):
+    def head(self, image, inputs, tokens):
         return self.transformer.all_final_layer["2-1"](image, c=inputs["adaln"])  # [B, n, 2·2·16]
 
     def unpatchify(self, tokens, shape):

@@ -348,9 +348,8 @@ class PipeFusion:
             carry = list(received[:, text + references + n:].split(n, dim=1)) if self.carried else []
             if not self.text:
                 context = None
-        if references:
-            local = torch.cat([self.reference_tokens, local])  # [R + n/P]: the references' positions first
-        kwargs = model.block_kwargs(inputs, self.positions, local, text)
+        placed = torch.cat([self.reference_tokens, local]) if references else local  # [(R +) n/P]: references first
+        kwargs = model.block_kwargs(inputs, self.positions, placed, text)
         if self.plan.carries:
             kwargs["carry"] = carry  # the blocks pop and push the patch's carried tensors here
         if self.cache is None:
@@ -366,7 +365,7 @@ class PipeFusion:
             # [batch, L + n/P + carried·n/P (+ 1), D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
-        self._finish(item, model.head(image[:, references:], inputs))  # the patch's tokens alone
+        self._finish(item, model.head(image[:, references:], inputs, local))  # the patch's tokens alone
 
     def _sigma(self, step: int) -> torch.Tensor:
         return self.x.new_full([self.batch], self.sigmas[step])  # [batch], filled from the host float

@@ -234,6 +234,9 @@ def _cut_inputs(shard: Shard, cuts: list[Cut], args: tuple, kwargs: dict):
     args = list(args)
     for cut in cuts:
         where = f"{cut.module or 'the transformer'}'s input {cut.arg!r}"
+        given = args[cut.arg] if isinstance(cut.arg, int) and cut.arg < len(args) else kwargs.get(cut.arg)
+        if cut.optional and (given is None or given.dim() <= cut.dim):
+            continue
         if isinstance(cut.arg, int) and cut.arg < len(args):
             args[cut.arg] = shard.cut(args[cut.arg], cut.dim, where, _kind(cut))
         elif isinstance(cut.arg, str) and kwargs.get(cut.arg) is not None:

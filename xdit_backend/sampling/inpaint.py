@@ -6,8 +6,8 @@ Before each model call the kept region of x is replaced by the input latent nois
 ``scale_latent_inpaint``: ``noise_scaling`` without the σ_max rule), and after it the kept region of the denoised
 estimate is the input latent: x ← x·m + scaled·(1 − m), x0 ← x0·m + latent·(1 − m), m the mask (1: to be made).
 Every tensor here is elementwise in the latent's cells, so a rank's rows (dp) and a PipeFusion patch's band take
-their slice of it (``band``). Wan 2.2 TI2V-5B, whose ComfyUI model takes a timestep per frame under a mask, is
-refused before (SampleRequest).
+their slice of it (``band``). Wan 2.2 TI2V-5B's ComfyUI model (WAN22) keeps the region clean instead (its
+``scale_latent_inpaint`` returns the latent) and takes a timestep per frame from the mask (models/wan.py).
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ class Inpaint:
     mask: torch.Tensor
     latent: torch.Tensor
     noise: torch.Tensor
+    clean: bool = False  # the kept region is the latent itself, not noised to σ (ComfyUI's WAN22: TI2V-5B)
 
     def model_input(self, x: torch.Tensor, sigma: torch.Tensor, sampling) -> torch.Tensor:
-        """x [B, ...] at σ [B] (or one σ) with its kept region the input latent noised to σ."""
+        """x [B, ...] at σ [B] (or one σ) with its kept region the input latent noised to σ (or clean)."""
         sigma = sigma.reshape(-1, *(1,) * (x.dim() - 1)) if torch.is_tensor(sigma) else sigma
-        kept = sampling.inpaint_scaling(sigma, self.noise, self.latent)
+        kept = self.latent if self.clean else sampling.inpaint_scaling(sigma, self.noise, self.latent)
         return x * self.mask + kept * (1.0 - self.mask)
 
     def output(self, x0: torch.Tensor) -> torch.Tensor:
@@ -57,4 +58,4 @@ class Inpaint:
 
     def band(self, a: int, b: int) -> Inpaint:
         """Latent rows [a, b) of dim −2 (a PipeFusion patch)."""
-        return Inpaint(self.mask[..., a:b, :], self.latent[..., a:b, :], self.noise[..., a:b, :])
+        return Inpaint(self.mask[..., a:b, :], self.latent[..., a:b, :], self.noise[..., a:b, :], self.clean)

@@ -101,11 +101,14 @@ class EvaluateRequest:
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
+        per_frame = (x.shape[0], x.shape[2]) if x.dim() == 5 else None  # Wan 2.2 TI2V under a mask: check_model
         for name in ("timestep", "guidance"):
             tensor = self.tensors.get(name)
-            if tensor is not None and tuple(tensor.shape) != (x.shape[0],):
+            if tensor is not None and tuple(tensor.shape) != (x.shape[0],) and not (
+                    name == "timestep" and tuple(tensor.shape) == per_frame):
                 raise RequestError(f"{name} has shape {list(tensor.shape)}; it must be [{x.shape[0]}], one per row "
-                                   "of x")
+                                   "of x" + (f" (a timestep may be [{x.shape[0]}, {x.shape[2]}], one per row and frame)"
+                                             if name == "timestep" and per_frame else ""))
 
     def check_model(self, spec, inputs: dict[str, torch.Tensor]) -> None:
         """The checks that need the model: x's layout and size, and the inputs (``inputs``: key → tensor) against
@@ -119,6 +122,9 @@ class EvaluateRequest:
             given = " or ".join(map(str, sorted(takes)))
             raise RequestError(f"x has shape {list(x.shape)}; a {spec.family} model takes {kind} with C = {given} "
                                f"and h, w at most {largest} (an image of {schema.MAX_SIDE} pixels a side)")
+        if self.tensors["timestep"].dim() == 2 and not spec.masked_timesteps_per_frame:
+            raise RequestError(f"timestep has shape {list(self.tensors['timestep'].shape)}: one per frame, which only "
+                               "Wan 2.2 TI2V-5B takes (under a noise mask)", f"send timestep [{self.rows}]")
         if "context" not in inputs:
             raise RequestError("the inputs have no 'context'", "send the text conditioning as input 'context'")
         context = inputs["context"]

@@ -174,21 +174,23 @@ class Executor:
         if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
             torch.cuda.empty_cache()
 
-    def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int) -> None:
+    def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int,
+                  modulation_per_token: bool = False) -> None:
         """Before anything is allocated, on every request: every rank checks that the request's activations
         (its size, batch, frames and reference latents) and, when the model is not loaded yet, its weights
         fit its device, counting what evicting other least-recently-used models would free; the ranks agree
         (one small gather on the control group), then evict, or all raise the refusal of the first rank that
         cannot fit (nothing loaded, evicted or run). ``tokens`` per rank and ``rows`` per forward under
-        ``parallel``: memory_fit.request_shape for a generation."""
+        ``parallel``: memory_fit.request_shape for a generation; ``modulation_per_token``: a timestep per token."""
         shard_ranks = (len(key.shard_ranks) or 1) if shard.shards_its_matrices(model.source.gguf) else 1
-        shape = (key, parallel, tokens, rows)
+        shape = (key, parallel, tokens, rows, modulation_per_token)
         estimate = self.estimates.get(shape)
         if estimate is None:  # the memory model walks every parameter (~6 ms for Flux.1-dev): once per shape
             if len(self.estimates) > 256:
                 self.estimates.clear()
             estimate = self.estimates[shape] = memory_fit.needed(model, getattr(torch, key.compute_dtype),
-                                                                 key.weight_dtype, shard_ranks, parallel, tokens, rows)
+                                                                 key.weight_dtype, shard_ranks, parallel, tokens, rows,
+                                                                 modulation_per_token)
         holds = key in self.cache.entries  # its resident weights are held already
         need = estimate.total - (estimate.weights_resident if holds else 0)
         free = memory_fit.available(self.rt.device, self.held_bytes(), self.rt.local_world_size)
@@ -245,7 +247,8 @@ class Executor:
         stage = pipeline_stage(model, layout)
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
-        self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens))
+        self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens),
+                       request.modulates_per_token(spec))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype,
                            shard_mesh, stage)
         self.computing = entry.model

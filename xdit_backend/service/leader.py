@@ -213,7 +213,7 @@ class Leader:
             return None  # nothing to weigh (sharding would not shrink it)
         tokens, rows = memory_fit.request_shape(replace(request, parallel=config), model.spec, text_tokens)
         estimate = memory_fit.needed(model, compute_dtype(request.dtype, self.rt.device), request.weight_dtype,
-                                     1, config, tokens, rows)
+                                     1, config, tokens, rows, request.modulates_per_token(model.spec))
         room = memory_fit.tightest_room(self.memory) - estimate.activations - estimate.workspace
         return MemoryFit(estimate.weights, room)
 

@@ -150,12 +150,6 @@ class SampleRequest:
         mask = self.tensors.get("noise_mask")
         if mask is None:
             return
-        if spec.masked_timesteps_per_frame:
-            raise RequestError(f"a noise mask on a {spec.family} model of {spec.latent_format.channels} latent "
-                               "channels (Wan 2.2 TI2V-5B, Wan22ImageToVideoLatent's fixed first frame): ComfyUI's "
-                               "model then takes a timestep per frame, which the backend does not run yet",
-                               "leave the noise mask out (text to video), or use ComfyUI's own model loader and "
-                               "sampler for TI2V-5B image to video")
         if not 2 <= mask.dim() <= (5 if spec.video else 4) or min(mask.shape) < 1:
             raise RequestError(f"noise_mask has shape {list(mask.shape)}; a mask is [N, 1, H, W] (a video's "
                                "also [1, 1, T, H, W])", "send the LATENT's noise_mask as Set Latent Noise Mask "
@@ -252,6 +246,11 @@ class SampleRequest:
                                f"send {', '.join(takes)}")
         return side
 
+    def modulates_per_token(self, spec) -> bool:
+        """Whether the model takes a timestep per token: a noise mask on Wan 2.2 TI2V-5B (Generation's
+        ``mask_conditions_model``), which the memory model counts."""
+        return spec.masked_timesteps_per_frame and "noise_mask" in self.tensors
+
     def reference_tokens(self, spec) -> int:
         """The most tokens the reference latents add to one side's sequence (a reference [B, C, h, w] is
         h · w / the patch's area tokens; the negative side has the positive's unless it sent its own)."""
@@ -316,6 +315,7 @@ class SampleRequest:
             add_noise=self.add_noise,
             cache=self.cache_options(),
             noise_mask=self.tensors.get("noise_mask"),
+            mask_conditions_model=spec.masked_timesteps_per_frame,
         )
 
     def cache_options(self) -> CacheOptions | None:
