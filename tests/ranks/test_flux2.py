@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from spawned import on_ranks
 
-from xdit_backend.errors import UserError
 from xdit_backend.models import registry
 from xdit_backend.parallel import attention, sequence
 from xdit_backend.service.request import SampleRequest
@@ -76,11 +75,26 @@ def test_a_reference_is_more_tokens_at_index_10_and_changes_the_result():
     assert (edited - plain).abs().max() > 1e-4  # 8 of 552 keys, random weights: small, but 100× the rounding
 
 
-def test_pipefusion_refuses_references_by_name():
+def test_a_pipefusion_chunk_carrying_a_reference_equals_the_forward():
+    """PipeFusion's stage methods on one chunk of the whole latent, the reference's tokens ahead of the image's (as
+    the first chunk of a step carries them, their positions after the image sequence's): the forward's velocity."""
     model = tiny()
     x, context = inputs()
-    with pytest.raises(UserError, match="reference latents do not run under PipeFusion"):
-        model.step_inputs(x.shape, SIGMA, {"context": context, "reference_0": x}, 3.5)
+    cond = {"context": context, "reference_0": torch.randn(1, 128, 2, 4, generator=torch.Generator().manual_seed(6))}
+    shape, tokens = tuple(x.shape), torch.arange(32)  # [1, 128, 4, 8]: 32 image tokens
+    with torch.no_grad():
+        step = model.step_inputs(shape, SIGMA, cond, 3.5)
+        references, positions = model.stage_references(cond, model.positions(shape))  # [1, 8, 128], [40, 4]
+        placed = torch.cat([torch.arange(32, 40), tokens])  # the references' indices, then the chunk's
+        image = torch.cat([model.embed_references(references), model.embed(x, tokens, step, positions)], dim=1)
+        text = model.embed_text(step)
+        kwargs = model.block_kwargs(step, positions, placed, text.shape[1])
+        for name in model.spec.stage_plan.block_lists:
+            for block in getattr(model.transformer, name):
+                image, text = model.run_block(block, image, text, kwargs)
+        out = model.unpatchify(model.head(image[:, 8:], step, tokens), shape)
+        expected = model.output(x, SIGMA, cond, 3.5)
+    assert (out - expected).abs().max() <= 1e-5
 
 
 def _ulysses_rank(rank, x, cond):

@@ -131,13 +131,17 @@ def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path):
 
 def test_the_full_size_config_and_name_are_read_off_the_shapes():
     """Qwen-Image's published shapes (width 3072, 24 heads of 128, 60 blocks, Qwen2.5-VL's 3584) give its
-    diffusers config back, RoPE axes (16, 56, 56) included."""
+    diffusers config back, RoPE axes (16, 56, 56) included; with ComfyUI's 2511 marker, zero_cond_t."""
     file_shapes = {k: list(v.shape) for k, v in comfy_layout_meta(3072, 128, 3584, 60).items()}
     config = qwen_image_checkpoint.config_from_shapes(file_shapes, "", "qwen_image_bf16.safetensors")
     assert config == {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
                       "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
-                      "axes_dims_rope": (16, 56, 56)}
+                      "axes_dims_rope": (16, 56, 56), "zero_cond_t": False}
     assert qwen_image_checkpoint.variant(config) == "Qwen-Image / Qwen-Image-Edit (20 B)"
+    marked = qwen_image_checkpoint.config_from_shapes({**file_shapes, "__index_timestep_zero__": [0]}, "",
+                                                      "qwen_image_edit_2511_bf16.safetensors")
+    assert marked == {**config, "zero_cond_t": True}
+    assert qwen_image_checkpoint.variant(marked) == "Qwen-Image-Edit-2511 (20 B)"
 
 
 def comfy_layout_meta(width, head, text, blocks):
@@ -259,15 +263,31 @@ def test_a_reference_latent_stays_exact_under_ulysses_2_and_ring_2():
             assert max(differences.values()) <= 1e-5, (rank, case, differences)
 
 
-def test_pipefusion_refuses_reference_latents_with_the_methods_that_work():
-    """A reference's tokens are neither a band of the noisy latent nor the text PipeFusion carries."""
-    from xdit_backend.errors import UserError
-
-    model = registry.build("qwen-image-tiny", torch.device("cpu"))
-    x, sigma, cond = inputs()
-    with pytest.raises(UserError, match="PipeFusion") as refused:
-        model.step_inputs(tuple(x.shape), sigma, {**cond, "reference_0": torch.zeros(1, 16, 8, 8)}, None)
-    assert "ulysses" in refused.value.hint
+def test_a_2511_file_modulates_its_references_at_timestep_zero_as_diffusers_zero_cond_t(tmp_path):
+    """ComfyUI's Qwen-Image-Edit-2511 files carry an empty ``__index_timestep_zero__`` marker: the file loads as
+    diffusers' zero_cond_t model (ComfyUI's "index_timestep_zero" reference method), its forward with a reference
+    equals diffusers' own (the reference's image stream modulated at t = 0), and the same weights without the marker
+    (Edit-2509's plain "index") give another result."""
+    state = tiny_file()
+    path, plain_path = tmp_path / "qwen-2511.safetensors", tmp_path / "qwen-2509.safetensors"
+    save_file({**state, "__index_timestep_zero__": torch.zeros(0)}, str(path))
+    save_file(state, str(plain_path))
+    source = registry.resolve(str(path))
+    assert source.config["zero_cond_t"] and not registry.resolve(str(plain_path)).config["zero_cond_t"]
+    loaded, plain = (registry.build(str(p), torch.device("cpu")) for p in (path, plain_path))
+    assert loaded.spec.comfy_model_inputs["ref_latents_method"] == "index_timestep_zero"
+    x, sigma, cond = inputs(8)
+    reference = torch.randn(1, 16, 4, 8, generator=torch.Generator().manual_seed(9))  # even, smaller than the latent
+    cond = {**cond, "reference_0": reference}
+    expected = QwenImageTransformer2DModel(**{**TINY, "zero_cond_t": True})
+    expected.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        tokens = torch.cat([pack(x), pack(loaded.latent_format.process_in(reference))], dim=1)  # [1, 32 + 8, 64]
+        theirs = expected.eval()(hidden_states=tokens, encoder_hidden_states=cond["context"], timestep=sigma,
+                                 img_shapes=[[(1, 4, 8), (1, 2, 4)]], return_dict=False)[0][:, :32]
+    ours = velocity(loaded, x, sigma, cond)
+    assert (pack(ours) - theirs).abs().max() <= 1e-5  # even sizes, a smaller reference: the positions agree
+    assert (ours - velocity(plain, x, sigma, cond)).abs().max() > 1e-3
 
 
 def test_a_comfyui_scaled_fp8_file_matches_its_dequantised_model(tmp_path):

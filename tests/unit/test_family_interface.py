@@ -60,7 +60,7 @@ def test_the_plans_name_modules_the_model_has(family):
     plan = model.spec.sequence_plan
     modules = dict(model.transformer.named_modules())
     for cut in plan.cuts:
-        assert cut.module in modules, cut
+        assert cut.module.removesuffix(".*") in modules, cut  # "blocks.*": each block of that list
     assert plan.gather in modules
     attention_names = {name.rsplit(".", 1)[-1] for name in modules}
     for name, _ in plan.attention:

@@ -248,3 +248,19 @@ def test_a_hunyuan_dit_prompt_as_comfyui_encodes_it_reaches_the_model():
     with torch.no_grad():
         out = model.output(torch.randn(2, 4, 8, 8), torch.tensor([500.0, 500.0]), positive, None)
     assert out.shape == (2, 4, 8, 8) and torch.isfinite(out).all()
+
+
+def test_qwen_image_edit_2511_takes_index_timestep_zero_and_2509_refuses_it():
+    """FluxKontextMultiReferenceLatentMethod's "index_timestep_zero" (ComfyUI's 2511 template) is a 2511 file's own
+    placement; on a plain Qwen-Image-Edit file (its "index") it is refused by name, and the reverse too."""
+    from xdit_backend.models.qwen_image import QwenImageSpec
+
+    edit_2509, edit_2511 = (QwenImageSpec(64, 4, 2, (4, 6, 6), timestep_zero) for timestep_zero in (False, True))
+    reference = torch.randn(1, 16, 4, 6)
+    for spec, own, other in ((edit_2511, "index_timestep_zero", "index"), (edit_2509, "index", "index_timestep_zero")):
+        side = translate.conditioning([entry(reference_latents=[reference], reference_latents_method=own)], spec, 1,
+                                      "positive")
+        assert torch.equal(side.tensors["reference_0"], reference)
+        with pytest.raises(translate.TranslationError, match="a reference latents method"):
+            translate.conditioning([entry(reference_latents=[reference], reference_latents_method=other)], spec, 1,
+                                   "positive")

@@ -318,7 +318,7 @@ class DiffusionModel(ABC):
 class Cut:
     """One tensor that sequence parallelism cuts to this rank's share of the tokens.
 
-    module: the module's name in the transformer ("" is the transformer itself);
+    module: the module's name in the transformer ("" is the transformer itself; "blocks.*" each block of a list);
     arg:    a keyword or positional input of that module's forward, or None for its output
             (each tensor of a tuple output: RoPE's cos and sin);
     dim:    the sequence dimension of that tensor;

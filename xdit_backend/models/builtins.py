@@ -38,6 +38,11 @@ WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=
                 text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
+QWEN_IMAGE_TINY = dict(patch_size=2, in_channels=64,  # 16 latent channels × a 2×2 patch
+                       out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+                       joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
+                       axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
+
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
         family="flux",
@@ -228,18 +233,17 @@ BUILTINS: dict[str, BuiltinModel] = {
     ),
     "qwen-image-tiny": BuiltinModel(
         family="qwen_image",
-        config=dict(
-            patch_size=2,
-            in_channels=64,  # 16 latent channels × a 2×2 patch
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim, as (16, 56, 56) sums to 128
-        ),
+        config=QWEN_IMAGE_TINY,
         text_tokens=8,
         description="Qwen-Image architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "qwen-image-edit-2511-tiny": BuiltinModel(
+        family="qwen_image",
+        config={**QWEN_IMAGE_TINY, "zero_cond_t": True},
+        text_tokens=8,
+        description="Qwen-Image-Edit-2511 (qwen-image-tiny's weights, the reference modulated at timestep 0) given a "
+                    "reference of 6 × 10 latent cells, random weights (a test model)",
+        references=((6, 10),),
     ),
     "cogvideox-tiny": BuiltinModel(
         family="cogvideox",

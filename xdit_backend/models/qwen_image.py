@@ -4,7 +4,11 @@ An MM-DiT: every block carries the Qwen2.5-VL text tokens [B, L, 3584] and the i
 patches of a 16-channel Wan-2.1 latent) side by side and attends over [text; image] jointly, with
 3-axis RoPE. Qwen-Image-Edit is the same architecture given reference latents (ComfyUI's
 ``reference_latents``): each is packed as more image tokens after the noisy latent's, with its own
-positions (frame index 1, 2, …), and the output keeps the first N tokens.
+positions (frame index 1, 2, …), and the output keeps the first N tokens. Qwen-Image-Edit-2511 (diffusers'
+``zero_cond_t``; ComfyUI's "index_timestep_zero" reference method, the default of a file that carries the
+``__index_timestep_zero__`` marker) modulates the reference tokens' image stream at timestep 0: the time
+embedding is taken at [t; 0], and each image token picks its half by ``modulate_index`` (1 on the references),
+which sequence parallelism cuts with the tokens and a PipeFusion chunk builds from its tokens' indices.
 
 Positions follow ComfyUI (comfy/ldm/qwen_image/model.py), where diffusers differs: an image's rows
 and columns are centred at ``len // 2`` (diffusers: ``len - len // 2``, one off for an odd count) and
@@ -82,11 +86,11 @@ class QwenImageSpec(FamilySpec):
     heads: int
     blocks: int
     rope_axes: tuple[int, int, int]  # RoPE channels per axis (frame, row, column)
+    timestep_zero: bool = False  # Qwen-Image-Edit-2511: the references modulated at timestep 0 (zero_cond_t)
 
     family = "qwen_image"
     # comfy/ldm/qwen_image/model.py QwenImageTransformer2DModel.forward(x, timestep, context, attention_mask,
     # guidance, ref_latents, …): text to image, and the edit models' reference latents (its "index" method)
-    comfy_model_inputs = {"ref_latents": "references", "ref_latents_method": "index"}
     latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
     takes_references = True
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
@@ -94,7 +98,9 @@ class QwenImageSpec(FamilySpec):
         cuts=(Cut("", "hidden_states", 1),  # [B, N + R, 64]: noisy then reference tokens
               Cut("", "encoder_hidden_states", 1, text=True),  # [B, L, context_dim]
               Cut("image_rope", None, 0),  # [N + R, D/2] complex RoPE of the image tokens
-              Cut("text_rope", None, 0, text=True)),  # [L, D/2] of the text
+              Cut("text_rope", None, 0, text=True),  # [L, D/2] of the text
+              # [B, N + R]: 1 on the reference tokens (2511's timestep zero), each block's own input
+              Cut("transformer_blocks.*", "modulate_index", 1, optional=True)),
         attention=(("attn", QwenImageAttention),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
                            joint_text=True)
@@ -102,15 +108,23 @@ class QwenImageSpec(FamilySpec):
                            returns={"transformer_blocks": ("encoder_hidden_states", "hidden_states")},
                            probe="temb", teacache=TEACACHE)
 
+    @property
+    def comfy_model_inputs(self) -> dict[str, str]:
+        """ComfyUI's QwenImageTransformer2DModel.forward(x, timestep, context, attention_mask, guidance, ref_latents,
+        …): text to image, and the edit models' reference latents, by the "index" method, or 2511's default
+        "index_timestep_zero" (the same positions, the references modulated at timestep 0)."""
+        return {"ref_latents": "references",
+                "ref_latents_method": "index_timestep_zero" if self.timestep_zero else "index"}
+
     @classmethod
     def from_config(cls, config: dict) -> QwenImageSpec:
-        for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
+        for flag in ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
             if config.get(flag):
-                raise UserError(f"this Qwen-Image model sets {flag} (Qwen-Image-Edit-2511 / Layered / a guidance-"
-                                "distilled variant), which this backend does not run yet",
-                                "use Qwen-Image, Qwen-Image-2512 or Qwen-Image-Edit (-2509)")
+                raise UserError(f"this Qwen-Image model sets {flag} (Qwen-Image-Layered / a guidance-distilled "
+                                "variant), which this backend does not run yet",
+                                "use Qwen-Image, Qwen-Image-2512 or Qwen-Image-Edit (-2509, -2511)")
         return cls(config["joint_attention_dim"], config["num_attention_heads"], config["num_layers"],
-                   tuple(config["axes_dims_rope"]))
+                   tuple(config["axes_dims_rope"]), bool(config.get("zero_cond_t")))
 
     def model_sampling(self, shift: float | None) -> FlowSampling:
         """Without a shift, ComfyUI's own: model_base.QwenImage is ModelType.FLUX, so ModelSamplingFlux at
@@ -190,33 +204,46 @@ class QwenImageModel(DiffusionModel):
         space) join as more image tokens, and only the noisy latent's come out."""
         b, _, h, w = x.shape
         context = cond["context"].to(self.device, self.dtype)  # [B, L, context_dim]
-        reference_tokens, reference_positions = self._references(cond, b)
-        tokens = [pack(x), *reference_tokens]  # [B, N, 64], [B, R_i, 64]…
-        positions = [image_positions(h, w, 0), *reference_positions]  # [N, 3], [R_i, 3]…
+        latents = self._reference_latents(cond, b)  # [B, 16, h', w']…
+        tokens = [pack(x), *map(pack, latents)]  # [B, N, 64], [B, R_i, 64]…
+        positions = [image_positions(h, w, 0), *(image_positions(*latent.shape[-2:], index)
+                                                 for index, latent in enumerate(latents, start=1))]  # [N, 3]…
         tables = (rope(torch.cat(positions), self.spec.rope_axes, self.dtype, self.device),  # [N + R, D/2]
                   rope(text_positions(h, w, context.shape[1]), self.spec.rope_axes, self.dtype, self.device))
         timestep = timestep.to(self.device, torch.float32)  # [B] σ
-        with rope_and_time(self.transformer, tables, timestep):
+        # every image's (frames, rows, columns) in tokens: diffusers' RoPE (replaced by ``tables``) and, with
+        # zero_cond_t, its modulate_index (0 on the noisy tokens, 1 on the references')
+        shapes = [(1, h // 2, w // 2), *((1, latent.shape[-2] // 2, latent.shape[-1] // 2) for latent in latents)]
+        with rope_and_time(self.transformer, tables, self._time(timestep)):
             velocity = self.transformer(
                 hidden_states=torch.cat(tokens, dim=1),  # [B, N + R, 64]
                 encoder_hidden_states=context,
                 timestep=timestep,
-                img_shapes=[[(1, h // 2, w // 2)]] * b,  # diffusers' own RoPE, replaced by ``tables``
+                img_shapes=[shapes] * b,
                 return_dict=False,
             )[0]  # [B, N + R, 64]
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
 
+    def _reference_latents(self, cond: dict, batch: int) -> list[torch.Tensor]:
+        """The reference latents in model space, padded to the patch, over the call's rows: [batch, 16, h', w']."""
+        latents = []
+        for index, reference in enumerate(references(cond)):
+            latent = squeeze_frames(reference, f"reference latent {index}").to(self.device)
+            latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
+            latents.append(reference_rows(latent, batch, index))
+        return latents
+
     def _references(self, cond: dict, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The reference latents as packed tokens [batch, R_i, 64] and their positions [R_i, 3] (frame index 1,
         2, …)."""
-        tokens, positions = [], []
-        for index, reference in enumerate(references(cond), start=1):
-            latent = squeeze_frames(reference, f"reference latent {index - 1}").to(self.device)
-            latent = pad_to_patch(self.latent_format.process_in(latent.float()).to(self.dtype), self.spec.patch)
-            latent = reference_rows(latent, batch, index - 1)  # [batch, 16, h', w']
-            tokens.append(pack(latent))  # [batch, R_i, 64]
-            positions.append(image_positions(*latent.shape[-2:], index))
-        return tokens, positions
+        latents = self._reference_latents(cond, batch)
+        return ([pack(latent) for latent in latents],
+                [image_positions(*latent.shape[-2:], index) for index, latent in enumerate(latents, start=1)])
+
+    def _time(self, timestep: torch.Tensor) -> torch.Tensor:
+        """σ [B] as the time embedding takes it: [t; 0] [2B] for 2511 (zero_cond_t), whose blocks modulate the
+        references by the second half (and the text, and the output layer, by the first)."""
+        return torch.cat([timestep, timestep * 0]) if self.spec.timestep_zero else timestep
 
     # PipeFusion stages (base.DiffusionModel): text (and references) travel with the step's first patch.
 
@@ -237,11 +264,13 @@ class QwenImageModel(DiffusionModel):
         return self.transformer.img_in(tokens)  # [B, R, 64] → [B, R, D]
 
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time embedding the blocks take ([B, D], or 2511's [2B, D] at [t; 0]) and the output layer's ([B, D])."""
         context = cond["context"]
         t = self.transformer
         anchor = torch.empty(0, device=self.device, dtype=self.dtype)  # the embedding's dtype
-        temb = t.time_text_embed(timestep.to(self.device, torch.float32), anchor)  # [B, D]
-        return {"temb": temb, "context": context}
+        timestep = timestep.to(self.device, torch.float32)
+        temb = t.time_text_embed(self._time(timestep), anchor)  # [B or 2B, D]
+        return {"temb": temb, "out_temb": temb[:timestep.shape[0]], "context": context}
 
     def embed(self, x, tokens, inputs, positions):
         return self.transformer.img_in(pack(x))  # [B, C, rows, w] → [B, n, 64] → [B, n, D]
@@ -253,7 +282,11 @@ class QwenImageModel(DiffusionModel):
     def block_kwargs(self, inputs, positions, tokens, text_tokens):
         image, (h, w) = positions
         text = rope(text_positions(h, w, text_tokens), self.spec.rope_axes, self.dtype, self.device)  # [L, D/2]
-        return {"temb": inputs["temb"], "image_rotary_emb": (image[tokens], text)}
+        kwargs = {"temb": inputs["temb"], "image_rotary_emb": (image[tokens], text)}
+        if self.spec.timestep_zero:  # [B, n]: 1 on the reference tokens (indices past the noisy latent's N)
+            noisy = (h + 1) // 2 * ((w + 1) // 2)
+            kwargs["modulate_index"] = (tokens >= noisy).int().expand(inputs["out_temb"].shape[0], -1)
+        return kwargs
 
     def run_block(self, block, image, text, kwargs):
         text, image = block(hidden_states=image, encoder_hidden_states=text, encoder_hidden_states_mask=None,
@@ -261,7 +294,7 @@ class QwenImageModel(DiffusionModel):
         return image, text
 
     def head(self, image, inputs, tokens):
-        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["temb"]))  # [B, n, 64]
+        return self.transformer.proj_out(self.transformer.norm_out(image, inputs["out_temb"]))  # [B, n, 64]
 
     def unpatchify(self, tokens, shape):
         return unpack(tokens, shape[-2], shape[-1])  # [B, n, 64] → [B, 16, rows, w]

@@ -16,6 +16,7 @@ MARKERS = ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.img_mod.1.w
            "transformer_blocks.0.attn.add_q_proj.weight")
 detect_prefix = prefix_detector(MARKERS)
 FULL_SIZE = (3072, 60)  # width, blocks of Qwen-Image (20 B)
+ZERO_COND_MARKER = "__index_timestep_zero__"
 
 
 def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
@@ -57,6 +58,8 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "num_attention_heads": width // head_dim,
         "joint_attention_dim": shape("txt_norm.weight")[0],
         "axes_dims_rope": rope_axes(head_dim),
+        # Qwen-Image-Edit-2511: ComfyUI's files carry this empty marker (its model's "index_timestep_zero" default)
+        "zero_cond_t": ZERO_COND_MARKER in shape,
     }
 
 
@@ -70,5 +73,5 @@ def variant(config: dict) -> str:
     """A name for what the shapes say (Qwen-Image and its Edit models share every shape)."""
     width = config["attention_head_dim"] * config["num_attention_heads"]
     if (width, config["num_layers"]) == FULL_SIZE:
-        return "Qwen-Image / Qwen-Image-Edit (20 B)"
+        return "Qwen-Image-Edit-2511 (20 B)" if config.get("zero_cond_t") else "Qwen-Image / Qwen-Image-Edit (20 B)"
     return f"Qwen-Image architecture, width {width}, {config['num_layers']} blocks"

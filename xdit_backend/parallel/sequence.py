@@ -212,12 +212,14 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
         cuts = [cut for cut in plan.cuts if cut.module == name]
         inputs = [cut for cut in cuts if cut.arg is not None]
         outputs = [cut for cut in cuts if cut.arg is None]
-        if inputs:
-            attached.hooks.append(modules[name].register_forward_pre_hook(
-                lambda module, args, kwargs, inputs=inputs: _cut_inputs(shard, inputs, args, kwargs), with_kwargs=True))
-        for cut in outputs:
-            attached.hooks.append(modules[name].register_forward_hook(
-                lambda module, args, out, cut=cut: _cut_output(shard, cut, out)))
+        for module in _named(modules, name):
+            if inputs:
+                attached.hooks.append(module.register_forward_pre_hook(
+                    lambda module, args, kwargs, inputs=inputs: _cut_inputs(shard, inputs, args, kwargs),
+                    with_kwargs=True))
+            for cut in outputs:
+                attached.hooks.append(module.register_forward_hook(
+                    lambda module, args, out, cut=cut: _cut_output(shard, cut, out)))
     attached.hooks.append(modules[plan.gather].register_forward_hook(
         lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
     usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel, shard)
@@ -227,6 +229,13 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
         if processor is not None:
             module.set_processor(processor(usp))
     return attached
+
+
+def _named(modules: dict, name: str) -> list:
+    """The module ``name`` names, or for ``list.*`` every block of that ModuleList (an input each block is given)."""
+    if not name.endswith(".*"):
+        return [modules[name]]
+    return list(modules[name[:-2]])
 
 
 def _cut_inputs(shard: Shard, cuts: list[Cut], args: tuple, kwargs: dict):
