@@ -237,6 +237,58 @@ def test_padded_text_matches_diffusers_masked_forward():
     assert model.joint_text_tokens(cond) == 3 + 8  # byT5 position 3 and no Qwen position is padding in both
 
 
+def test_image_to_video_matches_diffusers_forward_with_the_start_image_and_its_siglip_tokens():
+    """HunyuanVideo15ImageToVideo's inputs: the start latent and mask concatenated (ComfyUI's concat_cond) and the
+    SigLIP tokens (its clip_fea): our loop equals diffusers' forward given the same 65-channel input and
+    image_embeds (the image tokens valid, placed first), with the text masks of two samples differing too."""
+    model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
+    config = registry.resolve("hunyuan-video-1.5-tiny").config
+    g = torch.Generator().manual_seed(6)
+    image = torch.zeros(2, 32, 2, 4, 4)
+    image[:, :, :1] = torch.randn(2, 32, 1, 4, 4, generator=g)
+    mask = torch.ones(2, 1, 2, 4, 4)
+    mask[:, :, :1] = 0.0
+    cond = {**masked_text(config, g), "concat_latent_image": image, "concat_mask": mask,
+            "clip_vision_output": torch.randn(2, 9, config["image_embed_dim"], generator=g)}
+    x = torch.randn(2, 32, 2, 4, 4, generator=g)
+    timestep = torch.tensor([700.0, 250.0])
+    with torch.no_grad():
+        ours = model.output(x, timestep, cond, None)
+        text_only = model.output(x, timestep, {k: v for k, v in cond.items() if k != "clip_vision_output"}, None)
+    concat = torch.cat([model.latent_format.process_in(image), 1.0 - mask], dim=1)  # [2, 33, 2, 4, 4]
+    t = model.transformer
+    for block in t.transformer_blocks:
+        block.attn.set_processor(HunyuanVideo15AttnProcessor2_0())
+    with torch.no_grad():
+        theirs = t(hidden_states=torch.cat([x, concat], dim=1), timestep=timestep,
+                   encoder_hidden_states=cond["context"], encoder_attention_mask=cond["context_mask"],
+                   encoder_hidden_states_2=cond["context_byt5"], encoder_attention_mask_2=cond["context_byt5_mask"],
+                   image_embeds=cond["clip_vision_output"], return_dict=False)[0]
+    assert (ours - theirs).abs().max() <= 1e-5
+    assert (ours - text_only).abs().max() > 1e-3  # the image tokens count
+    assert model.joint_text_tokens(cond) == 9 + 3 + 8
+
+
+def test_the_concatenated_channels_are_comfyuis_concat_cond():
+    """Comfy-Org/ComfyUI comfy/model_base.py HunyuanVideo15.concat_cond (094c74c), the parts written out here: the
+    image latent resized to the latent and shifted into model space, the mask inverted, resized and zero-padded
+    over the frames it lacks (1: nothing to keep); without either, zeros."""
+    model = registry.build("hunyuan-video-1.5-tiny", torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    image = torch.randn(1, 32, 3, 4, 6, generator=g)
+    mask = torch.ones(1, 1, 1, 32, 48)  # pixel size, one frame of three
+    mask[..., :16, :] = 0.0  # the top half kept
+    concat = model.concat((1, 32, 3, 4, 6), {"concat_latent_image": image, "concat_mask": mask})
+    assert concat.shape == (1, 33, 3, 4, 6)
+    assert torch.allclose(concat[:, :32], model.latent_format.process_in(image))  # the latent's size already
+    expected_mask = torch.zeros(1, 1, 3, 4, 6)
+    expected_mask[:, :, 0, :2] = 1.0  # 1 − mask on the first frame, the others padded with 0
+    assert torch.allclose(concat[:, 32:], expected_mask)
+    assert torch.equal(model.concat((1, 32, 3, 4, 6), {}), torch.zeros(1, 33, 3, 4, 6))
+    with pytest.raises(UserError, match="concat_latent_image has 2 frames; the latent has 3"):
+        model.concat((1, 32, 3, 4, 6), {"concat_latent_image": image[:, :, :2]})
+
+
 def test_the_text_masks_are_read_back_once_per_request_not_at_every_step(monkeypatch):
     """The masks reach the device with the request's conditioning: reading them back to the host at every step
     would make the host wait for the device each step (gpu-paths-2.md B14). A request's masks are read at its

@@ -1,4 +1,4 @@
-"""HunyuanVideo 1.5 (480p, 720p; text to video): diffusers ``HunyuanVideo15Transformer3DModel``
+"""HunyuanVideo 1.5 (480p, 720p; text and image to video): diffusers ``HunyuanVideo15Transformer3DModel``
 fed as ComfyUI feeds its HunyuanVideo15 model.
 
 Video latents [B, 32, T, h, w] from a 16× spatial, 4× temporal VAE, in (1, 1, 1) patches; 54
@@ -7,6 +7,18 @@ is the Qwen2.5-VL hidden states (3584) refined by a token refiner, plus optional
 features (1472; ComfyUI's ``conditioning_byt5small``), each tagged by a learned type embedding.
 The model's input is 65 channels: the noisy latent, an image latent and a mask (image to video);
 for text to video both are zero, as ComfyUI's concat_cond makes them without a start image.
+
+Image to video (HunyuanVideo15ImageToVideo), read from ComfyUI's current source (Comfy-Org/ComfyUI
+comfy/model_base.py ``HunyuanVideo15.concat_cond`` and ``extra_conds``, commit 094c74c; the shared snapshot
+predates the family): ``concat_latent_image`` [B, 32, T', h', w'] (the start frame's latent, raw) resized to the
+latent and shifted into model space per 32 channels, and ``concat_mask`` [B, 1, T'', H, W] (1: to be made)
+inverted, resized and zero-padded over the frames (ComfyUI's falls back on the LATENT's noise mask, whose 32
+channels its input cannot take; here a noise mask inpaints as with any model): the 33 channels concatenated to the input, which travel with their tokens. ``clip_vision_output``
+[B, 729, 1152] (CLIPVisionEncode's last hidden state: SigLIP's; ComfyUI's ``clip_fea``) through the image
+embedder, tagged with the third type embedding, joins the text ahead of the byT5 and Qwen2.5-VL tokens, as
+diffusers (the reference implementation's order: valid image, byT5, text) joins them; the joint text is a
+sequence the blocks carry beside the video's, so it is split with the text under sequence parallelism and
+travels with each step's first patch under PipeFusion.
 
 This module runs the model with its own loop over diffusers' modules (the same stage methods
 PipeFusion uses), not diffusers' forward: that forward builds an S × S boolean mask and a per
@@ -27,11 +39,13 @@ from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .resize import upscale
 
 # Comfy-Org/ComfyUI comfy/supported_models.py, class HunyuanVideo15: sampling_settings {"shift": 7.0},
 # model_base.HunyuanVideo15 is ModelType.FLOW (discrete flow, timestep 1000·σ).
 HYV15_DEFAULT_SHIFT = 7.0
-TEXT, BYT5 = 0, 1  # rows of cond_type_embed: Qwen2.5-VL tokens, byT5 tokens (2: SigLIP, image to video)
+TEXT, BYT5, IMAGE = 0, 1, 2  # rows of cond_type_embed: Qwen2.5-VL, byT5 and SigLIP (image to video) tokens
+LATENT_CHANNELS = 32
 
 
 def key_masked_attention(query, key, value, key_mask):
@@ -103,6 +117,8 @@ class HunyuanVideo15Spec(FamilySpec):
     byt5_dim: int  # byT5-small glyph features (1472)
     heads: int
     blocks: int
+    in_channels: int = 2 * LATENT_CHANNELS + 1  # the latent, the start image's latent and the mask
+    image_dim: int = 1152  # SigLIP's hidden states (the image embedder's input)
 
     family = "hunyuan_video15"
     latent_format = latent_formats.HUNYUAN_VIDEO15
@@ -112,9 +128,12 @@ class HunyuanVideo15Spec(FamilySpec):
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     # [B, L], [B, L2]: 1 real token, 0 padding. The byT5 glyph text is there only when the prompt quotes text:
     # Comfy-Org/ComfyUI comfy/text_encoders/hunyuan_video.py adds conditioning_byt5small only for "byt5" tokens
-    optional_conditioning = ("context_mask", "context_byt5", "context_byt5_mask")
-    # Comfy-Org/ComfyUI comfy/model_base.py HunyuanVideo15.extra_conds: conditioning_byt5small → txt_byt5
-    comfy_conditioning = {"conditioning_byt5small": "context_byt5"}
+    optional_conditioning = ("context_mask", "context_byt5", "context_byt5_mask", "concat_latent_image", "concat_mask",
+                             "clip_vision_output")
+    # Comfy-Org/ComfyUI comfy/model_base.py HunyuanVideo15.extra_conds: conditioning_byt5small → txt_byt5,
+    # clip_vision_output.last_hidden_state → clip_fea; concat_cond reads concat_latent_image and concat_mask
+    comfy_conditioning = {"conditioning_byt5small": "context_byt5", "concat_latent_image": "concat_latent_image",
+                          "concat_mask": "concat_mask", "clip_vision_output.last_hidden_state": "clip_vision_output"}
     sequence_plan = SequencePlan(
         cuts=(Cut("rope", None, 0),  # (cos, sin) [N, D] each
               Cut("transformer_blocks.0", 0, 1),  # the image tokens [B, N, D]
@@ -129,14 +148,22 @@ class HunyuanVideo15Spec(FamilySpec):
     @classmethod
     def from_config(cls, config: dict) -> HunyuanVideo15Spec:
         return cls(config["text_embed_dim"], config["text_embed_2_dim"], config["num_attention_heads"],
-                   config["num_layers"])
+                   config["num_layers"], config["in_channels"], config["image_embed_dim"])
+
+    @property
+    def concat_channels(self) -> int:
+        return self.in_channels - LATENT_CHANNELS  # 33: the start image's latent and the mask
+
 
     def model_sampling(self, shift: float | None) -> FlowSampling:
         return FlowSampling(HYV15_DEFAULT_SHIFT if shift is None else shift)
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple]:
         """The Qwen2.5-VL text and the byT5 glyph text (any length; 0 tokens when the prompt quotes none)."""
-        return {"context": (batch, text_tokens, self.context_dim), "context_byt5": (batch, None, self.byt5_dim)}
+        return {"context": (batch, text_tokens, self.context_dim), "context_byt5": (batch, None, self.byt5_dim),
+                "concat_latent_image": (batch, LATENT_CHANNELS, None, None, None),  # raw, [B, 32, T', h', w']
+                "concat_mask": (batch, 1, None, None, None),  # [B, 1, T'', H, W], 1: to be made
+                "clip_vision_output": (batch, None, self.image_dim)}  # SigLIP's last hidden state [B, 729, 1152]
 
 
 class HunyuanVideo15Model(DiffusionModel):
@@ -152,17 +179,37 @@ class HunyuanVideo15Model(DiffusionModel):
         t = self.transformer
         inputs = self.step_inputs(tuple(x.shape), timestep, cond, guidance)
         rope = t.rope(self._grid(x.shape))  # (cos, sin) [N, D]: a module call, so the plan cuts it
-        image = t.x_embedder(self._with_image_condition(x))  # [B, N, D]
+        image = t.x_embedder(self.with_concat(x, cond))  # [B, 65, T, h, w] → [B, N, D]
         text = inputs["text"]  # [B, L, D]
         for block in t.transformer_blocks:  # positional, as the sequence plan cuts block 0's inputs
             image, text = block(image, text, inputs["temb"], inputs["mask"], rope)
         return self.unpatchify(self.head(image, inputs, None), tuple(x.shape))
 
-    def _with_image_condition(self, x):
-        """[B, 32, T, h, w] → [B, 65, T, h, w]: no image latent and a zero mask (text to video), as
-        ComfyUI's HunyuanVideo15.concat_cond appends them without a start image."""
-        extra = self.transformer.config.in_channels - x.shape[1]
-        return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)
+    def concat(self, shape, cond) -> torch.Tensor | None:
+        """ComfyUI's HunyuanVideo15.concat_cond for a latent of ``shape`` [B, 32, T, h, w]: the start image's latent
+        (model space, resized) and the inverted mask, [B, 33, T, h, w]; zeros without either (text to video)."""
+        if not self.spec.concat_channels:
+            return None
+        b, _, frames, h, w = shape
+        image = cond.get("concat_latent_image")
+        if image is None:
+            image = torch.zeros(b, self.spec.concat_channels - 1, frames, h, w, device=self.device)
+        elif image.shape[2] != frames:
+            raise UserError(f"concat_latent_image has {image.shape[2]} frames; the latent has {frames}",
+                            "make the start image's latent as HunyuanVideo15ImageToVideo does: as many frames as the "
+                            "video's")
+        else:
+            image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 32·k, T, h, w]
+            image = torch.cat([self.latent_format.process_in(part) for part in image.split(LATENT_CHANNELS, dim=1)],
+                              dim=1)
+        mask = cond.get("concat_mask")
+        if mask is None:
+            mask = torch.zeros(b, 1, frames, h, w, device=self.device)
+        else:
+            mask = upscale(1.0 - mask.to(self.device, torch.float32), h, w)
+            if mask.shape[2] < frames:
+                mask = F.pad(mask, (0, 0, 0, 0, 0, frames - mask.shape[2]))
+        return torch.cat([image, mask], dim=1)  # [B, 32 + 1, T, h, w]
 
     def _grid(self, shape):
         """A [1, 1, T, h, w] tensor: all the RoPE module reads is its shape and device."""
@@ -183,13 +230,25 @@ class HunyuanVideo15Model(DiffusionModel):
         if byt5 is None:
             byt5 = context.new_zeros(context.shape[0], 0, self.spec.byt5_dim)
         byt5 = t.context_embedder_2(byt5.to(self.device, self.dtype)) + t.cond_type_embed.weight[BYT5]  # [B, L2, D]
+        image = self.image_tokens(cond, context.shape[0])  # [B, 729 or 0, D]
         masks = (cond.get("context_byt5_mask"), cond.get("context_mask"))
-        text = torch.cat([byt5, text], dim=1)  # [B, L2 + L, D]
+        text = torch.cat([image, byt5, text], dim=1)  # [B, I + L2 + L, D]
         key_mask = None
         if any(m is not None for m in masks):
             keep, key_mask = self._text_kept(masks, (byt5.shape[:2], context.shape[:2]))
-            text = text[:, keep]  # [B, L', D]
+            text = torch.cat([text[:, :image.shape[1]], text[:, image.shape[1]:][:, keep]], dim=1)  # [B, I + L', D]
+            if key_mask is not None:
+                key_mask = torch.cat([key_mask.new_ones(key_mask.shape[0], image.shape[1]), key_mask], dim=1)
         return {"temb": temb, "text": text, "mask": key_mask}
+
+    def image_tokens(self, cond: dict, batch: int) -> torch.Tensor:
+        """The SigLIP tokens of the start image through the image embedder, type-tagged: [B, I, D] (I = 0 without
+        one: text to video, where diffusers masks zeros out and ComfyUI passes no clip_fea)."""
+        t = self.transformer
+        clip = cond.get("clip_vision_output")
+        if clip is None:
+            return torch.zeros(batch, 0, self.width, device=self.device, dtype=self.dtype)
+        return t.image_embedder(clip.to(self.device, self.dtype)) + t.cond_type_embed.weight[IMAGE]
 
     def _text_kept(self, masks, shapes) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(indices of the joint text tokens real in some sample [L'], their key mask [B, L'], or None where
@@ -216,13 +275,15 @@ class HunyuanVideo15Model(DiffusionModel):
         masks = [cond.get("context_byt5_mask"), cond.get("context_mask")]
         byt5 = cond.get("context_byt5")
         lengths = [0 if byt5 is None else byt5.shape[1], cond["context"].shape[1]]
-        return sum(length if m is None else int((m > 0).any(dim=0).sum()) for m, length in zip(masks, lengths))
+        clip = cond.get("clip_vision_output")
+        return (0 if clip is None else clip.shape[1]) + sum(length if m is None else int((m > 0).any(dim=0).sum())
+                                                             for m, length in zip(masks, lengths))
 
     def positions(self, shape):
         return self.transformer.rope(self._grid(shape))  # (cos, sin) [N, D] each
 
     def embed(self, x, tokens, inputs, positions):
-        return self.transformer.x_embedder(self._with_image_condition(x))  # [B, n, D]
+        return self.transformer.x_embedder(x)  # [B, 65, T, rows, w] (PipeFusion concatenated them) → [B, n, D]
 
     def embed_text(self, inputs):
         return inputs["text"]

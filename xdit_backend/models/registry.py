@@ -355,7 +355,8 @@ def random_conditioning(name: str, batch: int, seed: int, spec, references: tupl
     Positive and negative sides come from one generator (seeded apart from the noise), so the same
     seed always gives the same prompt and a different seed a different one. A dimension of any
     length (None) gets the built-in's ``text_tokens``; in a tensor shaped like the ``latent``'s (5-D
-    for video: an image-to-video model's start frames and mask), the latent's frames, rows and columns.
+    for video: an image-to-video model's start frames and mask), the latent's frames, rows and columns (without a
+    ``latent``, such optional inputs are left out).
     ``references``: the latent (rows, columns) of each reference latent to draw (a model that takes
     them), the same on both sides, drawn after the text so the text does not change with them.
     """
@@ -369,7 +370,8 @@ def random_conditioning(name: str, batch: int, seed: int, spec, references: tupl
         return tuple((latent[i] if like_latent and i >= 2 else tokens) if d is None else d
                      for i, d in enumerate(shape))
 
-    shapes = {key: filled(shape) for key, shape in spec.conditioning_shapes(batch, tokens).items()}
+    shapes = {key: filled(shape) for key, shape in spec.conditioning_shapes(batch, tokens).items()
+              if latent is not None or len(shape) < 5 or key not in spec.optional_conditioning}
     positive = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     negative = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     for i, (rows, columns) in enumerate(references):
