@@ -13,8 +13,8 @@ comfy/model_base.py ``HunyuanVideo15.concat_cond`` and ``extra_conds``, commit 0
 predates the family): ``concat_latent_image`` [B, 32, T', h', w'] (the start frame's latent, raw) resized to the
 latent and shifted into model space per 32 channels, and ``concat_mask`` [B, 1, T'', H, W] (1: to be made)
 inverted, resized and zero-padded over the frames (ComfyUI's falls back on the LATENT's noise mask, whose 32
-channels its input cannot take; here a noise mask inpaints as with any model): the 33 channels concatenated to the input, which travel with their tokens. ``clip_vision_output``
-[B, 729, 1152] (CLIPVisionEncode's last hidden state: SigLIP's; ComfyUI's ``clip_fea``) through the image
+channels its input cannot take; here a noise mask inpaints as with any model): the 33 channels concatenated to
+the input, which travel with their tokens. ``clip_vision_output`` [B, 729, 1152] (CLIPVisionEncode's last hidden state: SigLIP's; ComfyUI's ``clip_fea``) through the image
 embedder, tagged with the third type embedding, joins the text ahead of the byT5 and Qwen2.5-VL tokens, as
 diffusers (the reference implementation's order: valid image, byT5, text) joins them; the joint text is a
 sequence the blocks carry beside the video's, so it is split with the text under sequence parallelism and
