@@ -12,7 +12,9 @@ brought it): comfy_extras/nodes_flux.py (EmptyFlux2LatentImage, Flux2Scheduler: 
 Comfy-Org/workflow_templates templates/image_flux2.json @ 0aa43fd4 records them),
 comfy_extras/nodes_hunyuan.py (EmptyHunyuanVideo15Latent: ComfyUI 0.3.68, as
 templates/video_hunyuan_video_1.5_720p_t2v.json @ 0025b3f8 records it), nodes.py (CLIPLoader and
-DualCLIPLoader's type lists).
+DualCLIPLoader's type lists). Read 2026-11-27: comfy_extras/nodes_hunyuan.py HunyuanVideo15ImageToVideo (the same
+release as EmptyHunyuanVideo15Latent), comfy_extras/nodes_flux.py's reference method index_timestep_zero (the
+Qwen-Image-Edit-2511 workflows in the index set it).
 """
 
 MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
@@ -47,6 +49,23 @@ NEWER_NODES = {
         }},
         "output": ["LATENT"],
     },
+    "HunyuanVideo15ImageToVideo": {  # the start image's latent and mask on both prompts, its CLIP vision output
+        "source": "comfy_extras/nodes_hunyuan.py: class HunyuanVideo15ImageToVideo (ComfyUI 0.3.68)",
+        "input": {"required": {
+            "positive": ["CONDITIONING", {}],
+            "negative": ["CONDITIONING", {}],
+            "vae": ["VAE", {}],
+            "width": ["INT", {"default": 848, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "height": ["INT", {"default": 480, "min": 16, "max": MAX_RESOLUTION, "step": 16}],
+            "length": ["INT", {"default": 33, "min": 1, "max": MAX_RESOLUTION, "step": 4}],
+            "batch_size": ["INT", {"default": 1, "min": 1, "max": 4096}],
+        }, "optional": {
+            "start_image": ["IMAGE", {}],
+            "clip_vision_output": ["CLIP_VISION_OUTPUT", {}],
+        }},
+        "output": ["CONDITIONING", "CONDITIONING", "LATENT"],
+        "output_name": ["positive", "negative", "latent"],
+    },
 }
 
 # (node, input) → the combo values newer than the snapshot, and where they come from.
@@ -54,6 +73,9 @@ NEWER_OPTIONS = {
     ("CLIPLoader", "type"): (["flux2", "cogvideox"],
                              "nodes.py: CLIPLoader's type list (flux2: ComfyUI 0.3.71, Mistral for Flux.2; "
                              "cogvideox: T5-XXL for CogVideoX)"),
+    ("FluxKontextMultiReferenceLatentMethod", "reference_latents_method"): (
+        ["index_timestep_zero"], "comfy_extras/nodes_flux.py: FluxKontextMultiReferenceLatentMethod's methods "
+                                 "(index_timestep_zero: Qwen-Image-Edit-2511's, as ComfyUI's 2511 template sets it)"),
     ("DualCLIPLoader", "type"): (["hunyuan_video_15"],
                                  "nodes.py: DualCLIPLoader's type list (hunyuan_video_15: ComfyUI 0.3.68, "
                                  "Qwen2.5-VL + byT5 for HunyuanVideo 1.5)"),

@@ -6,23 +6,30 @@
 Each node's inputs and outputs come from the running ComfyUI's /object_info (the pack loaded in it): linked
 inputs first, then the widgets in the node's input order, with the seed widgets' "control after generate" value;
 nodes are placed in columns by their depth in the graph; the notes go below. tests/host/test_workflows.py checks
-the pair (one graph, links on the right slots, every value valid in ComfyUI).
+the pair (one graph, links on the right slots, every value valid in ComfyUI). Nodes and combo values newer than the
+running ComfyUI come from tests/comfyui_newer_nodes.py (read from ComfyUI's current source), their inputs in the
+order the table lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import urllib.request
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from comfyui_newer_nodes import with_newer_nodes  # noqa: E402
+
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 
-def object_info(url: str, class_type: str) -> dict:
-    with urllib.request.urlopen(f"{url}/object_info/{class_type}", timeout=30) as response:
-        return json.loads(response.read())[class_type]
+def object_info(url: str) -> dict:
+    """Every node's inputs and outputs: the running ComfyUI's, with the newer nodes' and values' added."""
+    with urllib.request.urlopen(f"{url}/object_info", timeout=60) as response:
+        return with_newer_nodes(json.loads(response.read()))
 
 
 def kind(spec: list) -> str:
@@ -31,7 +38,8 @@ def kind(spec: list) -> str:
 
 
 def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
-    infos = {node["class_type"]: object_info(url, node["class_type"]) for node in api.values()}
+    known = object_info(url)
+    infos = {node["class_type"]: known[node["class_type"]] for node in api.values()}
     depth: dict[str, int] = {}
 
     def depth_of(node_id: str) -> int:
@@ -44,7 +52,7 @@ def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
     rows: dict[int, int] = {}
     for node_id in sorted(api, key=lambda n: (depth_of(n), int(n))):
         node, info = api[node_id], infos[api[node_id]["class_type"]]
-        order = info.get("input_order", {})
+        order = info.get("input_order") or {group: list(inputs) for group, inputs in info["input"].items()}
         specs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
         optional = set(info["input"].get("optional", {}))
         linked, widgets, values = [], [], []
@@ -84,7 +92,7 @@ def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
               "size": [330, 120 + 26 * len(widgets)], "flags": {}, "order": len(nodes), "mode": 0,
               "inputs": [*linked, *widgets],
               "outputs": [{"localized_name": name, "name": name, "type": out, "links": []}
-                          for name, out in zip(info["output_name"], info["output"])],
+                          for name, out in zip(info.get("output_name", info["output"]), info["output"])],
               "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": values}
         nodes.append(ui)
         outputs[int(node_id)] = ui
