@@ -838,3 +838,64 @@ def test_wan_ti2v_first_frame_on_the_xdit_model_gives_comfyuis_latent(backend2, 
     own_latent, xdit_latent = (comfy.sample.sample(model, noise, 3, 4.0, "euler", "simple", positive, negative, latent,
                                                    noise_mask=mask, seed=10) for model in (own, xmodel))
     assert_same(own_latent, xdit_latent)
+
+
+# ----------------------------------------------------------------------------------------------- Wan 2.1 Fun Control
+# A tiny Fun Control file (48 input channels: the latent, the control video's latent, the start image's; the CLIP
+# image embedder) against ComfyUI's own WAN21 as its detection makes it (WAN21_FunControl2V: image_to_video off, so
+# the 32 channels go in without a mask), with WanFunControlToVideo's conditioning.
+
+
+def tiny_wan_fun_control(tmp_path) -> tuple[str, object]:
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file, save_file
+
+    from unit.test_wan_checkpoint import original_state_dict
+    from xdit_backend.models import registry
+
+    torch.manual_seed(4)
+    model = WanTransformer3DModel(**{**registry.BUILTINS["wan-i2v-tiny"].config, "in_channels": 48})
+    path = str(tmp_path / "tiny-wan-fun-control.safetensors")
+    save_file(original_state_dict(model), path)
+    return path, comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+
+
+def fun_control_prompts(seed: int, frames: int = 3, size: int = 8):
+    """WanFunControlToVideo's conditioning: ``concat_latent_image`` [1, 32, T, h, w], the control video's latent then
+    the start image's (its first frame; the mean elsewhere: process_out of zero), on both sides, and CLIP tokens."""
+    import comfy.clip_vision
+    import comfy.latent_formats
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    latent = comfy.latent_formats.Wan21().process_out(torch.zeros(1, 16, frames, size, size)).repeat(1, 2, 1, 1, 1)
+    latent[:, :16] = torch.randn(1, 16, frames, size, size, generator=generator)  # the control video
+    latent[:, 16:, :1] = torch.randn(1, 16, 1, size, size, generator=generator)  # the start image
+    clip = comfy.clip_vision.Output()
+    clip.penultimate_hidden_states = torch.randn(1, 6, 1280, generator=generator)
+    extra = {"concat_latent_image": latent, "clip_vision_output": clip}
+    return [[[torch.randn(1, 8, 64, generator=generator), dict(extra)]] for _ in range(2)]
+
+
+def test_wan_fun_control_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """The file loads as Fun Control (48 in); the backend concatenates the 32 channels as ComfyUI's WAN21.concat_cond
+    does for it (no mask), and the xDiT Sampler under ulysses=2 gives KSampler's latent on ComfyUI's own model."""
+    import comfy.sample
+    import torch
+
+    from xdit_backend.models import registry
+
+    path, own = tiny_wan_fun_control(tmp_path)
+    positive, negative = fun_control_prompts(41)
+    latent = torch.zeros(1, 16, 3, 8, 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(2))
+    theirs_concat = own.model.concat_cond(noise=noise, device=torch.device("cpu"), **positive[0][1])
+    ours = registry.build(path, torch.device("cpu"), torch.float32)
+    assert torch.equal(ours.concat(tuple(noise.shape), positive[0][1]), theirs_concat)
+    theirs = comfy.sample.sample(own, comfy.sample.prepare_noise(latent, 7), 3, 4.0, "euler", "simple", positive,
+                                 negative, latent, seed=7)
+    request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "frames": 9, "steps": 3, "seed": 7,
+               "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": {"ulysses": 2}}
+    result, _ = backend2.sample(request, sampler_tensors(path, positive, negative))
+    assert_same(theirs, result["samples"])

@@ -7,8 +7,9 @@ cross-attention needs nothing (its keys are the whole text). Model sampling: dis
 shift 8. Wan 2.2-A14B is two such models (high- and low-noise experts), run as two requests
 over step ranges; Wan 2.2-TI2V-5B has a 48-channel latent from a 16× VAE.
 
-Image to video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B: 36 input channels). As ComfyUI's WanImageToVideo and
-WanFirstLastFrameToVideo put them on the conditioning (comfy_extras/nodes_wan.py) and its WAN21 model reads them
+Image to video (Wan 2.1 I2V / FLF2V / Fun InP, Wan 2.2 I2V A14B: 36 input channels; Wan 2.1 Fun Control: 48, the
+control video's latent and the start image's, WanFunControlToVideo's, concatenated without a mask). As ComfyUI's
+WanImageToVideo and WanFirstLastFrameToVideo put them on the conditioning (comfy_extras/nodes_wan.py) and its WAN21 model reads them
 (comfy/model_base.py ``WAN21.concat_cond``, ``extra_conds``; comfy/ldm/wan/model.py ``MLPProj``,
 ``WanI2VCrossAttention``):
 - ``concat_latent_image`` [B, 16·k, T', h', w'] (the start/end frames' VAE latents, raw) and ``concat_mask``
@@ -149,6 +150,12 @@ class WanSpec(FamilySpec):
         return max(0, self.in_channels - self.channels)
 
     @property
+    def image_channels(self) -> int:
+        """The latents ComfyUI's nodes put on the conditioning: 16 beside the 4 of the mask (I2V, FLF2V), or the
+        control video's and the start image's, 32 (Wan 2.1 Fun Control, which takes no mask)."""
+        return self.concat_channels - 4 if self.concat_channels % self.channels else self.concat_channels
+
+    @property
     def masked_timesteps_per_frame(self) -> bool:
         return self.channels == 48  # ComfyUI's WAN22 (TI2V-5B)
 
@@ -169,7 +176,8 @@ class WanSpec(FamilySpec):
         shapes = {"context": (batch, text_tokens, self.context_dim),
                   "clip_vision_output": (batch, None, CLIP_VISION_WIDTH)}  # [B, 257 or 514, 1280]
         if self.concat_channels:
-            shapes["concat_latent_image"] = (batch, self.channels, None, None, None)  # [B, 16, T, h', w'], raw
+            # [B, 16 (Fun Control: 32), T, h', w'], raw
+            shapes["concat_latent_image"] = (batch, self.image_channels, None, None, None)
             shapes["concat_mask"] = (batch, None, None, None, None)  # [B, 1 or 4, T'', H, W], 1: to be made
         return shapes
 

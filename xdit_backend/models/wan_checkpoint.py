@@ -1,6 +1,7 @@
 """Wan 2.1 / 2.2 single files in the original key layout, read into diffusers' Wan: text to video, and image to
 video (Wan 2.1 I2V and FLF2V with their CLIP image embedder, Wan 2.2 I2V A14B without one: 36 input channels, the
-latent's 16 and the 20 ComfyUI concatenates to it).
+latent's 16 and the 20 ComfyUI concatenates to it), and Wan 2.1 Fun Control (48: the control video's latent and the
+start image's, which ComfyUI's WAN21 concatenates without a mask).
 
 ComfyUI users keep these in models/diffusion_models (bare keys) or inside a checkpoint
 ("model.diffusion_model."). The conversion is a table of renames: every diffusers tensor has the
@@ -91,10 +92,12 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     # head.head is Linear(D, C_out * p_t * p_h * p_w): its rows are C_out patch cells
     out_channels, leftover = divmod(shape("head.head.weight")[0], math.prod(patch))
     image_embedder = "img_emb.proj.0.weight" in own
-    if not leftover and in_channels not in (out_channels, out_channels + 20):
+    # the latent alone (text to video, TI2V-5B), + 20 (image to video, FLF2V, Fun InP: the mask's 4 and the image's
+    # 16), + 32 (Wan 2.1 Fun Control: the control video's latent and the start image's)
+    if not leftover and in_channels - out_channels not in (0, 20, 32):
         raise UserError(f"{path}: a Wan file with {in_channels} input channels and {out_channels} output channels "
-                        "(Fun Control or another variant) is not supported",
-                        "use a Wan text-to-video file, or an image-to-video one (36 input channels)")
+                        "is not supported", "use a Wan text-to-video file, an image-to-video one (36 input "
+                        "channels) or Wan 2.1 Fun Control (48)")
     if image_embedder != ("blocks.0.cross_attn.k_img.weight" in own):
         raise UserError(f"{path}: its image embedder and its blocks' image keys do not go together",
                         "the file may be incomplete; re-download it")
@@ -150,6 +153,8 @@ FULL_SIZE = {  # (width, blocks, ffn, input channels, image embedder) of the rel
     (3072, 30, 14336, 48, None): "Wan2.2-TI2V-5B",
     (5120, 40, 13824, 36, 1280): "Wan2.1-I2V-14B (480p or 720p)",
     (5120, 40, 13824, 36, None): "a Wan2.2-I2V-A14B expert",
+    (1536, 30, 8960, 48, 1280): "Wan2.1-Fun-1.3B-Control",
+    (5120, 40, 13824, 48, 1280): "Wan2.1-Fun-14B-Control",
 }
 
 
