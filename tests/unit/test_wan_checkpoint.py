@@ -220,12 +220,12 @@ def test_width_with_no_head_size_is_refused():
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"patch_embedding.weight": [64, 48, 1, 2, 2]}, "48 input channels and 16 output channels"),  # Fun Control
+    ({"patch_embedding.weight": [64, 52, 1, 2, 2]}, "52 input channels and 16 output channels"),  # Wan 2.2 Fun
     ({"img_emb.proj.0.weight": [1280], "patch_embedding.weight": [64, 36, 1, 2, 2]}, "do not go together"),
-], ids=["fun-control", "embedder-without-image-keys"])
+], ids=["wan22-fun-control", "embedder-without-image-keys"])
 def test_other_image_inputs_are_refused_by_name(changes, words):
-    """A variant whose extra channels are not image to video's 20, or an image embedder without its blocks' image
-    keys, is refused naming the file."""
+    """A variant whose extra channels are neither image to video's 20 nor Fun Control's 32 (Wan 2.2 Fun Control's 36),
+    or an image embedder without its blocks' image keys, is refused naming the file."""
     with pytest.raises(UserError, match="i2v.safetensors") as info:
         wan_checkpoint.config_from_shapes(tiny_shapes(**changes), "", "i2v.safetensors")
     assert words in info.value.message
