@@ -266,7 +266,8 @@ def test_image_to_video_matches_diffusers_forward_with_the_start_image_and_its_s
                    image_embeds=cond["clip_vision_output"], return_dict=False)[0]
     assert (ours - theirs).abs().max() <= 1e-5
     assert (ours - text_only).abs().max() > 1e-3  # the image tokens count
-    assert model.joint_text_tokens(cond) == 9 + 3 + 8
+    assert model.joint_text_tokens(cond) == 9 + 3 + 8  # what the blocks carry (padding in both samples dropped)
+    assert model.spec.split_text_tokens(cond) == 9 + 4 + 8  # what the memory model and auto count, at most
 
 
 def test_the_concatenated_channels_are_comfyuis_concat_cond():

@@ -112,6 +112,11 @@ class FamilySpec(ABC):
         """One side's tensors as the model takes them; the identity unless the family reshapes them."""
         return cond
 
+    def split_text_tokens(self, cond: dict) -> int:
+        """The tokens a side's text adds to the sequence the ranks split (the memory model's and auto's count; 0 where
+        the text is only cross-attended): the context's, or what a family joins to it."""
+        return cond["context"].shape[1] if self.sequence_plan.cuts_text else 0
+
     @property
     def concat_channels(self) -> int:
         return 0

@@ -155,6 +155,10 @@ class HunyuanVideo15Spec(FamilySpec):
         return self.in_channels - LATENT_CHANNELS  # 33: the start image's latent and the mask
 
 
+    def split_text_tokens(self, cond: dict) -> int:
+        """Qwen2.5-VL's, byT5's and the SigLIP tokens, padding included (at most what the blocks carry)."""
+        return sum(cond[key].shape[1] for key in ("context", "context_byt5", "clip_vision_output") if key in cond)
+
     def model_sampling(self, shift: float | None) -> FlowSampling:
         return FlowSampling(HYV15_DEFAULT_SHIFT if shift is None else shift)
 

@@ -246,7 +246,7 @@ class Executor:
         shard_mesh = layout.shard_mesh if layout else None  # the ranks that run the same blocks, with shard_weights
         stage = pipeline_stage(model, layout)
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
-        text_tokens = gen.positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0  # in the joint sequence
+        text_tokens = spec.split_text_tokens(gen.positive)
         self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens),
                        request.modulates_per_token(spec))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype,
@@ -286,7 +286,7 @@ class Executor:
         stage = pipeline_stage(model, layout)
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         config = request.parallel
-        text = inputs["context"].shape[1] if model.spec.sequence_plan.cuts_text else 0
+        text = model.spec.split_text_tokens(inputs)
         sequence, groups = (config.sequence, config.cfg * config.dp) if config else (1, 1)
         self.make_room(model, key, config, -(-(request.tokens(model.spec, inputs) + text) // sequence),
                        -(-request.rows // groups))

@@ -177,7 +177,7 @@ class Leader:
         model_positive = spec.prepare_conditioning(positive)
         model_negative = None if negative is None else spec.prepare_conditioning(negative)
         tokens, rows = spec.token_grid(request.width, request.height, request.frames)
-        text = model_positive["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        text = spec.split_text_tokens(model_positive)
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
         facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
                              request.steps)
@@ -293,7 +293,7 @@ class Leader:
         spec = model.spec
         inputs = {key: request.inline.get(name, store.tensors.get(name)) for key, name in request.inputs.items()}
         request.check_model(spec, inputs)
-        text = inputs["context"].shape[1] if spec.sequence_plan.cuts_text else 0
+        text = spec.split_text_tokens(inputs)
         facts = RequestFacts(request.rows, request.tokens(spec), 2.0 if request.rows > 1 else 1.0, request.rows > 1,
                              max(1, request.x.shape[-2] // spec.patch[1]), text,
                              compute_dtype(request.dtype, self.rt.device).itemsize)
