@@ -181,6 +181,26 @@ def test_fill_and_depth_files_are_read_off_the_shapes_and_load_as_the_same_model
         registry.resolve(str(tmp_path / "odd.safetensors"))
 
 
+def test_an_fp8_fill_file_keeps_its_block_weights_in_fp8_and_takes_its_concatenated_channels(tmp_path):
+    """Flux.1 Fill as Comfy-Org ships it in float8: the blocks' Linear weights stay float8, every tensor equals the
+    fp8-rounded one, and the 384-channel input embedding comes with it (80 channels concatenated)."""
+    from diffusers import FluxTransformer2DModel
+
+    from xdit_backend.models.storage import StoredLinear
+
+    built = FluxTransformer2DModel(**{**registry.BUILTINS["flux-tiny"].config, "in_channels": 384, "out_channels": 64})
+    path = tmp_path / "fill-fp8.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in bfl_state_dict(built).items()}, str(path))
+    loaded = registry.build(str(path), torch.device("cpu"))
+    assert loaded.spec.concat_channels == 80
+    stored = {f"{name}.weight" for name, module in loaded.transformer.named_modules()
+              if isinstance(module, StoredLinear)}
+    assert "transformer_blocks.0.attn.to_q.weight" in stored
+    for key, value in built.state_dict().items():
+        tensor = loaded.transformer.state_dict()[key]
+        assert torch.equal(tensor.float(), value.to(torch.float8_e4m3fn).float()), key
+
+
 def test_unknown_file_names_what_it_found(tmp_path):
     path = tmp_path / "vae.safetensors"
     save_file({"encoder.conv_in.weight": torch.zeros(2), "decoder.conv_out.weight": torch.zeros(2)}, str(path))

@@ -19,6 +19,7 @@ TI2V_LIKE = {**TINY, "in_channels": 48, "out_channels": 48}
 I2V_LIKE = {**TINY, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 64}  # Wan 2.1 I2V
 FLF2V_LIKE = {**I2V_LIKE, "pos_embed_seq_len": 514}  # the first and last frame's CLIP tokens, each placed
 I2V_A14B_LIKE = {**TINY, "in_channels": 36}  # Wan 2.2 I2V: the channels only, no image embedder
+FUN_CONTROL_LIKE = {**I2V_LIKE, "in_channels": 48}  # Wan 2.1 Fun Control: the control video's and start image's
 # The released sizes, from the Wan configs (dim, ffn_dim, num_heads, num_layers; TI2V's 48-channel VAE).
 FULL = {
     "Wan2.1-T2V-1.3B": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
@@ -31,6 +32,8 @@ FULL = {
     "a Wan2.2-I2V-A14B expert": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 36},
     "Wan2.2-TI2V-5B": {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
                        "out_channels": 48},
+    "Wan2.1-Fun-14B-Control": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 48,
+                               "image_dim": 1280, "added_kv_proj_dim": 5120},
 }
 FLUX_KEYS = {"img_in.weight", "double_blocks.0.img_attn.qkv.weight", "final_layer.linear.weight"}
 
@@ -114,8 +117,8 @@ def forward(transformer, channels, text_dim, seed=0):
                                                         if image else None), return_dict=False)[0]
 
 
-@pytest.fixture(scope="module", params=[TINY, TI2V_LIKE, I2V_LIKE, FLF2V_LIKE, I2V_A14B_LIKE],
-                ids=["16-channel", "48-channel", "i2v", "flf2v", "i2v-a14b"])
+@pytest.fixture(scope="module", params=[TINY, TI2V_LIKE, I2V_LIKE, FLF2V_LIKE, I2V_A14B_LIKE, FUN_CONTROL_LIKE],
+                ids=["16-channel", "48-channel", "i2v", "flf2v", "i2v-a14b", "fun-control"])
 def model(request):
     return request.param, build(request.param)
 
@@ -128,7 +131,7 @@ def test_original_file_loads_as_the_same_model(model, tmp_path, prefix):
     save_file({prefix + k: v for k, v in original_state_dict(built).items()}, str(path))
     loaded, read_config = load(path)
     assert read_config == config
-    kind = " image to video" if config["in_channels"] == 36 else ""
+    kind = {36: " image to video", 48: " Fun Control" if config["out_channels"] == 16 else ""}.get(config["in_channels"], "")
     assert wan_checkpoint.variant(read_config) == f"Wan{kind} architecture, width 64, 2 blocks"
     expected = built.state_dict()
     assert loaded.state_dict().keys() == expected.keys()
@@ -154,10 +157,12 @@ def test_conversion_matches_diffusers_own_converter(model, tmp_path):
     assert [key for key in theirs if not torch.equal(ours[key], theirs[key])] == []
 
 
-def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path):
-    """A float8_e4m3fn file: the Linear weights stay float8 (models/storage.py), except under the
+@pytest.mark.parametrize("config", [TINY, I2V_LIKE, FLF2V_LIKE, FUN_CONTROL_LIKE, TI2V_LIKE],
+                         ids=["t2v", "i2v", "flf2v", "fun-control", "ti2v"])
+def test_an_fp8_file_keeps_its_linear_weights_in_fp8(tmp_path, config):
+    """A float8_e4m3fn file of each variant: the Linear weights stay float8 (models/storage.py), except under the
     float32 modules (the time embedder); everything else loads to float32; all equal the fp8-rounded weights."""
-    built = build(TINY)
+    built = build(config)
     path = tmp_path / "wan-fp8.safetensors"
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in original_state_dict(built).items()}, str(path))
     loaded, _ = load(path)

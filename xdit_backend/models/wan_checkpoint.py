@@ -165,5 +165,6 @@ def variant(config: dict) -> str:
                           config.get("image_dim")))
     if name and config.get("pos_embed_seq_len"):
         name = "Wan2.1-FLF2V-14B"
-    kind = " image to video" if config["in_channels"] != config["out_channels"] else ""
+    extra = config["in_channels"] - config["out_channels"]
+    kind = {0: "", 32: " Fun Control"}.get(extra, " image to video")
     return name or f"Wan{kind} architecture, width {width}, {config['num_layers']} blocks"
