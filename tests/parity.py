@@ -55,6 +55,8 @@ SIZES = {
     "qwen-image-tiny": {"width": 128, "height": 64},  # 4 × 8 = 32 image tokens, 8 text tokens
     "qwen-image-edit-2511-tiny": {"width": 128, "height": 64},  # and 15 reference tokens, at timestep 0
     "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]: 32 tokens, text 8
+    # the same latent in time patches of 2: 16 tokens, and the start image's latent concatenated
+    "cogvideox-1.5-i2v-tiny": {"width": 64, "height": 64, "frames": 5},
 }
 
 

@@ -127,6 +127,33 @@ def test_processor_with_a_plain_core_is_diffusers_attention(variant):
     assert (ours - theirs).abs().max() <= 1e-5 and seen == [8, 8]
 
 
+def test_1_5_image_to_video_is_diffusers_forward_on_the_concatenated_image_at_ofs_2():
+    """CogVideoX1.5-5B-I2V as ComfyUI feeds it (model_base.CogVideoX.concat_cond, extra_conds' ofs 2.0): the start
+    image's one-frame latent padded with zero frames to the video's and scaled into model space, concatenated to
+    the input; diffusers' forward on that input at ofs 2.0 is ours, and PipeFusion's stage methods (given the
+    concatenated input, as its driver gives it) compose to the same."""
+    config, shape = VARIANTS["1.5"]
+    config = {**config, "in_channels": 32, "ofs_embed_dim": config["time_embed_dim"]}
+    model = build(config)
+    x, timestep, cond = inputs(shape)
+    image = torch.randn(1, 16, 1, *shape[-2:], generator=torch.Generator().manual_seed(2))  # the start frame
+    cond = {**cond, "concat_latent_image": image}
+    padded = torch.cat([image, torch.zeros(1, 16, shape[2] - 1, *shape[-2:])], dim=2)
+    concatenated = torch.cat([x, model.latent_format.process_in(padded)], dim=1)  # [1, 32, T, h, w]
+    with torch.no_grad():
+        theirs = model.transformer(hidden_states=concatenated.permute(0, 2, 1, 3, 4),
+                                   encoder_hidden_states=cond["context"], timestep=timestep, ofs=torch.tensor([2.0]),
+                                   image_rotary_emb=pipeline_rope(model, shape), return_dict=False)[0]
+        ours = model.output(x, timestep, cond, None)
+        tokens = torch.arange(model.spec.token_grid(shape[-1] * 8, shape[-2] * 8, (shape[2] - 1) * 4 + 1)[0])
+        staged = run_stages(model, model.with_concat(x, cond), timestep, cond, tokens)
+        text_only = model.output(x, timestep, {"context": cond["context"]}, None)
+    assert torch.equal(ours, theirs.permute(0, 2, 1, 3, 4))
+    assert (staged - ours).abs().max() <= 1e-5
+    assert (ours - text_only).abs().max() > 1e-2  # the image counts
+    assert model.spec.concat_channels == 16 and model.spec.ofs
+
+
 def test_2b_takes_its_text_slots_and_the_others_any_text_length():
     two, five = (CogVideoXSpec.from_config(VARIANTS[v][0]) for v in ("2b", "5b"))
     assert two.conditioning_shapes(2, 30)["context"] == (2, 8, 64)

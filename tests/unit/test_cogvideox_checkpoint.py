@@ -17,12 +17,14 @@ from xdit_backend.models.storage import StoredLinear
 TINY = {"num_attention_heads": 2, "attention_head_dim": 32, "in_channels": 16, "out_channels": 16,
         "time_embed_dim": 32, "text_embed_dim": 64, "num_layers": 2, "sample_width": 90, "sample_height": 60,
         "sample_frames": 49, "patch_size": 2, "patch_size_t": None, "patch_bias": True, "max_text_seq_length": 226,
-        "use_rotary_positional_embeddings": True}
+        "use_rotary_positional_embeddings": True, "ofs_embed_dim": None}
 VARIANTS = {
     "2b-like": {**TINY, "use_rotary_positional_embeddings": False},
     "5b-like": TINY,
     "1.5-like": {**TINY, "patch_size_t": 2, "sample_width": 300, "sample_height": 300, "sample_frames": 81},
 }
+# CogVideoX1.5-5B-I2V: the start image's latent concatenated (32 in), the ofs MLP (its width the time embedding's)
+VARIANTS["1.5-i2v-like"] = {**VARIANTS["1.5-like"], "in_channels": 32, "ofs_embed_dim": 32}
 FULL = {  # THUDM's sat/configs: hidden_size, num_attention_heads, num_layers (head size 64), time_embed_dim 512
     "CogVideoX-2b": {"num_attention_heads": 30, "num_layers": 30, "use_rotary_positional_embeddings": False},
     "CogVideoX-5b": {"num_attention_heads": 48, "num_layers": 42},
@@ -49,6 +51,9 @@ def sat_state_dict(transformer) -> dict[str, torch.Tensor]:
     both("mixins.final_layer.norm_final", "norm_out.norm")
     both("mixins.final_layer.linear", "proj_out")
     both("mixins.final_layer.adaLN_modulation.1", "norm_out.linear")  # Sequential(SiLU, Linear): (shift, scale)
+    if transformer.ofs_embedding is not None:  # 1.5-I2V: Sequential(Linear, SiLU, Linear), as time_embed
+        both("ofs_embed.0", "ofs_embedding.linear_1")
+        both("ofs_embed.2", "ofs_embedding.linear_2")
     for i in range(len(transformer.transformer_blocks)):
         layer, block = f"transformer.layers.{i}", f"transformer_blocks.{i}"
         both(f"{layer}.input_layernorm", f"{block}.norm1.norm")
@@ -109,7 +114,8 @@ def test_sat_file_loads_as_the_same_model(variant, tmp_path, prefix):
     source = registry.resolve(str(path))
     assert source.family == "cogvideox" and source.prefix == prefix
     assert source.config == config
-    assert source.describes.startswith("CogVideoX architecture, width 64, 2 blocks")
+    kind = " image to video" if config["in_channels"] == 32 else ""
+    assert source.describes.startswith(f"CogVideoX{kind} architecture, width 64, 2 blocks")
     loaded = registry.build(str(path), torch.device("cpu"))
     expected = built.state_dict()
     assert loaded.transformer.state_dict().keys() == expected.keys()
@@ -189,11 +195,13 @@ def test_detects_sat_keys_only():
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"mixins.patch_embed.proj.weight": [64, 32, 2, 2]}, "input channels 32"),  # CogVideoX-5b-I2V
-    ({"ofs_embed.0.weight": [512, 512]}, "an ofs embedding"),  # CogVideoX1.5-5B-I2V
-], ids=["5b-i2v", "1.5-i2v"])
-def test_image_to_video_is_refused_by_name(changes, words):
-    with pytest.raises(UserError, match="i2v.safetensors: image-to-video CogVideoX is not supported") as info:
+    # CogVideoX-5b-I2V: its learned table beside RoPE's buffers
+    ({"mixins.patch_embed.proj.weight": [64, 32, 2, 2], "mixins.pos_embed.pos_embedding": [1, 17776, 64]},
+     "learned position embeddings (CogVideoX-5b-I2V)"),
+    ({"mixins.patch_embed.proj.weight": [64, 48, 2, 2]}, "input channels 48"),
+], ids=["5b-i2v", "48-channels"])
+def test_other_image_inputs_are_refused_by_name(changes, words):
+    with pytest.raises(UserError, match="i2v.safetensors: .*CogVideoX.* not supported") as info:
         cogvideox_checkpoint.config_from_shapes(tiny_shapes(**changes), "", "i2v.safetensors")
     assert words in info.value.message
 
@@ -226,7 +234,7 @@ def test_an_incomplete_file_is_named(tmp_path):
 COMFYUI_NAMES = [("transformer_blocks.", "blocks."), (".attn1.to_q.", ".q."), (".attn1.to_k.", ".k."),
                  (".attn1.to_v.", ".v."), (".attn1.norm_q.", ".norm_q."), (".attn1.norm_k.", ".norm_k."),
                  (".attn1.to_out.0.", ".attn_out."), (".ff.net.0.proj.", ".ff_proj."), (".ff.net.2.", ".ff_out."),
-                 ("time_embedding.linear_", "time_embedding_linear_")]
+                 ("time_embedding.linear_", "time_embedding_linear_"), ("ofs_embedding.linear_", "ofs_embedding_linear_")]
 
 
 def comfyui_state_dict(transformer) -> dict[str, torch.Tensor]:
@@ -245,7 +253,7 @@ def diffusers_state_dict(transformer) -> dict[str, torch.Tensor]:
 
 
 WRITERS = {"diffusers": diffusers_state_dict, "comfyui": comfyui_state_dict}
-RENAMED_VARIANTS = ["5b-like", "1.5-like"]  # 2B's sin-cos positions are told by its full width (below)
+RENAMED_VARIANTS = ["5b-like", "1.5-like", "1.5-i2v-like"]  # 2B's sin-cos positions: told by its full width (below)
 
 
 @pytest.mark.parametrize("layout", list(WRITERS))
@@ -261,7 +269,8 @@ def test_renamed_file_loads_as_the_same_model(layout, name, prefix, tmp_path):
     source = registry.resolve(str(path))
     assert source.family == "cogvideox" and source.prefix == prefix
     assert source.config == {**config, "_key_layout": layout}
-    assert source.describes.startswith("CogVideoX architecture, width 64, 2 blocks, RoPE")
+    kind = " image to video" if config["in_channels"] == 32 else ""
+    assert source.describes.startswith(f"CogVideoX{kind} architecture, width 64, 2 blocks, RoPE")
     loaded = registry.build(str(path), torch.device("cpu"))
     assert loaded.transformer.state_dict().keys() == built.state_dict().keys()
     for key, value in built.state_dict().items():
@@ -356,10 +365,9 @@ def test_detects_renamed_keys_bare_and_prefixed(layout):
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"patch_embed.proj.weight": [64, 32, 2, 2]}, "input channels 32"),  # CogVideoX-5b-I2V
-    ({"ofs_embedding.linear_1.weight": [512, 512]}, "an ofs embedding"),  # CogVideoX1.5-5B-I2V
+    ({"patch_embed.proj.weight": [64, 48, 2, 2]}, "input channels 48"),
     ({"patch_embed.pos_embedding": [1, 17776, 64]}, "learned position embeddings"),  # 5b-I2V's table
-], ids=["5b-i2v", "1.5-i2v", "learned-positions"])
+], ids=["48-channels", "learned-positions"])
 def test_renamed_image_to_video_is_refused_by_name(changes, words):
     with pytest.raises(UserError, match="i2v.safetensors: .*CogVideoX.* not supported") as info:
         cogvideox_checkpoint.config_from_shapes(renamed_shapes(**changes), "", "i2v.safetensors")

@@ -43,6 +43,13 @@ QWEN_IMAGE_TINY = dict(patch_size=2, in_channels=64,  # 16 latent channels × a 
                        joint_attention_dim=64,  # Qwen2.5-VL's 3584 at full size
                        axes_dims_rope=(4, 6, 6))  # sums to attention_head_dim, as (16, 56, 56) sums to 128
 
+COGVIDEOX_TINY = dict(num_attention_heads=4,  # Ulysses 4 splits them
+                      attention_head_dim=16,  # RoPE: 4 temporal + 6 + 6 spatial
+                      in_channels=16, out_channels=16, time_embed_dim=32, text_embed_dim=64, num_layers=2,
+                      sample_width=8, sample_height=8,  # latent cells: the RoPE's training grid, 64 px
+                      sample_frames=5, patch_size=2, max_text_seq_length=8,
+                      use_rotary_positional_embeddings=True)  # 5B's positions
+
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
         family="flux",
@@ -247,22 +254,16 @@ BUILTINS: dict[str, BuiltinModel] = {
     ),
     "cogvideox-tiny": BuiltinModel(
         family="cogvideox",
-        config=dict(
-            num_attention_heads=4,  # Ulysses 4 splits them
-            attention_head_dim=16,  # RoPE: 4 temporal + 6 + 6 spatial
-            in_channels=16,
-            out_channels=16,
-            time_embed_dim=32,
-            text_embed_dim=64,
-            num_layers=2,
-            sample_width=8,  # latent cells: the RoPE's training grid, 64 px
-            sample_height=8,
-            sample_frames=5,
-            patch_size=2,
-            max_text_seq_length=8,
-            use_rotary_positional_embeddings=True,  # 5B's positions
-        ),
+        config=COGVIDEOX_TINY,
         text_tokens=8,
         description="CogVideoX-5B architecture, 2 blocks, width 64, random weights (a test model)",
+    ),
+    "cogvideox-1.5-i2v-tiny": BuiltinModel(
+        family="cogvideox",
+        # CogVideoX1.5-5B-I2V: time patches of 2, the start image's latent concatenated (32 in), the ofs MLP
+        config={**COGVIDEOX_TINY, "patch_size_t": 2, "in_channels": 32, "ofs_embed_dim": 32},
+        text_tokens=8,
+        description="CogVideoX1.5-5B-I2V architecture (a start image's latent concatenated, ofs 2), 2 blocks, width "
+                    "64, random weights (a test model)",
     ),
 }

@@ -1,4 +1,4 @@
-"""CogVideoX (2B, 5B, 1.5-5B; text to video): diffusers ``CogVideoXTransformer3DModel``.
+"""CogVideoX (2B, 5B, 1.5-5B; text to video, and 1.5-5B-I2V): diffusers ``CogVideoXTransformer3DModel``.
 
 Fed as ComfyUI's current source feeds its own CogVideoX (newer than the 0.3.64 snapshot; constants
 cited where they are defined), with the positions diffusers' pipeline computes:
@@ -17,6 +17,11 @@ cited where they are defined), with the positions diffusers' pipeline computes:
   is that long); 5B and 1.5 rotate the video's queries and keys with a 3-D RoPE, which diffusers'
   pipeline computes outside the transformer: here the ``rope`` child module (``CogVideoXRope``).
 - 1.5 patches time too (patch_size_t = 2): its latent frames must be even.
+- Image to video (CogVideoX1.5-5B-I2V: 32 input channels), as Comfy-Org/ComfyUI comfy/model_base.py
+  ``CogVideoX.concat_cond`` and ``extra_conds`` (094c74c) read it: ``concat_latent_image`` (the start image's
+  latent, raw) resized to the latent, its frames padded with zeros or cut to the latent's, shifted into model
+  space per 16 channels and repeated to fill the extra channels; the ofs embedding at ofs = 2.0 (ComfyUI's
+  default, the diffusers pipeline's value) added to the time embedding. The channels travel with their tokens.
 
 Sequence parallelism cuts the video and text tokens where they enter the first block (after the
 patch embedding has added 2B's positions) and the RoPE table where it is made, and gathers after
@@ -28,12 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
 from ..sampling.v_prediction import ZeroSNRVSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .resize import upscale
 
 BETAS = (0.00085, 0.012)  # linear_start, linear_end (Comfy-Org/ComfyUI comfy/supported_models.py CogVideoX_T2V)
 FIVE_B_HEADS = 48  # ComfyUI picks the 5B-class latent format (0.7) from 48 heads up (CogVideoX_T2V.__init__)
@@ -118,8 +125,12 @@ class CogVideoXSpec(FamilySpec):
     rotary: bool  # 5B and 1.5: 3-D RoPE; 2B: sin-cos position embeddings
     patch_t: int  # 1 (1.0) or 2 (1.5)
     text_slots: int  # max_text_seq_length: 2B's text must be this long (its position table's text part)
+    in_channels: int = 16  # 32: image to video (1.5-I2V), the start image's latent concatenated
+    ofs: bool = False  # 1.5-I2V's ofs embedding
 
     family = "cogvideox"
+    # the start image's latent (model_base.CogVideoX.concat_cond); a text-to-video file takes none of it, as ComfyUI's
+    comfy_conditioning = {"concat_latent_image": "concat_latent_image"}
     video = True
     takes_shift = False  # discrete noise levels: no flow shift
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
@@ -148,14 +159,27 @@ class CogVideoXSpec(FamilySpec):
     def from_config(cls, config: dict) -> CogVideoXSpec:
         return cls(config.get("text_embed_dim", 4096), config["num_attention_heads"], config["num_layers"],
                    bool(config.get("use_rotary_positional_embeddings")), config.get("patch_size_t") or 1,
-                   config.get("max_text_seq_length", 226))
+                   config.get("max_text_seq_length", 226), config.get("in_channels", 16),
+                   bool(config.get("ofs_embed_dim")))
+
+    @property
+    def concat_channels(self) -> int:
+        return self.in_channels - self.latent_format.channels
+
+    @property
+    def optional_conditioning(self) -> tuple[str, ...]:
+        return ("concat_latent_image",) if self.concat_channels else ()
+
 
     def model_sampling(self, shift: float | None) -> ZeroSNRVSampling:
         return ZeroSNRVSampling(*BETAS)
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int, ...]]:
-        """5B and 1.5 take any text length; 2B exactly its ``text_slots``."""
-        return {"context": (batch, text_tokens if self.rotary else self.text_slots, self.context_dim)}
+        """5B and 1.5 take any text length; 2B exactly its ``text_slots``; 1.5-I2V its start image's latent."""
+        shapes = {"context": (batch, text_tokens if self.rotary else self.text_slots, self.context_dim)}
+        if self.concat_channels:
+            shapes["concat_latent_image"] = (batch, self.latent_format.channels, None, None, None)  # [B, 16, T', h', w']
+        return shapes
 
     def check_size(self, width: int, height: int, frames: int) -> None:
         super().check_size(width, height, frames)
@@ -175,15 +199,37 @@ class CogVideoXModel(DiffusionModel):
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """v for x [B, C, T, h, w] at the discrete timestep [B] (float32 into the sinusoidal embedding)."""
-        video = x.permute(0, 2, 1, 3, 4)  # [B, T, C, h, w], the transformer's layout
+        video = self.with_concat(x, cond).permute(0, 2, 1, 3, 4)  # [B, T, C (+ 16), h, w], the transformer's layout
         out = self.transformer(
             hidden_states=video,
             encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
             timestep=timestep.to(self.device, torch.float32),
+            ofs=self._ofs(x.shape[0]),
             image_rotary_emb=self.positions(x.shape) if self.spec.rotary else None,
             return_dict=False,
         )[0]  # [B, T, C, h, w]
         return out.permute(0, 2, 1, 3, 4)
+
+    def _ofs(self, batch: int) -> torch.Tensor | None:
+        """1.5-I2V's ofs [B] at ComfyUI's default, 2.0 (model_base.CogVideoX.extra_conds); None without the embedding."""
+        return torch.full((batch,), 2.0, device=self.device) if self.spec.ofs else None
+
+    def concat(self, shape, cond) -> torch.Tensor | None:
+        """ComfyUI's CogVideoX.concat_cond for a latent of ``shape`` [B, 16, T, h, w]: the start image's latent resized,
+        its frames padded with zeros or cut to T, in model space per 16 channels, repeated (or cut) to the extra
+        channels; zeros without one."""
+        extra = self.spec.concat_channels
+        if not extra:
+            return None
+        b, channels, frames, h, w = shape
+        image = cond.get("concat_latent_image")
+        if image is None:
+            return torch.zeros(b, extra, frames, h, w, device=self.device)
+        image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 16·k, T', h, w]
+        image = F.pad(image, (0, 0, 0, 0, 0, max(0, frames - image.shape[2])))[:, :, :frames]  # [B, 16·k, T, h, w]
+        image = torch.cat([self.latent_format.process_in(part) for part in image.split(channels, dim=1)], dim=1)
+        repeats = -(-extra // image.shape[1])
+        return image.repeat(1, repeats, 1, 1, 1)[:, :extra]  # [B, extra, T, h, w]
 
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch; a patch is
     # the same band of token rows in every (temporal patch of) frame.
@@ -201,7 +247,11 @@ class CogVideoXModel(DiffusionModel):
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         t = self.transformer
         frequencies = t.time_proj(timestep.to(self.device, torch.float32))  # [B, D] float32
-        return {"temb": t.time_embedding(frequencies.to(self.dtype)), "context": cond["context"]}  # temb [B, E]
+        temb = t.time_embedding(frequencies.to(self.dtype))  # [B, E]
+        ofs = self._ofs(timestep.shape[0])
+        if ofs is not None:  # 1.5-I2V: as diffusers' forward adds it
+            temb = temb + t.ofs_embedding(t.ofs_proj(ofs).to(self.dtype))
+        return {"temb": temb, "context": cond["context"]}
 
     def embed(self, x, tokens, inputs, positions):
         image = patch_tokens(self.transformer.patch_embed, x.permute(0, 2, 1, 3, 4))  # [B, n, D]

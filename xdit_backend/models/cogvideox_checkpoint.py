@@ -7,8 +7,9 @@ AdaLN modulation per block of 12 chunks (shift, scale, gate for the video's atte
 then the same six for the text) that diffusers splits between ``norm1`` (attention: chunks 0-2 and
 6-8) and ``norm2`` (MLP: chunks 3-5 and 9-11). The position tables (2B's sin-cos
 ``pos_embedding``, 5B's RoPE ``freqs_cos`` / ``freqs_sin``) are buffers that diffusers computes
-itself; they are read only to tell the two apart. Image-to-video files (32 input channels, 1.5's
-``ofs_embed``) are refused by name.
+itself; they are read only to tell the two apart. CogVideoX1.5-5B-I2V (32 input channels: the start image's
+latent beside the video's; an ``ofs_embed`` MLP added to the time embedding) loads; CogVideoX-5b-I2V (its learned
+position table, which ComfyUI's versions have read three ways) is refused by name.
 
 Two more layouts name every tensor by module, so their table is a rename (``renamed``):
 diffusers' own names (``transformer_blocks.N.attn1.to_q``, ``patch_embed.proj``: a diffusers
@@ -49,6 +50,8 @@ _GLOBAL = {
     "norm_out.norm": "mixins.final_layer.norm_final",
     "norm_out.linear": "mixins.final_layer.adaLN_modulation.1",  # (shift, scale) on both sides
     "proj_out": "mixins.final_layer.linear",
+    "ofs_embedding.linear_1": "ofs_embed.0",  # 1.5-I2V: Sequential(Linear, SiLU, Linear), as time_embed
+    "ofs_embedding.linear_2": "ofs_embed.2",
 }
 _BLOCK = {  # under transformer.layers.N
     "norm1.norm": "input_layernorm",
@@ -71,7 +74,8 @@ detect_prefix = prefix_detector(MARKERS, *LAYOUT_MARKERS.values())  # THUDM's, d
 # diffusers name -> ComfyUI's (comfy/ldm/cogvideo/model.py: CogVideoXBlock's q, k, v, norm_q, norm_k,
 # attn_out, ff_proj, ff_out; the time MLP as two top-level Linears); every other name is the same
 _COMFYUI_GLOBAL = {"time_embedding.linear_1": "time_embedding_linear_1",
-                   "time_embedding.linear_2": "time_embedding_linear_2"}
+                   "time_embedding.linear_2": "time_embedding_linear_2",
+                   "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2"}
 _COMFYUI_BLOCK = {"attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v", "attn1.norm_q": "norm_q",
                   "attn1.norm_k": "norm_k", "attn1.to_out.0": "attn_out", "ff.net.0.proj": "ff_proj",
                   "ff.net.2": "ff_out"}
@@ -150,7 +154,9 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     patch = shape("mixins.patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("mixins.final_layer.linear.weight"))
-    _text_to_video(path, in_channels, "ofs_embed.0.weight" in own)
+    # a learned table beside RoPE's buffers: CogVideoX-5b-I2V's (2B's sin-cos table comes without them)
+    _image_input(path, in_channels, {"mixins.pos_embed.pos_embedding", "mixins.pos_embed.freqs_cos"} <= own)
+    ofs = shape("ofs_embed.0.weight")[0] if "ofs_embed.0.weight" in own else None
     head_dim = shape(f"{_ADALN}.query_layernorm_list.0.weight")[0]  # the per-head q/k LayerNorm
     time_embed_dim = shape("time_embed.0.weight")[0]
     expected = {
@@ -164,7 +170,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     _check(path, shape.unexpected(expected), width, head_dim)
     blocks = count_blocks(own, "transformer.layers")
     return _config(width, head_dim, patch_t, time_embed_dim, shape("mixins.patch_embed.text_proj.weight")[1], blocks,
-                   "mixins.patch_embed.proj.bias" in own, _rotary(own, width))
+                   "mixins.patch_embed.proj.bias" in own, _rotary(own, width), in_channels, ofs)
 
 
 def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout: str) -> dict:
@@ -179,11 +185,10 @@ def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout
     patch = shape("patch_embed.proj.weight")  # Conv2d [D, C, 2, 2] (1.0) or Linear [D, C·pt·2·2] (1.5)
     width = patch[0]
     patch_t, in_channels = _patches(patch, shape("proj_out.weight"))
+    _image_input(path, in_channels, "patch_embed.pos_embedding" in own)  # a learned position table: 5b-I2V's
     # 1.5-I2V's ofs embedding: diffusers' ofs_embedding.linear_1, ComfyUI's ofs_embedding_linear_1
-    _text_to_video(path, in_channels, bool({"ofs_embedding.linear_1.weight", "ofs_embedding_linear_1.weight"} & own))
-    if "patch_embed.pos_embedding" in own:  # a learned position table: CogVideoX-5b-I2V's
-        raise UserError(f"{path}: CogVideoX with learned position embeddings (image to video) is not supported",
-                        "use a CogVideoX text-to-video file (CogVideoX-2b, CogVideoX-5b, CogVideoX1.5-5B)")
+    ofs_key = renamed("ofs_embedding.linear_1.weight", layout)
+    ofs = file(ofs_key)[0] if ofs_key in own else None
     head_dim = shape("transformer_blocks.0.attn1.norm_q.weight")[0]  # the per-head q/k LayerNorm
     time_embed_dim = shape("time_embedding.linear_1.weight")[0]
     expected = {
@@ -198,7 +203,7 @@ def _renamed_config(shapes: dict[str, list[int]], prefix: str, path: str, layout
            width, head_dim)
     blocks = count_blocks(own, "transformer_blocks" if layout == "diffusers" else "blocks")
     config = _config(width, head_dim, patch_t, time_embed_dim, shape("patch_embed.text_proj.weight")[1], blocks,
-                     renamed("patch_embed.proj.bias", layout) in own, width != WIDTH_2B)
+                     renamed("patch_embed.proj.bias", layout) in own, width != WIDTH_2B, in_channels, ofs)
     return {**config, LAYOUT_KEY: layout}
 
 
@@ -209,11 +214,16 @@ def _patches(patch: list[int], out: list[int]) -> tuple[int | None, int]:
     return patch_t, patch[1] if patch_t is None else patch[1] // (patch_t * PATCH * PATCH)
 
 
-def _text_to_video(path: str, in_channels: int, ofs: bool) -> None:
-    if in_channels != LATENT_CHANNELS or ofs:
-        raise UserError(f"{path}: image-to-video CogVideoX is not supported (input channels {in_channels}"
-                        f"{', an ofs embedding' if ofs else ''})",
-                        "use a CogVideoX text-to-video file (CogVideoX-2b, CogVideoX-5b, CogVideoX1.5-5B)")
+def _image_input(path: str, in_channels: int, learned_positions: bool) -> None:
+    """Text to video (16 input channels) or 1.5-I2V's image to video (32); a learned position table (5b-I2V) or
+    another channel count refused by name."""
+    if learned_positions:
+        raise UserError(f"{path}: CogVideoX with learned position embeddings (CogVideoX-5b-I2V) is not supported: "
+                        "ComfyUI's versions add that table three ways (as trained, as sin-cos, cut to the video)",
+                        "use CogVideoX1.5-5B-I2V for image to video, or a CogVideoX text-to-video file")
+    if in_channels not in (LATENT_CHANNELS, 2 * LATENT_CHANNELS):
+        raise UserError(f"{path}: a CogVideoX with input channels {in_channels} is not supported",
+                        "use a CogVideoX text-to-video file (16 input channels) or CogVideoX1.5-5B-I2V (32)")
 
 
 def _check(path: str, wrong: dict, width: int, head_dim: int) -> None:
@@ -224,12 +234,13 @@ def _check(path: str, wrong: dict, width: int, head_dim: int) -> None:
 
 
 def _config(width: int, head_dim: int, patch_t: int | None, time_embed_dim: int, text_dim: int, blocks: int,
-            patch_bias: bool, rotary: bool) -> dict:
+            patch_bias: bool, rotary: bool, in_channels: int, ofs: int | None) -> dict:
     sample_width, sample_height, sample_frames = SAMPLE[patch_t]
     return {
         "num_attention_heads": width // head_dim,
         "attention_head_dim": head_dim,
-        "in_channels": LATENT_CHANNELS,
+        "in_channels": in_channels,
+        "ofs_embed_dim": ofs,
         "out_channels": LATENT_CHANNELS,
         "time_embed_dim": time_embed_dim,
         "text_embed_dim": text_dim,
@@ -266,5 +277,9 @@ def variant(config: dict) -> str:
     """A name for what the shapes say: the released model at full size, else the architecture."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
     name = FULL_SIZE.get((width, config["num_layers"], config["patch_size_t"]))
+    image = config.get("in_channels", LATENT_CHANNELS) > LATENT_CHANNELS
+    if name:
+        return f"{name}-I2V" if image else name
     positions = "RoPE" if config["use_rotary_positional_embeddings"] else "sin-cos positions"
-    return name or f"CogVideoX architecture, width {width}, {config['num_layers']} blocks, {positions}"
+    kind = " image to video" if image else ""
+    return f"CogVideoX{kind} architecture, width {width}, {config['num_layers']} blocks, {positions}"
