@@ -234,7 +234,8 @@ def test_an_incomplete_file_is_named(tmp_path):
 COMFYUI_NAMES = [("transformer_blocks.", "blocks."), (".attn1.to_q.", ".q."), (".attn1.to_k.", ".k."),
                  (".attn1.to_v.", ".v."), (".attn1.norm_q.", ".norm_q."), (".attn1.norm_k.", ".norm_k."),
                  (".attn1.to_out.0.", ".attn_out."), (".ff.net.0.proj.", ".ff_proj."), (".ff.net.2.", ".ff_out."),
-                 ("time_embedding.linear_", "time_embedding_linear_"), ("ofs_embedding.linear_", "ofs_embedding_linear_")]
+                 ("time_embedding.linear_", "time_embedding_linear_"),
+                 ("ofs_embedding.linear_", "ofs_embedding_linear_")]
 
 
 def comfyui_state_dict(transformer) -> dict[str, torch.Tensor]:

@@ -178,7 +178,8 @@ class CogVideoXSpec(FamilySpec):
         """5B and 1.5 take any text length; 2B exactly its ``text_slots``; 1.5-I2V its start image's latent."""
         shapes = {"context": (batch, text_tokens if self.rotary else self.text_slots, self.context_dim)}
         if self.concat_channels:
-            shapes["concat_latent_image"] = (batch, self.latent_format.channels, None, None, None)  # [B, 16, T', h', w']
+            # [B, 16, T', h', w']: the start image's latent, raw
+            shapes["concat_latent_image"] = (batch, self.latent_format.channels, None, None, None)
         return shapes
 
     def check_size(self, width: int, height: int, frames: int) -> None:
@@ -211,7 +212,8 @@ class CogVideoXModel(DiffusionModel):
         return out.permute(0, 2, 1, 3, 4)
 
     def _ofs(self, batch: int) -> torch.Tensor | None:
-        """1.5-I2V's ofs [B] at ComfyUI's default, 2.0 (model_base.CogVideoX.extra_conds); None without the embedding."""
+        """1.5-I2V's ofs [B] at ComfyUI's default, 2.0 (model_base.CogVideoX.extra_conds); None without the
+        embedding."""
         return torch.full((batch,), 2.0, device=self.device) if self.spec.ofs else None
 
     def concat(self, shape, cond) -> torch.Tensor | None:

@@ -75,7 +75,8 @@ detect_prefix = prefix_detector(MARKERS, *LAYOUT_MARKERS.values())  # THUDM's, d
 # attn_out, ff_proj, ff_out; the time MLP as two top-level Linears); every other name is the same
 _COMFYUI_GLOBAL = {"time_embedding.linear_1": "time_embedding_linear_1",
                    "time_embedding.linear_2": "time_embedding_linear_2",
-                   "ofs_embedding.linear_1": "ofs_embedding_linear_1", "ofs_embedding.linear_2": "ofs_embedding_linear_2"}
+                   "ofs_embedding.linear_1": "ofs_embedding_linear_1",
+                   "ofs_embedding.linear_2": "ofs_embedding_linear_2"}
 _COMFYUI_BLOCK = {"attn1.to_q": "q", "attn1.to_k": "k", "attn1.to_v": "v", "attn1.norm_q": "norm_q",
                   "attn1.norm_k": "norm_k", "attn1.to_out.0": "attn_out", "ff.net.0.proj": "ff_proj",
                   "ff.net.2": "ff_out"}
