@@ -159,3 +159,30 @@ def test_the_fit_check_counts_a_gguf_files_blocks_as_stored(tiny, tmp_path):
     loaded = registry.build(str(path), CPU).transformer
     held = sum(p.numel() * p.element_size() for p in loaded.parameters())
     assert abs(estimate.weights_resident - held) <= 0.05 * held, (estimate.weights_resident, held)
+
+
+@pytest.mark.parametrize("name", ["wan-i2v-tiny", "wan-ti2v-tiny"])
+def test_a_wan_image_to_video_gguf_file_loads_as_its_variant_and_matches_the_dequantised_model(tmp_path, name):
+    """Wan 2.1 I2V (36 input channels, the CLIP image embedder) and TI2V-5B (48) as Q8_0 GGUF files: read as their
+    variant, the image embedder's and blocks' matrices kept as raw blocks, the forward that of the dequantised
+    weights, the concatenated channels and image tokens included."""
+    from unit.test_wan_checkpoint import original_state_dict
+
+    built = registry.build(name, CPU)
+    path = tmp_path / f"{name}-Q8_0.gguf"
+    reference = written_gguf(original_state_dict(built.transformer), path, "Q8_0",
+                             plain=lambda key, value: value.dim() != 2)
+    save_file(reference, str(tmp_path / "reference.safetensors"))
+    expected = registry.build(str(tmp_path / "reference.safetensors"), CPU)
+    assert registry.resolve(str(path)).config == registry.resolve(str(tmp_path / "reference.safetensors")).config
+    loaded = registry.build(str(path), CPU)
+    assert loaded.spec.concat_channels == expected.spec.concat_channels
+    stored = {n for n, m in loaded.transformer.named_modules() if isinstance(m, StoredLinear)}
+    assert "blocks.0.attn1.to_q" in stored
+    spec = loaded.spec
+    shape = spec.latent_shape(1, 64, 64, 5)
+    positive, _ = registry.random_conditioning(name, 1, 3, spec, latent=shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out, want = (model.output(x, torch.tensor([700.0]), positive, None) for model in (loaded, expected))
+    assert (out - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
