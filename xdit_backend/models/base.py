@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import UserError
+from .resize import upscale
 
 
 class FamilySpec(ABC):
@@ -238,6 +239,14 @@ class DiffusionModel(ABC):
         (FamilySpec.concat_channels) [B, concat_channels, (T,) h, w], made from ``cond`` as ComfyUI's model makes
         them; None for a family without."""
         return None
+
+    def image_in(self, image: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Latents ComfyUI's nodes put on a conditioning (raw VAE space, [B, C·k, (T,) h', w']) as its models'
+        ``concat_cond`` take them in: resized to the latent's h × w (bilinear, centre crop) and each latent's C
+        channels shifted into model space."""
+        image = upscale(image.to(self.device, torch.float32), h, w)
+        fmt = self.latent_format
+        return torch.cat([fmt.process_in(part) for part in image.split(fmt.channels, dim=1)], dim=1)
 
     def with_concat(self, x: torch.Tensor, cond: dict) -> torch.Tensor:
         """The model input: ``x`` with the concatenated channels where x is the latent alone."""

@@ -40,7 +40,6 @@ from ..errors import UserError
 from ..sampling.v_prediction import ZeroSNRVSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
-from .resize import upscale
 
 BETAS = (0.00085, 0.012)  # linear_start, linear_end (Comfy-Org/ComfyUI comfy/supported_models.py CogVideoX_T2V)
 FIVE_B_HEADS = 48  # ComfyUI picks the 5B-class latent format (0.7) from 48 heads up (CogVideoX_T2V.__init__)
@@ -223,13 +222,12 @@ class CogVideoXModel(DiffusionModel):
         extra = self.spec.concat_channels
         if not extra:
             return None
-        b, channels, frames, h, w = shape
+        b, _, frames, h, w = shape
         image = cond.get("concat_latent_image")
         if image is None:
             return torch.zeros(b, extra, frames, h, w, device=self.device)
-        image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 16·k, T', h, w]
+        image = self.image_in(image, h, w)  # [B, 16·k, T', h, w]: zeros stay zeros (a scale, no shift)
         image = F.pad(image, (0, 0, 0, 0, 0, max(0, frames - image.shape[2])))[:, :, :frames]  # [B, 16·k, T, h, w]
-        image = torch.cat([self.latent_format.process_in(part) for part in image.split(channels, dim=1)], dim=1)
         repeats = -(-extra // image.shape[1])
         return image.repeat(1, repeats, 1, 1, 1)[:, :extra]  # [B, extra, T, h, w]
 

@@ -223,9 +223,8 @@ class FluxModel(DiffusionModel):
             return None
         b, _, h, w = shape
         image = cond.get("concat_latent_image")
-        image = (torch.zeros(shape, device=self.device) if image is None
-                 else upscale(image.to(self.device, torch.float32), h, w))
-        image = self.latent_format.process_in(image)
+        image = (self.latent_format.process_in(torch.zeros(shape, device=self.device)) if image is None
+                 else self.image_in(image, h, w))
         if self.spec.concat <= self.latent_format.channels:
             return image
         mask = cond.get("concat_mask")

@@ -203,9 +203,7 @@ class HunyuanVideo15Model(DiffusionModel):
                             "make the start image's latent as HunyuanVideo15ImageToVideo does: as many frames as the "
                             "video's")
         else:
-            image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 32·k, T, h, w]
-            image = torch.cat([self.latent_format.process_in(part) for part in image.split(LATENT_CHANNELS, dim=1)],
-                              dim=1)
+            image = self.image_in(image, h, w)  # [B, 32·k, T, h, w]
         mask = cond.get("concat_mask")
         if mask is None:
             mask = torch.zeros(b, 1, frames, h, w, device=self.device)

@@ -245,9 +245,7 @@ class WanModel(DiffusionModel):
         if image.shape[2] != frames:
             raise UserError(f"concat_latent_image has {image.shape[2]} frames; the latent has {frames}",
                             "make the start image's latent as WanImageToVideo does: as many frames as the video's")
-        image = upscale(image.to(self.device, torch.float32), h, w)  # [B, 16·k, T, h, w]
-        channels = self.spec.channels
-        image = torch.cat([self.latent_format.process_in(part) for part in image.split(channels, dim=1)], dim=1)
+        image = self.image_in(image, h, w)  # [B, 16·k, T, h, w]
         if image.shape[1] == extra:  # as ComfyUI: an image that fills the channels goes without a mask
             return image
         image = image[:, :extra - 4]
