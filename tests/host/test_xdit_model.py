@@ -540,7 +540,8 @@ def wan_i2v_prompts(seed: int, frames: int = 3, size: int = 8, image_tokens: int
 def test_wans_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
     """The backend's Wan builds the 20 channels ComfyUI concatenates exactly as ComfyUI's WAN21.concat_cond does:
     a start image of another size (resized and cropped at the centre), a mask of one channel at pixel size over
-    fewer frames (inverted, resized, padded, repeated), a four-channel mask, and no image at all."""
+    fewer frames (inverted, resized, padded, repeated), a four-channel mask, the LATENT's noise mask in place of a
+    concat_mask (ComfyUI's denoise_mask, prepared to the latent's channels), and no image at all."""
     import torch
 
     from xdit_backend.models import registry
@@ -555,6 +556,7 @@ def test_wans_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
         {"concat_latent_image": image, "concat_mask": (torch.rand(2, 1, 3, 64, 96, generator=generator) > 0.5).float()},
         {"concat_latent_image": image, "concat_mask": torch.rand(2, 4, 4, 8, 12, generator=generator)},
         {"concat_latent_image": image},
+        {"concat_latent_image": image, "denoise_mask": torch.rand(2, 16, 4, 8, 12, generator=generator)},  # a noise mask
         {},
     ]
     for cond in cases:
@@ -686,7 +688,8 @@ def fill_prompts(seed: int):
 
 def test_flux_fills_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
     """The image resized and moved into model space, the mask averaged, resized to 8× the latent and folded into 64
-    channels: bit for bit ComfyUI's Flux.concat_cond, with a mask, without one (all ones), without an image."""
+    channels: bit for bit ComfyUI's Flux.concat_cond, with a mask, with the noise mask instead (denoise_mask), without
+    one (all ones), without an image."""
     import torch
 
     from xdit_backend.models import registry
@@ -699,15 +702,19 @@ def test_flux_fills_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_pat
     noise = torch.randn(2, 16, 8, 12, generator=generator)
     image = torch.randn(2, 16, 10, 10, generator=generator)
     for cond in ({"concat_latent_image": image, "concat_mask": torch.rand(2, 3, 50, 70, generator=generator)},
+                 {"concat_latent_image": image, "denoise_mask": torch.rand(2, 16, 8, 12, generator=generator)},
                  {"concat_latent_image": image}, {}):
         theirs = own.concat_cond(noise=noise, device=torch.device("cpu"), **cond)
         assert torch.equal(ours.concat(tuple(noise.shape), cond), theirs), sorted(cond)
 
 
-@pytest.mark.parametrize("path_kind, layout", [("model", {"ring": 2}), ("sampler", {"ulysses": 2})])
-def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, path_kind, layout):
+@pytest.mark.parametrize("path_kind, layout, concat_mask", [("model", {"ring": 2}, True), ("sampler", {"ulysses": 2}, True),
+                                                         ("sampler", {"pipefusion": 2, "warmup_steps": 3}, False)],
+                         ids=["model", "sampler", "sampler-noise-mask-only"])
+def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, path_kind, layout, concat_mask):
     """InpaintModelConditioning's conditioning and its noise mask on the latent: ComfyUI's own Fill model against
-    the xDiT Model (ComfyUI concatenates the channels and blends) and the xDiT Sampler (the backend does both)."""
+    the xDiT Model (ComfyUI concatenates the channels and blends) and the xDiT Sampler (the backend does both);
+    without a concat_mask (a Fill model after Set Latent Noise Mask) both models take the noise mask for it."""
     import comfy.sample
 
     from xdit_backend.models import registry
@@ -715,6 +722,9 @@ def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, pa
     path, state_dict = tiny_flux_fill(tmp_path)
     own = comfyuis_model(state_dict, **FLUX_TINY_SIZES)
     (positive, negative), image, mask = fill_prompts(21)
+    if not concat_mask:
+        for side in (positive, negative):
+            del side[0][1]["concat_mask"]
     noise = comfy.sample.prepare_noise(image, 4)
     theirs = comfy.sample.sample(own, noise, 3, 1.0, "euler", "simple", positive, negative, image, noise_mask=mask,
                                  seed=4)
@@ -728,7 +738,7 @@ def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, pa
     spec = registry.spec(path)
     tensors = {"latent": image, "noise_mask": mask}
     side = translate.conditioning(positive, spec, 1, "positive")
-    assert {"concat_latent_image", "concat_mask"} <= set(side.tensors)
+    assert ("concat_mask" in side.tensors) is concat_mask and "concat_latent_image" in side.tensors
     tensors.update(side.tensors)
     request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "steps": 3, "seed": 4, "cfg": 1.0,
                "sampler": "euler", "scheduler": "simple", "parallel": layout}

@@ -257,7 +257,8 @@ def test_a_noise_mask_on_wan_22_ti2v_makes_the_mask_condition_the_model():
     for spec, conditions in ((ti2v, True), (t2v, False)):
         request.check_model(spec)
         context = {"context": torch.zeros(1, 8, 64)}
-        assert request.generation(spec, context, None).mask_conditions_model is conditions
+        gen = request.generation(spec, context, None)
+        assert gen.model_reads_mask is conditions and gen.kept_clean is conditions
         assert request.modulates_per_token(spec) is conditions
     plain = SampleRequest.parse(Message("sample", fields, {}))
     assert not plain.modulates_per_token(ti2v)

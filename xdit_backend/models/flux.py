@@ -157,6 +157,10 @@ class FluxSpec(FamilySpec):
         return self.concat
 
     @property
+    def model_reads_noise_mask(self) -> bool:
+        return self.concat > self.latent_format.channels  # Fill: Flux.concat_cond's mask, else the noise mask
+
+    @property
     def optional_conditioning(self) -> tuple[str, ...]:
         if not self.concat:
             return ()
@@ -227,7 +231,7 @@ class FluxModel(DiffusionModel):
                  else self.image_in(image, h, w))
         if self.spec.concat <= self.latent_format.channels:
             return image
-        mask = cond.get("concat_mask")
+        mask = cond.get("concat_mask", cond.get("denoise_mask"))  # as Flux.concat_cond: the noise mask without one
         mask = (torch.ones(b, 1, h, w, device=self.device) if mask is None
                 else mask.to(self.device, torch.float32).mean(dim=1, keepdim=True))
         mask = upscale(mask, 8 * h, 8 * w)  # [B, 1, 8h, 8w]

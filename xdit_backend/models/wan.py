@@ -156,6 +156,11 @@ class WanSpec(FamilySpec):
         return self.concat_channels - 4 if self.concat_channels % self.channels else self.concat_channels
 
     @property
+    def model_reads_noise_mask(self) -> bool:
+        # the 4 mask channels of I2V / FLF2V / Fun InP (WAN21.concat_cond: concat_mask, else denoise_mask)
+        return self.masked_timesteps_per_frame or self.concat_channels % self.channels == 4
+
+    @property
     def masked_timesteps_per_frame(self) -> bool:
         return self.channels == 48  # ComfyUI's WAN22 (TI2V-5B)
 
@@ -249,7 +254,7 @@ class WanModel(DiffusionModel):
         if image.shape[1] == extra:  # as ComfyUI: an image that fills the channels goes without a mask
             return image
         image = image[:, :extra - 4]
-        mask = cond.get("concat_mask")
+        mask = cond.get("concat_mask", cond.get("denoise_mask"))  # as WAN21.concat_cond: the noise mask without one
         if mask is None:
             mask = torch.zeros(b, 4, frames, h, w, device=self.device)
         else:

@@ -35,9 +35,11 @@ class Generation:
     cpu_noise: bool = False  # ancestral noise from the CPU generator (the ranks' GPUs differ: noise.StepNoise)
     cache: object = None  # parallel/step_cache.CacheOptions, or None: every step computes every block
     noise_mask: torch.Tensor | None = None  # inpainting: 1 where to make, 0 where to keep the latent (inpaint.py)
-    # under a noise mask the model reads the mask (``denoise_mask`` on each side: its timestep per frame) and the
-    # kept region stays clean: ComfyUI's WAN22 (Wan 2.2 TI2V-5B), FamilySpec.masked_timesteps_per_frame
-    mask_conditions_model: bool = False
+    # under a noise mask: the model reads the mask (``denoise_mask`` on each side, ComfyUI's extra cond: WAN22's
+    # timesteps per frame; Fill's and Wan I2V's concatenated mask where the conditioning has none), and the kept
+    # region stays clean rather than noised (WAN22): FamilySpec.model_reads_noise_mask, masked_timesteps_per_frame
+    model_reads_mask: bool = False
+    kept_clean: bool = False
 
     @property
     def steps(self) -> int:
@@ -109,8 +111,8 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     inpaint = None
     if gen.noise_mask is not None:
         mask = prepare_mask(gen.noise_mask, tuple(full.shape))[rows].to(device)
-        inpaint = Inpaint(mask, latent, noise, clean=gen.mask_conditions_model)
-        if gen.mask_conditions_model:  # ComfyUI's extra cond "denoise_mask": the prepared mask, on both sides
+        inpaint = Inpaint(mask, latent, noise, clean=gen.kept_clean)
+        if gen.model_reads_mask:  # ComfyUI's extra cond "denoise_mask": the prepared mask, on both sides
             positive = {**positive, "denoise_mask": mask}
             negative = None if negative is None else {**negative, "denoise_mask": mask}
     return Start(x, gen.sigmas, positive, negative, step_noise, inpaint)

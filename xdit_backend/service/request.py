@@ -248,7 +248,7 @@ class SampleRequest:
 
     def modulates_per_token(self, spec) -> bool:
         """Whether the model takes a timestep per token: a noise mask on Wan 2.2 TI2V-5B (Generation's
-        ``mask_conditions_model``), which the memory model counts."""
+        ``kept_clean``), which the memory model counts."""
         return spec.masked_timesteps_per_frame and "noise_mask" in self.tensors
 
     def reference_tokens(self, spec) -> int:
@@ -315,7 +315,8 @@ class SampleRequest:
             add_noise=self.add_noise,
             cache=self.cache_options(),
             noise_mask=self.tensors.get("noise_mask"),
-            mask_conditions_model=spec.masked_timesteps_per_frame,
+            model_reads_mask=spec.model_reads_noise_mask,
+            kept_clean=spec.masked_timesteps_per_frame,
         )
 
     def cache_options(self) -> CacheOptions | None:
