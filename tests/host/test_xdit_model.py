@@ -556,7 +556,7 @@ def test_wans_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_path):
         {"concat_latent_image": image, "concat_mask": (torch.rand(2, 1, 3, 64, 96, generator=generator) > 0.5).float()},
         {"concat_latent_image": image, "concat_mask": torch.rand(2, 4, 4, 8, 12, generator=generator)},
         {"concat_latent_image": image},
-        {"concat_latent_image": image, "denoise_mask": torch.rand(2, 16, 4, 8, 12, generator=generator)},  # a noise mask
+        {"concat_latent_image": image, "denoise_mask": torch.rand(2, 16, 4, 8, 12, generator=generator)},
         {},
     ]
     for cond in cases:
@@ -708,8 +708,9 @@ def test_flux_fills_concatenated_channels_are_comfyuis_concat_cond(pack, tmp_pat
         assert torch.equal(ours.concat(tuple(noise.shape), cond), theirs), sorted(cond)
 
 
-@pytest.mark.parametrize("path_kind, layout, concat_mask", [("model", {"ring": 2}, True), ("sampler", {"ulysses": 2}, True),
-                                                         ("sampler", {"pipefusion": 2, "warmup_steps": 3}, False)],
+@pytest.mark.parametrize("path_kind, layout, concat_mask",
+                         [("model", {"ring": 2}, True), ("sampler", {"ulysses": 2}, True),
+                          ("sampler", {"pipefusion": 2, "warmup_steps": 3}, False)],
                          ids=["model", "sampler", "sampler-noise-mask-only"])
 def test_flux_fill_inpainting_gives_comfyuis_latent(backend2, pack, tmp_path, path_kind, layout, concat_mask):
     """InpaintModelConditioning's conditioning and its noise mask on the latent: ComfyUI's own Fill model against
@@ -814,7 +815,8 @@ def tiny_wan_ti2v(tmp_path) -> tuple[str, object]:
     return path, comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
 
 
-@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"pipefusion": 2, "warmup_steps": 3}], ids=["ulysses", "pipefusion"])
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"pipefusion": 2, "warmup_steps": 3}],
+                         ids=["ulysses", "pipefusion"])
 def test_wan_ti2v_first_frame_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
     """KSampler with the noise mask on ComfyUI's WAN22 against the xDiT Sampler sent the LATENT's samples and mask
     (the timesteps per frame split with the tokens, or taken per chunk): the same latent, its first frame the start
