@@ -10,8 +10,8 @@ over step ranges; Wan 2.2-TI2V-5B has a 48-channel latent from a 16× VAE.
 Image to video (Wan 2.1 I2V / FLF2V / Fun InP, Wan 2.2 I2V A14B: 36 input channels; Wan 2.1 Fun Control: 48, the
 control video's latent and the start image's, WanFunControlToVideo's, concatenated without a mask). As
 ComfyUI's WanImageToVideo and WanFirstLastFrameToVideo put them on the conditioning (comfy_extras/nodes_wan.py) and
-its WAN21 model reads them (comfy/model_base.py ``WAN21.concat_cond``, ``extra_conds``; comfy/ldm/wan/model.py ``MLPProj``,
-``WanI2VCrossAttention``):
+its WAN21 model reads them (comfy/model_base.py ``WAN21.concat_cond``, ``extra_conds``; comfy/ldm/wan/model.py
+``MLPProj``, ``WanI2VCrossAttention``):
 - ``concat_latent_image`` [B, 16·k, T', h', w'] (the start/end frames' VAE latents, raw) and ``concat_mask``
   [B, 1 or 4, T'', H, W] (1 where a frame is to be made): ``concat`` builds the 20 channels ComfyUI concatenates
   to the model input, the inverted mask (4) and the image (16) in model space, resized to the latent. They are
