@@ -264,3 +264,25 @@ def test_qwen_image_edit_2511_takes_index_timestep_zero_and_2509_refuses_it():
         with pytest.raises(translate.TranslationError, match="a reference latents method"):
             translate.conditioning([entry(reference_latents=[reference], reference_latents_method=other)], spec, 1,
                                    "positive")
+
+
+def test_image_to_video_conditioning_becomes_each_familys_inputs_and_a_text_to_video_file_leaves_it_out():
+    """HunyuanVideo15ImageToVideo's options (the start latent, its mask, the CLIP vision output, whose *last* hidden
+    state SigLIP gives ComfyUI's clip_fea) and CogVideoX's start latent become their request tensors; a CogVideoX
+    text-to-video file takes none of them, as ComfyUI's concat_cond returns nothing for it."""
+    from types import SimpleNamespace
+
+    hunyuan = registry.spec("hunyuan-video-1.5-tiny")
+    clip = SimpleNamespace(last_hidden_state=torch.randn(1, 9, hunyuan.image_dim),
+                           penultimate_hidden_states=torch.randn(1, 9, hunyuan.image_dim))
+    image, mask = torch.randn(1, 32, 2, 4, 4), torch.ones(1, 1, 2, 4, 4)
+    side = translate.conditioning([entry(concat_latent_image=image, concat_mask=mask, clip_vision_output=clip)],
+                                  hunyuan, 1, "positive")
+    assert torch.equal(side.tensors["clip_vision_output"], clip.last_hidden_state)
+    assert torch.equal(side.tensors["concat_latent_image"], image) and torch.equal(side.tensors["concat_mask"], mask)
+    start = torch.randn(1, 16, 1, 8, 8)
+    i2v = translate.conditioning([entry(concat_latent_image=start)], registry.spec("cogvideox-1.5-i2v-tiny"), 1,
+                                 "positive")
+    assert torch.equal(i2v.tensors["concat_latent_image"], start)
+    t2v = translate.conditioning([entry(concat_latent_image=start)], registry.spec("cogvideox-tiny"), 1, "positive")
+    assert set(t2v.tensors) == {"context"}
