@@ -362,7 +362,7 @@ class PipeFusion:
             parts = [*([context] if self.text else []), image, *carry,
                      *([self.cache.flag(image)] if self.cache is not None else [])]
             activation = (torch.cat(parts, dim=1) if len(parts) > 1 else image).contiguous()
-            # [batch, L + n/P + carried·n/P (+ 1), D] to the next stage
+            # [batch, (L + R +) n/P + carried·n/P (+ 1), D] to the next stage
             self.sends.append((activation, _isend(activation, self.links.outgoing)))
             return
         self._finish(item, model.head(image[:, references:], inputs, local))  # the patch's tokens alone
