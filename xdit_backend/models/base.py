@@ -83,12 +83,6 @@ class FamilySpec(ABC):
     # process_timestep and scale_latent_inpaint: Wan 2.2 TI2V-5B's image to video): the sampler hands the model the
     # mask as ``denoise_mask`` (sampling/generate.py)
     masked_timesteps_per_frame = False
-
-    @property
-    def model_reads_noise_mask(self) -> bool:
-        """Whether ComfyUI's model of this family reads a latent's noise mask (its ``denoise_mask`` extra cond):
-        WAN22's timesteps per frame; Fill's and Wan I2V's concat_cond, for its mask where the conditioning has none."""
-        return self.masked_timesteps_per_frame
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
@@ -118,6 +112,12 @@ class FamilySpec(ABC):
     def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One side's tensors as the model takes them; the identity unless the family reshapes them."""
         return cond
+
+    @property
+    def model_reads_noise_mask(self) -> bool:
+        """Whether ComfyUI's model of this family reads a latent's noise mask (its ``denoise_mask`` extra cond):
+        WAN22's timesteps per frame; Fill's and Wan I2V's concat_cond, for its mask where the conditioning has none."""
+        return self.masked_timesteps_per_frame
 
     def split_text_tokens(self, cond: dict) -> int:
         """The tokens a side's text adds to the sequence the ranks split (the memory model's and auto's count; 0 where

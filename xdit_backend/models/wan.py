@@ -201,8 +201,7 @@ class WanModel(DiffusionModel):
         self.images.tokens = self.image_tokens(cond)
         frames = self.frame_timesteps(timestep, cond)  # [B, T] under a TI2V noise mask, else None
         if frames is not None:  # one per token [B, N]: each frame's over its rows × columns (frame-major)
-            timestep = frames.repeat_interleave(x.shape[-2] * x.shape[-1] // (self.spec.patch[1] * self.spec.patch[2]),
-                                                dim=1)
+            timestep = frames.repeat_interleave(self._frame_tokens(x.shape), dim=1)
         try:
             return self.transformer(
                 hidden_states=self.with_concat(x, cond),  # [B, C (+ 20), T, h, w]
@@ -286,9 +285,13 @@ class WanModel(DiffusionModel):
         # temb [B, D] or [B, T, D]; projection [B, 6·D] → [B, 6, D], or [B, T, 6·D] → [B, T, 6, D]; context [B, L, D]
         inputs = {"temb": temb, "projection": projection.unflatten(-1, (6, -1)), "context": context}
         if frames is not None:
-            pt, ph, pw = self.spec.patch
-            inputs["frame_tokens"] = shape[-2] // ph * (shape[-1] // pw)  # tokens per latent frame (pt = 1)
+            inputs["frame_tokens"] = self._frame_tokens(shape)
         return inputs
+
+    def _frame_tokens(self, shape) -> int:
+        """Tokens per latent frame of a latent of ``shape`` [B, C, T, h, w] (Wan's temporal patch is 1)."""
+        _, ph, pw = self.spec.patch
+        return shape[-2] // ph * (shape[-1] // pw)
 
     @staticmethod
     def _per_token(embedding: torch.Tensor, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
