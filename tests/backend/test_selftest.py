@@ -32,7 +32,7 @@ def test_the_cpu_dry_run_runs_every_section_and_none_fails(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert list(results) == list(runner.NAMES)
     skipped = {name for name, r in results.items() if r["verdict"] == "SKIP"}
-    assert skipped == {"syncs", "compile", "full-size", "demo"}, {n: results[n]["reason"] for n in skipped}
+    assert skipped == {"syncs", "compile", "shares", "full-size", "demo"}, {n: results[n]["reason"] for n in skipped}
     assert all(r["verdict"] == "PASS" for name, r in results.items() if name not in skipped)
     assert results["families"]["figures"]["wan-tiny_weights_max_diff"] == 0.0
     assert results["fault"]["figures"]["error_kind"] == "out_of_memory"
@@ -70,16 +70,19 @@ def test_an_unknown_section_is_refused_with_the_list(tmp_path, capsys):
 
 
 def test_the_full_size_sections_measurements_run_on_a_small_flux(tmp_path, zygote_launches):
-    """The full-size section's code (shard compute, the backend against the plain loop at two sizes
-    with one backend) on flux-tiny on the CPU: the same functions the GPU run calls on Flux.1-dev."""
+    """The shares and full-size sections' code (shard compute three ways, the backend against the plain loop at
+    two sizes with one backend) on flux-tiny on the CPU: the same functions the GPU run calls on Flux.1-dev."""
     from xdit_backend.models import registry
-    from xdit_backend.selftest.scale import SHARDS, full_size_figures
+    from xdit_backend.selftest.scale import SHARDS, full_size_figures, shard_figures
 
     checks = runner.Checks()
-    full_size_figures(checks, registry.build("flux-tiny", torch.device("cpu")), ((128, 3), (64, 3)), text=8)
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    shard_figures(checks, model, 128, text=8)
+    full_size_figures(checks, model, ((128, 3), (64, 3)))
     figures = checks.figures
-    assert sorted(figures["shard_compute_s"]) == sorted(str(p) for p in SHARDS)
-    assert all(t > 0 for t in figures["shard_compute_s"].values())
+    assert sorted(figures["shard_compute_s"]) == ["proxy", "ring", "ulysses"]
+    for by_degree in figures["shard_compute_s"].values():
+        assert sorted(by_degree) == sorted(str(p) for p in SHARDS) and all(t > 0 for t in by_degree.values())
     for side in (128, 64):
         run = figures[f"overhead_{side}"]
         assert run["width"] == side and run["plain_step_s"] > 0 and run["backend_step_s"] > 0

@@ -107,11 +107,13 @@ def slices(ranks: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
 
 
 class MeshCache:
-    """Builds each shape of mesh once (all ranks together) and keeps it for later requests."""
+    """Builds each shape of mesh once (all ranks together) and keeps it for later requests. ``backend``: the
+    layouts' groups' (NCCL on CUDA by default; gloo on the CPU and in one_device.py's test mode)."""
 
-    def __init__(self, device_type: str, timeout: timedelta | None = None):
+    def __init__(self, device_type: str, timeout: timedelta | None = None, backend: str | None = None):
         self.device_type = device_type
         self.timeout = timeout
+        self.backend = backend or ("nccl" if device_type == "cuda" else "gloo")
         self._built: dict[tuple[int, ...], _Built] = {}
 
     def get(self, config: ParallelConfig, step_cache: bool = False) -> Layout:
@@ -169,18 +171,18 @@ class MeshCache:
 
     def _new_group(self, ranks: list[int], name: str, device_type: str | None = None):
         """A group of ``ranks`` with the cache's timeout, on options of its own (torch's defaults without one),
-        for ``device_type``'s backend (the cache's device by default; "cpu": gloo)."""
-        device_type = device_type or self.device_type
+        on the cache's backend (``device_type`` "cpu": gloo)."""
+        backend = "gloo" if device_type == "cpu" else self.backend
         if self.timeout is None:
-            return dist.new_group(ranks, backend="gloo" if device_type == "cpu" else None, group_desc=name)
-        backend, options = _with_timeout(device_type, self.timeout)
+            return dist.new_group(ranks, backend=backend, group_desc=name)
+        options = _with_timeout(backend, self.timeout)
         return dist.new_group(ranks, timeout=self.timeout, backend=backend, pg_options=options, group_desc=name)
 
     def _step_group(self, built: _Built):
         """The step cache's group: the shard mesh's ranks, on gloo. Its decision is two float64 sums each
         step that every rank reads on the host; over NCCL a failed peer would leave the others blocked in
         that read until the watchdog (review gpu-paths-2 B3), over gloo it is the group's timeout."""
-        if self.device_type != "cuda":
+        if self.backend == "gloo":
             return built.shard_mesh.get_group()  # gloo already
         same_blocks = tuple(axis for axis in AXES if axis != "pipefusion")
         return self._own_group(built, slices(built.ranks, same_blocks), "step_cache", device_type="cpu")
@@ -268,14 +270,9 @@ def release(groups: list, device_type: str) -> None:
         dist.destroy_process_group(group)
 
 
-def _with_timeout(device_type: str, timeout: timedelta) -> tuple:
-    """(backend, options) that give one group ``timeout``: without it, new groups get torch's
-    default (30 minutes for gloo), not the timeout the backend was started with."""
-    if device_type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        backend = "nccl"
-    else:
-        options = dist.ProcessGroupGloo._Options()
-        backend = "gloo"
+def _with_timeout(backend: str, timeout: timedelta):
+    """Options that give one group of ``backend`` ("nccl" or "gloo") ``timeout``: without them, new groups get
+    torch's default (30 minutes for gloo), not the timeout the backend was started with."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    return backend, options
+    return options

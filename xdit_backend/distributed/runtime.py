@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..launch import gpus
 from ..launch.options import LaunchOptions
-from . import compat
+from . import compat, one_device
 from .control import barrier
 from .topology import Topology, prepare_nccl, probe
 
@@ -38,12 +38,15 @@ class Runtime:
     topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
     mixed_gpus: bool = False  # the ranks hold different GPU models: ancestral noise from the CPU (noise.StepNoise)
     local_world_size: int = 1  # the ranks on this host, which share its memory when they compute on the CPU
+    data_backend: str = "gloo"  # the layouts' groups: "nccl" on CUDA, "gloo" on the CPU and in one_device's test mode
 
 
 def start_runtime(options: LaunchOptions) -> Runtime:
     """Join the process group (gloo on CPU, NCCL on CUDA), pin this rank to its device, and measure
-    the links (NCCL_P2P_DISABLE is decided before the group exists: topology.py)."""
+    the links (NCCL_P2P_DISABLE is decided before the group exists: topology.py). In the test mode of
+    one_device.py every rank of the node computes on device 0 and the data plane is gloo, through host memory."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    shared_device = one_device.enabled()
     peer, nccl_note = None, None
     too_old = compat.unsupported()
     if too_old:
@@ -59,23 +62,26 @@ def start_runtime(options: LaunchOptions) -> Runtime:
                 f"--device cuda, but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}; "
                 "start the backend with --device cpu, or install a CUDA build of torch"
             )
-        if local_rank >= torch.cuda.device_count():
+        if local_rank >= torch.cuda.device_count() and not shared_device:
             raise StartupError(
                 f"local rank {local_rank} needs GPU {local_rank}, but only {torch.cuda.device_count()} are visible; "
                 "start the backend with --nproc equal to the number of GPUs (or list them with --gpus)"
             )
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if shared_device else local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
-        peer, nccl_note = prepare_nccl(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        backend = "gloo" if shared_device else "nccl"
+        if not shared_device:
+            peer, nccl_note = prepare_nccl(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     else:
         device = torch.device("cpu")
         backend = "gloo"
     timeout = timedelta(seconds=options.collective_timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    if shared_device:
+        one_device.stage_through_host()
     rt = Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, control, time.time(), timeout,
-                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), data_backend=backend)
     return replace(rt, topology=probe(rt, peer, nccl_note, options.topology_probe))
 
 

@@ -24,7 +24,10 @@ from .files import written
 from .runner import Checks, Context, Skip
 
 FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tiny", "qwen-image-tiny", "flux2-tiny",
-            "z-image-tiny", "hunyuan-video-1.5-tiny", "cogvideox-tiny")
+            "z-image-tiny", "hunyuan-video-1.5-tiny", "cogvideox-tiny",
+            # the image, edit and first-frame inputs (issue 27): concat channels, references, per-token timesteps
+            "flux-fill-tiny", "flux-kontext-tiny", "wan-i2v-tiny", "wan-ti2v-tiny", "qwen-image-edit-2511-tiny",
+            "cogvideox-1.5-i2v-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 

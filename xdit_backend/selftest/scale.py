@@ -72,11 +72,11 @@ def _forward_seconds(model, image_rows: int, width_tokens: int, text: int, repea
         return _median_seconds(lambda: model.transformer(**inputs), device, repeats)
 
 
-def _attention_seconds(model, queries: int, keys: int, repeats: int = 5) -> float:
-    """Our attention kernel at the model's heads and head size, ``queries`` against ``keys``."""
+def _attention_seconds(model, queries: int, keys: int, heads: int | None = None, repeats: int = 5) -> float:
+    """Our attention kernel at the model's head size and heads (or ``heads``), ``queries`` against ``keys``."""
     config = model.transformer.config
     kernel = attention.local_attention(model.device)
-    shape = (config.num_attention_heads, config.attention_head_dim)
+    shape = (heads or config.num_attention_heads, config.attention_head_dim)
     q, k, v = (torch.randn(1, s, *shape, device=model.device, dtype=model.dtype) for s in (queries, keys, keys))
     return _median_seconds(lambda: kernel(q, k, v), model.device, repeats)
 
@@ -92,29 +92,37 @@ def _median_seconds(run, device, repeats: int) -> float:
     return statistics.median(clock.steps())
 
 
-def shard_compute(model, side: int = 1024, text: int = 512) -> dict[int, float]:
-    """Seconds of compute one sequence rank does per step at degree P, from measured parts: a forward
-    over its (image + text)/P tokens (its linear layers' exact work), plus, per attention layer, the
-    difference between attending those queries to all keys (what Ulysses and Ring do) and to its own."""
+def shard_compute(model, side: int = 1024, text: int = 512) -> dict[str, dict[int, float]]:
+    """Seconds of compute one sequence rank does per step at degree P, from measured parts: a forward over its
+    (image + text)/P tokens (its linear layers' exact work), with each attention layer's part replaced by the
+    shape the rank really runs. Three ways: ``proxy``, its 1/P of the queries against all keys on every head (the
+    first GPU run's figure); ``ulysses``, every query against every key on 1/P of the heads; ``ring``, its queries
+    against each of the P chunks of keys in turn, on every head (the chunks' merges not counted)."""
     config = model.transformer.config
     layers = config.num_layers + config.num_single_layers
+    heads = config.num_attention_heads
     rows, cols = side // 16, side // 16
     total = rows * cols + text
-    shares = {}
+    shares: dict[str, dict[int, float]] = {"proxy": {}, "ulysses": {}, "ring": {}}
     for p in SHARDS:
         forward = _forward_seconds(model, rows // p, cols, text // p)
         mine = total // p
-        extra = _attention_seconds(model, mine, total) - _attention_seconds(model, mine, mine)
-        shares[p] = forward + layers * extra
+        own = _attention_seconds(model, mine, mine)  # what the forward above spent on each attention layer
+        shares["proxy"][p] = forward + layers * (_attention_seconds(model, mine, total) - own)
+        shares["ulysses"][p] = forward + layers * (_attention_seconds(model, total, total, max(1, heads // p)) - own)
+        shares["ring"][p] = forward + layers * (p - 1) * own
     return shares
 
 
-def full_size_figures(checks: Checks, model, sizes: tuple[tuple[int, int], ...], text: int) -> None:
-    """The figures of ``full_size`` for a built Flux ``model``: shard compute at the first size, then
-    the backend against the plain loop at every size."""
-    shards = shard_compute(model, sizes[0][0], text)
-    checks.record(shard_compute_s={str(p): t for p, t in shards.items()},
-                  **{f"compute_1_of_{p}_ms": t * 1e3 for p, t in shards.items()})
+def shard_figures(checks: Checks, model, side: int, text: int) -> None:
+    """The figures of ``shares`` for a built Flux ``model`` at ``side``²."""
+    shares = shard_compute(model, side, text)
+    checks.record(shard_compute_s={way: {str(p): t for p, t in by_degree.items()} for way, by_degree in shares.items()},
+                  **{f"{way}_1_of_{p}_ms": t * 1e3 for way, by_degree in shares.items() for p, t in by_degree.items()})
+
+
+def full_size_figures(checks: Checks, model, sizes: tuple[tuple[int, int], ...]) -> None:
+    """The figures of ``full_size`` for a built Flux ``model``: the backend against the plain loop at every size."""
     dtype = str(model.dtype).removeprefix("torch.")
     runs = tuple((side, side, steps) for side, steps in sizes)
     for m in measure_overhead(model.name, model.device.type, dtype, runs, repeats=2, model=model):
@@ -126,11 +134,23 @@ def full_size_figures(checks: Checks, model, sizes: tuple[tuple[int, int], ...],
                                              "over the plain loop (budget ≤ 3 %)")
 
 
-def full_size(ctx: Context, checks: Checks) -> None:
+def _flux_dev(ctx: Context, checks: Checks):
+    """The Flux.1-dev architecture with random bf16 weights on the GPU, drawn once for the sections that use it
+    (review gpu-paths-2 B5); the first to ask records how long the drawing took."""
     if ctx.device.type != "cuda":
         raise Skip("the full-size Flux.1-dev architecture needs a GPU (22 GiB of bf16 weights)")
-    started = time.perf_counter()
-    model = registry.build("flux-dev-random", ctx.device, torch.bfloat16)
-    checks.record(build_s=time.perf_counter() - started,
-                  weights_gib=sum(p.numel() * p.element_size() for p in model.transformer.parameters()) / 2**30)
-    full_size_figures(checks, model, SIZES, text=512)
+    if "flux-dev" not in ctx.shared:
+        started = time.perf_counter()
+        ctx.shared["flux-dev"] = registry.build("flux-dev-random", ctx.device, torch.bfloat16)
+        checks.record(build_s=time.perf_counter() - started, weights_gib=sum(
+            p.numel() * p.element_size() for p in ctx.shared["flux-dev"].transformer.parameters()) / 2**30)
+    return ctx.shared["flux-dev"]
+
+
+def shares(ctx: Context, checks: Checks) -> None:
+    shard_figures(checks, _flux_dev(ctx, checks), SIZES[0][0], text=512)
+
+
+def full_size(ctx: Context, checks: Checks) -> None:
+    full_size_figures(checks, _flux_dev(ctx, checks), SIZES)
+    del ctx.shared["flux-dev"]  # its 22 GiB are not kept for the step-cache section's backend

@@ -51,7 +51,7 @@ class Executor:
         self.estimates: dict[tuple, object] = {}  # the memory model's estimates by (key, layout, tokens, rows)
         # The layouts' data collectives wait half as long as the control group: after a rank raises,
         # the ranks stuck waiting for it time out and reach the step gate while it still waits there.
-        self.meshes = MeshCache(rt.device.type, rt.timeout / 2)
+        self.meshes = MeshCache(rt.device.type, rt.timeout / 2, rt.data_backend)
         self.last_trace: list = []  # PipeFusion's receive trace of the last request (for the profile)
         self.last_cache = None  # the last generation's step cache (parallel/step_cache.py), None without one
         self.run_caches: tuple | None = None  # (the sampling run, its step cache): the xDiT MODEL's, across calls
@@ -114,7 +114,7 @@ class Executor:
         """Whether rank 0 may stop a request before any block, mid-step: where every peer still waiting on it
         learns of it at once (one rank; gloo, whose groups close when agreement.agree_on_failure drops them). On
         NCCL a peer would wait out half of --collective-timeout instead, so there a request stops at a step's end."""
-        return self.rt.world_size == 1 or self.rt.device.type == "cpu"
+        return self.rt.world_size == 1 or self.rt.data_backend == "gloo"
 
     def _stop_between_blocks(self, block, args) -> None:
         if self.stop_requested is not None and self.stop_requested():
