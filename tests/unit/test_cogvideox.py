@@ -154,6 +154,25 @@ def test_1_5_image_to_video_is_diffusers_forward_on_the_concatenated_image_at_of
     assert model.spec.concat_channels == 16 and model.spec.ofs
 
 
+def test_1_5_positions_beyond_the_training_size_extend_its_table():
+    """A latent larger than 1.5's sample size (the selftest's 128² on the tiny, on the GPU): diffusers' pipeline
+    slices a table of the training size and fails; the table's rows are integer positions, so ours extends it and
+    keeps every row the pipeline has."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    config, shape = VARIANTS["1.5"]
+    model = build(config)
+    rope = model.transformer.rope
+    cos, sin = rope(4, 16, 24, torch.device("cpu"))  # 8 × 12 tokens a frame, past the 4 × 6 of sample size
+    positions = torch.arange(2 * 8 * 12).view(2, 8, 12)  # [frames, rows, columns] → token index
+    base_cos, base_sin = get_3d_rotary_pos_embed(config["attention_head_dim"], None, (4, 6), 2, grid_type="slice",
+                                                 max_size=(4, 6))
+    within = positions[:, :4, :6].reshape(-1)
+    assert torch.equal(cos[within], base_cos) and torch.equal(sin[within], base_sin)
+    x, timestep, cond = inputs((1, 16, 4, 16, 24))
+    assert torch.isfinite(model.output(x, timestep, cond, None)).all()
+
+
 def test_2b_takes_its_text_slots_and_the_others_any_text_length():
     two, five = (CogVideoXSpec.from_config(VARIANTS[v][0]) for v in ("2b", "5b"))
     assert two.conditioning_shapes(2, 30)["context"] == (2, 8, 64)

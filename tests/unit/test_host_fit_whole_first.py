@@ -38,7 +38,7 @@ def _many_blocks_file(tmp_path) -> str:
 
 def _make_room(monkeypatch, path: str, budget: int):
     rt = SimpleNamespace(device=CPU, rank=0, world_size=1, local_world_size=2, control=None,
-                         timeout=timedelta(seconds=60))
+                         timeout=timedelta(seconds=60), data_backend="gloo")
     executor = Executor(rt)
     model = resolve_model(path)
     key = ModelKey(model.cache_name, model.version, "float32", "default", (0, 1), None)

@@ -38,7 +38,12 @@ class Runtime:
     topology: Topology | None = None  # the links measured at start (topology.py); the same on every rank
     mixed_gpus: bool = False  # the ranks hold different GPU models: ancestral noise from the CPU (noise.StepNoise)
     local_world_size: int = 1  # the ranks on this host, which share its memory when they compute on the CPU
-    data_backend: str = "gloo"  # the layouts' groups: "nccl" on CUDA, "gloo" on the CPU and in one_device's test mode
+    data_backend: str | None = None  # the layouts' groups: "nccl" on CUDA, "gloo" on the CPU and in one_device's
+    # test mode; None: the device's own
+
+    def __post_init__(self):
+        if self.data_backend is None:
+            self.data_backend = "nccl" if self.device.type == "cuda" else "gloo"
 
 
 def start_runtime(options: LaunchOptions) -> Runtime:

@@ -93,8 +93,11 @@ class CogVideoXRope(nn.Module):
         if self.patch_t is None:
             crop = resize_crop_region((rows, columns), *self.base)
             return get_3d_rotary_pos_embed(self.head_dim, crop, (rows, columns), frames, device=device)
+        # 1.5's "slice" table: integer positions 0 … max − 1 per axis, cut to the grid; a grid beyond the training
+        # size (sample_height / width) takes the positions past it, the rows within it unchanged
+        table = (max(self.base[0], rows), max(self.base[1], columns))
         return get_3d_rotary_pos_embed(self.head_dim, None, (rows, columns), frames // self.patch_t,
-                                       grid_type="slice", max_size=self.base, device=device)
+                                       grid_type="slice", max_size=table, device=device)
 
 
 def resize_crop_region(grid: tuple[int, int], base_height: int, base_width: int):

@@ -27,6 +27,10 @@ LAYOUTS = {2: ("ulysses=2", "ring=2", "cfg=2", "pipefusion=2", "dp=2", "ulysses=
            4: ("ulysses=2,ring=2", "cfg=2,ulysses=2", "pipefusion=2,ulysses=2", "ring=4,shard")}
 QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all-to-all, the ring's and the links' P2P
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
+# Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
+# (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
+FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
+                                            4: ("ulysses=4", "ulysses=2,ring=2", "ring=4")})
 BUDGET = 8 * 2**30  # bytes the fit check gives each rank: they share one device, and each sees all its free memory
 FLOAT32_TOLERANCE = 1e-4  # max |layout − serial| / max(1, max |serial|)
 BF16_TOLERANCE = 5e-2  # relative L2: other kernels' shapes (a share of the heads or keys) round otherwise
@@ -66,45 +70,51 @@ def ranks(ctx: Context, checks: Checks) -> None:
     rounding at other shapes); PipeFusion, whose patches attend to stale K/V, within a tenth of the distance
     between two seeds' serial latents, as tests/backend/test_pipefusion.py holds it on the CPU. Then a rank's
     failure on the 2-rank backend (``_fault``)."""
-    plan = QUICK_LAYOUTS if ctx.quick else LAYOUTS
-    models = MODELS[:1] if ctx.quick else MODELS
-    dtypes = (torch.float32,) if ctx.quick else (torch.float32, torch.bfloat16)
     serial: dict[tuple, torch.Tensor] = {}
 
     def serial_latent(name: str, dtype: torch.dtype, request: dict) -> torch.Tensor:
-        key = (name, dtype, request["batch"], request["seed"])
+        key = (name, dtype, request["width"], request["batch"], request["seed"])
         if key not in serial:
             serial[key] = generation(registry.build(name, ctx.device, dtype), name, request)
         return serial[key]
 
-    for world, layouts in plan.items():
+    for world, runs in _plan(ctx).items():
         with ExitStack() as stack:
             client, fault = _backend(stack, ctx, world)
-            for name in models:
-                for dtype in dtypes:
-                    dtype_name = str(dtype).removeprefix("torch.")
-                    for layout in layouts:
-                        degrees = parse_layout(layout)
-                        request = fields(name, ctx, dtype=dtype_name, batch=degrees.get("dp", 1))
-                        reference = serial_latent(name, dtype, request)
-                        result, _ = client.sample({**request, "parallel": degrees})
-                        scaled, relative = distance(result["samples"].float(), reference)
-                        label = f"{name}_{dtype_name}_{layout}"
-                        if "pipefusion" in degrees:
-                            seeds = distance(serial_latent(name, dtype, {**request, "seed": request["seed"] + 1}),
-                                             reference)[1]
-                            checks.record(**{f"{label}_rel": relative, f"{label}_seeds_rel": seeds})
-                            checks.expect(0 < relative < 0.1 * seeds, f"{label}: relative {relative:.2e} from serial, "
-                                                                      f"two seeds {seeds:.2e} apart (stale K/V: "
-                                                                      "above 0, under a tenth of that)")
-                        elif dtype == torch.float32:
-                            checks.record(**{f"{label}_max": scaled})
-                            checks.expect(scaled <= FLOAT32_TOLERANCE, f"{label}: {scaled:.2e} from serial "
-                                                                       f"(≤ {FLOAT32_TOLERANCE:g})")
-                        else:
-                            checks.record(**{f"{label}_rel": relative})
-                            checks.expect(relative < BF16_TOLERANCE, f"{label}: relative {relative:.2e} from serial "
-                                                                     f"(< {BF16_TOLERANCE:g})")
+            for name, dtype, size, layout in runs:
+                dtype_name = str(dtype).removeprefix("torch.")
+                degrees = parse_layout(layout)
+                request = fields(name, ctx, dtype=dtype_name, batch=degrees.get("dp", 1), width=size, height=size)
+                reference = serial_latent(name, dtype, request)
+                result, _ = client.sample({**request, "parallel": degrees})
+                scaled, relative = distance(result["samples"].float(), reference)
+                label = f"{name}_{dtype_name}_{layout}"
+                if "pipefusion" in degrees:
+                    seeds = distance(serial_latent(name, dtype, {**request, "seed": request["seed"] + 1}), reference)[1]
+                    checks.record(**{f"{label}_rel": relative, f"{label}_seeds_rel": seeds})
+                    checks.expect(0 < relative < 0.1 * seeds, f"{label}: relative {relative:.2e} from serial, two "
+                                                              f"seeds {seeds:.2e} apart (stale K/V: above 0, under a "
+                                                              "tenth of that)")
+                elif dtype == torch.float32:
+                    checks.record(**{f"{label}_max": scaled})
+                    checks.expect(scaled <= FLOAT32_TOLERANCE, f"{label}: {scaled:.2e} from serial "
+                                                               f"(≤ {FLOAT32_TOLERANCE:g})")
+                else:
+                    checks.record(**{f"{label}_rel": relative})
+                    checks.expect(relative < BF16_TOLERANCE, f"{label}: relative {relative:.2e} from serial "
+                                                             f"(< {BF16_TOLERANCE:g})")
             if world == 2:
-                request = fields(models[0], ctx, dtype="float32", batch=1)
-                _fault(client, fault, request, serial_latent(models[0], torch.float32, request), checks)
+                name = runs[0][0]
+                request = fields(name, ctx, dtype="float32", batch=1)
+                _fault(client, fault, request, serial_latent(name, torch.float32, request), checks)
+
+
+def _plan(ctx: Context) -> dict[int, list[tuple]]:
+    """(model, dtype, side, layout) of every run, by world size: the dry run's few, or the GPU's all."""
+    if ctx.quick:
+        return {world: [("flux-tiny", torch.float32, 64, layout) for layout in layouts]
+                for world, layouts in QUICK_LAYOUTS.items()}
+    name, side, wide = FULL_WIDTH
+    return {world: [(model, dtype, 128, layout) for model in MODELS for dtype in (torch.float32, torch.bfloat16)
+                    for layout in layouts] + [(name, torch.bfloat16, side, layout) for layout in wide[world]]
+            for world, layouts in LAYOUTS.items()}
