@@ -49,6 +49,26 @@ def test_a_builtin_built_for_cuda_is_drawn_on_the_cpu_in_float32(name):
     assert torch.bfloat16 in {p.dtype for p in model.transformer.parameters()}
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_builtin_marked_drawn_on_device_is_drawn_on_the_device_it_is_built_for(monkeypatch, on_device):
+    """flux-dev-random (12 B parameters) is drawn on its GPU: seconds, where the CPU's one-threaded uniform_ takes
+    a minute or more. This torch has no CUDA generator, so the draws are recorded and made on the CPU: every
+    module of a marked built-in is drawn for cuda:0, an unmarked one's on the CPU."""
+    from dataclasses import replace
+
+    from xdit_backend.models import builtins, weights
+
+    assert builtins.BUILTINS["flux-dev-random"].drawn_on_device
+    marked = replace(builtins.BUILTINS["flux-tiny"], drawn_on_device=on_device)
+    monkeypatch.setitem(builtins.BUILTINS, "flux-tiny", marked)
+    devices, redraw = [], weights._redraw
+    monkeypatch.setattr(weights, "_redraw", lambda module, seed, device: (devices.append(device),
+                                                                         redraw(module, seed, torch.device("cpu"))))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        registry.build("flux-tiny", CUDA, torch.bfloat16)
+    assert devices and set(devices) == {CUDA if on_device else torch.device("cpu")}
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_a_lower_precision_builtin_is_the_same_model_rounded(name):
     full = registry.build(name, torch.device("cpu")).transformer.state_dict()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class BuiltinModel:
     """A random-weight model for demos, tests and benchmarks: built from a config and a fixed seed,
     so every rank and every process builds bit-identical weights without any file, on any device
-    (drawn on the CPU, module by module: weights.py)."""
+    (drawn on the CPU, module by module: weights.py; but for ``drawn_on_device``)."""
 
     family: str
     config: dict
@@ -22,6 +22,9 @@ class BuiltinModel:
     description: str = field(default="", compare=False)
     # the latent (rows, columns) of each reference latent a request that sends none gets, drawn from its seed
     references: tuple[tuple[int, int], ...] = ()
+    # drawn on the device it is built for: the same model only on one kind of device, in seconds where the CPU
+    # takes a minute or more (ATen's CPU uniform_ runs on one thread: 12 B values of Flux.1-dev in 60–84 s)
+    drawn_on_device: bool = False
 
 
 # Flux.1-dev's transformer config (its diffusers config.json), for the full-size random-weight built-ins
@@ -78,6 +81,7 @@ BUILTINS: dict[str, BuiltinModel] = {
         config=FLUX_DEV,
         text_tokens=512,
         description="the full Flux.1-dev architecture (12 B parameters) with random weights, for GPU benchmarks",
+        drawn_on_device=True,
     ),
     "flux-dev-two-blocks": BuiltinModel(
         family="flux",

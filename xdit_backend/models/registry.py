@@ -249,7 +249,7 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
         storage.check_fp8(device, source.ref)
     transformer = construct(source)
     keys = _stage_keys(transformer, family, blocks)
-    with _tensors(source, transformer, keys) as tensor_of:
+    with _tensors(source, transformer, keys, device) as tensor_of:
         weights.put(transformer, keys, tensor_of, device, dtype, fp8,
                     sharding and (sharding, _blocks(transformer, family, blocks)))
     broken = storage.non_finite(transformer) if source.kind != "builtin" else []  # a built-in's are drawn, finite
@@ -304,11 +304,13 @@ def _block_index(key: str, block_lists: tuple[str, ...], counts: list[int]) -> i
 
 
 @contextmanager
-def _tensors(source: ModelSource, transformer, keys: list[str]):
-    """``tensor_of(key)``: a built-in's drawn tensor, or one tensor read from the file or folder (on
-    the CPU, in the stored dtype, memory-mapped), each only when ``weights.put`` asks for it."""
+def _tensors(source: ModelSource, transformer, keys: list[str], device: torch.device):
+    """``tensor_of(key)``: a built-in's drawn tensor (on the CPU, or on ``device`` for one drawn there), or one
+    tensor read from the file or folder (on the CPU, in the stored dtype, memory-mapped), each only when
+    ``weights.put`` asks for it."""
     if source.kind == "builtin":
-        draw = weights.drawn(transformer, BUILTINS[source.ref].seed)
+        builtin = BUILTINS[source.ref]
+        draw = weights.drawn(transformer, builtin.seed, device if builtin.drawn_on_device else torch.device("cpu"))
         yield lambda key, part=None: draw(key) if part is None else draw(key)[part[0]:part[1]]
         return
 

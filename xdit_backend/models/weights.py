@@ -50,9 +50,11 @@ def _cannot_redraw(module: torch.nn.Module) -> bool:
     return not callable(getattr(module, "reset_parameters", None))
 
 
-def drawn(transformer: torch.nn.Module, seed: int) -> Callable[[str], torch.Tensor]:
+def drawn(transformer: torch.nn.Module, seed: int,
+          device: torch.device = torch.device("cpu")) -> Callable[[str], torch.Tensor]:
     """The tensor of a state-dict key of a built-in constructed with ``construct(…, seed)``: its
-    module's parameters are drawn, on first use, in float32 on the CPU from (seed, module name)."""
+    module's parameters are drawn, on first use, in float32 on ``device`` (the CPU: the same model on
+    every device) from (seed, module name)."""
     modules = dict(transformer.named_modules())
 
     def tensor_of(key: str) -> torch.Tensor:
@@ -60,7 +62,7 @@ def drawn(transformer: torch.nn.Module, seed: int) -> Callable[[str], torch.Tens
         module = modules[owner]
         tensor = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
         if tensor.is_meta:
-            _redraw(module, _module_seed(seed, owner))
+            _redraw(module, _module_seed(seed, owner), device)
             tensor = module._parameters[leaf]
         return tensor
 
@@ -73,14 +75,17 @@ def _module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _redraw(module: torch.nn.Module, seed: int) -> None:
-    """Allocate ``module``'s meta parameters on the CPU in float32 and let the module initialise them."""
+def _redraw(module: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Allocate ``module``'s meta parameters on ``device`` in float32 and let the module initialise them
+    (from ``device``'s default generator, seeded)."""
     for name, param in module._parameters.items():
         if param is not None and param.is_meta:
             module._parameters[name] = torch.nn.Parameter(
-                torch.empty(param.shape, dtype=torch.float32), requires_grad=param.requires_grad)
-    with torch.random.fork_rng(devices=[]):
+                torch.empty(param.shape, dtype=torch.float32, device=device), requires_grad=param.requires_grad)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)  # the current device's, which fork_rng restores
         module.reset_parameters()
 
 
