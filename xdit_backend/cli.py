@@ -120,6 +120,11 @@ class Sample:
                             help="a reference image's latent (image editing: Qwen-Image-Edit, Flux.2), a safetensors "
                                  "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
                                  "sides of the guidance get them")
+        parser.add_argument("--control-latent", type=Path, action="append", default=[], metavar="FILE",
+                            help="the control image's VAE latent for the --control of the same position (a "
+                                 "safetensors file with 'samples' [1, C, h, w] at the generation's latent size, as "
+                                 "VAE Encode makes it: the backend has no VAE); a built-in control draws one from the "
+                                 "seed without it")
         parser.add_argument("--noise-mask", type=Path, default=None, metavar="FILE",
                             help="inpainting: a safetensors file with 'mask' (or 'noise_mask') [N, 1, H, W], 1 where "
                                  "to make anew, 0 where to keep --latent (resized to the latent as ComfyUI does)")
@@ -228,7 +233,8 @@ def sample_fields(args) -> dict:
 
 def sample_tensors(args) -> dict:
     """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, its --noise-mask, and
-    each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side)."""
+    each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side), each
+    --control-latent as control_<i>."""
     from safetensors.torch import load_file
 
     def latent(path: Path):
@@ -251,6 +257,11 @@ def sample_tensors(args) -> dict:
         tensors[f"reference_{i}"] = latent(path)
         if "negative_context" in tensors:
             tensors[f"negative_reference_{i}"] = tensors[f"reference_{i}"]
+    if len(args.control_latent) > len(args.controls or ()):
+        raise SystemExit(f"{len(args.control_latent)} --control-latent for {len(args.controls or ())} --control: give "
+                         "each control latent after its --control")
+    for i, path in enumerate(args.control_latent):
+        tensors[f"control_{i}"] = latent(path)
     return tensors
 
 

@@ -35,7 +35,7 @@ WEIGHT_DTYPE_NAMES = ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI's UNETLoad
 NUMBER = (int, float)
 
 # How request.py reads a field's wire value into the request (and writes it back for the ranks):
-KINDS = ("text", "int", "float", "bool", "choice", "dtype", "layout", "loras", "inputs")
+KINDS = ("text", "int", "float", "bool", "choice", "dtype", "layout", "loras", "controls", "inputs")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,11 @@ SAMPLE: tuple[Field, ...] = (
     Field("loras", list, "loras", [], flag="--lora",
           help="LoRA files patched onto the loaded model (no copy), in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),
+    Field("controls", list, "controls", [], flag="--control",
+          help="model patches that steer the image by a control latent, in order: a Qwen-Image DiffSynth ControlNet "
+               "patch file (ComfyUI's models/model_patches) or the built-in qwen-image-diffsynth-tiny: [{path, "
+               "strength}, ...], the i-th's control latent sent as tensor control_<i>; on the command line "
+               "PATH[:STRENGTH], repeated, each with a --control-latent (a built-in draws one from the seed)"),
     Field("frames", int, "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
     Field("start_step", int, "int", 0, 0, MAX_STEPS,
           help="first step of the --steps schedule to run (KSamplerAdvanced; Wan 2.2's two experts are two runs)"),
@@ -137,7 +142,7 @@ def fields(**values) -> dict:
 # --------------------------------------------------------------------------- the command line
 
 
-def lora_entry(text: str) -> dict:
+def path_and_strength(text: str) -> dict:
     """PATH or PATH:STRENGTH → {"path", "strength"}."""
     path, _, strength = text.rpartition(":") if ":" in text else (text, "", "1")
     try:
@@ -155,12 +160,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for field in SAMPLE:
         if not field.cli:
             continue
-        shown = "" if field.default is None or field.kind in ("bool", "loras") else f" (default {field.default})"
+        listed = field.kind in ("bool", "loras", "controls")
+        shown = "" if field.default is None or listed else f" (default {field.default})"
         kwargs = {"dest": field.name, "default": None, "help": field.help + shown}
         if field.kind == "bool":
             kwargs.update(action="store_const", const=not field.default)
-        elif field.kind == "loras":
-            kwargs.update(action="append", type=lora_entry, metavar="PATH[:STRENGTH]")
+        elif field.kind in ("loras", "controls"):
+            kwargs.update(action="append", type=path_and_strength, metavar="PATH[:STRENGTH]")
         else:
             kwargs["type"] = _ARG_TYPES[field.kind]
             if isinstance(field.choices, tuple) and field.choices:

@@ -250,7 +250,8 @@ def test_every_call_is_sized_before_anything_is_allocated(monkeypatch):
     from xdit_backend.wire.protocol import Message
 
     executor = Executor(SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1, local_world_size=1,
-                                        control=None, timeout=timedelta(seconds=60), local_rank=0))
+                                        control=None, timeout=timedelta(seconds=60), local_rank=0,
+                                        data_backend="gloo"))
 
     def request(rows: int, side: int) -> EvaluateRequest:
         tensors, inputs = call(rows=rows, h=side, w=side)

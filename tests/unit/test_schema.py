@@ -20,7 +20,8 @@ def every_field(tmp_path) -> dict:
     lora.write_bytes(b"")  # parsing checks only that the file exists
     return {"model": "wan-tiny", "width": 96, "height": 80, "batch": 2, "steps": 6, "seed": 2**64 - 2, "cfg": 2.5,
             "guidance": 4.25, "shift": 2.75, "parallel": ParallelConfig(cfg=2).to_json(), "profile": True,
-            "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}], "frames": 5,
+            "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}],
+            "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": -0.25}], "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
             "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True,
             "cache": "teacache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 0}
@@ -63,7 +64,7 @@ def test_every_field_survives_parse_broadcast_parse(every_field):
 def test_absent_fields_take_the_schema_defaults():
     request = SampleRequest.parse(through_the_wire({"model": "flux-tiny"}))
     for field in schema.SAMPLE[1:]:
-        expected = {"parallel": None, "loras": ()}.get(field.name, field.default)
+        expected = {"parallel": None, "loras": (), "controls": ()}.get(field.name, field.default)
         assert getattr(request, field.attribute) == expected, field.name
     assert request.to_fields() == {"model": "flux-tiny", **{f.name: f.default for f in schema.SAMPLE
                                                             if f.default is not None}}
@@ -88,7 +89,7 @@ def argv_for(fields: dict) -> list[str]:
             continue
         if field.kind == "bool":
             argv += [field.option] if value != field.default else []
-        elif field.kind == "loras":
+        elif field.kind in ("loras", "controls"):
             argv += [arg for entry in value for arg in (field.option, f"{entry['path']}:{entry['strength']}")]
         else:
             argv += [field.option, str(value)]

@@ -56,6 +56,8 @@ class FamilySpec(ABC):
                       row; "references": ComfyUI's ``ref_latents``, sent as ``reference_<i>`` in raw latent space;
                       for ``ref_latents_method``, the one method the family's wrapper takes). None: the xDiT MODEL
                       (nodes/model_call.py) does not run this family yet.
+    takes_model_patches: the family's wrapper applies ComfyUI's block-wise model patches (models/model_patch.py:
+                      a DiffSynth ControlNet) after each block, from its ``model_patches``.
     takes_references: reference latents (ComfyUI's ``reference_latents``: image editing) come as
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies
@@ -86,6 +88,7 @@ class FamilySpec(ABC):
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
+    takes_model_patches: ClassVar[bool] = False
     comfy_model_inputs: ClassVar[dict[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs):

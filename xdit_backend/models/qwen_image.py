@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
-from . import latent_formats
+from . import latent_formats, model_patch
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 from .patch_embed import pack, pad_to_patch, unpack
 
@@ -93,6 +94,7 @@ class QwenImageSpec(FamilySpec):
     # guidance, ref_latents, …): text to image, and the edit models' reference latents (its "index" method)
     latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
     takes_references = True
+    takes_model_patches = True  # DiffSynth's block-wise ControlNet (models/model_patch.py)
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1),  # [B, N + R, 64]: noisy then reference tokens
@@ -100,7 +102,9 @@ class QwenImageSpec(FamilySpec):
               Cut("image_rope", None, 0),  # [N + R, D/2] complex RoPE of the image tokens
               Cut("text_rope", None, 0, text=True),  # [L, D/2] of the text
               # [B, N + R]: 1 on the reference tokens (2511's timestep zero), each block's own input
-              Cut("transformer_blocks.*", "modulate_index", 1, optional=True)),
+              Cut("transformer_blocks.*", "modulate_index", 1, optional=True),
+              # a model patch's hint tokens [1, N + R, D] and their mask [1, N + R, 1] (0 on the references')
+              Cut("control_hint", None, 1)),
         attention=(("attn", QwenImageAttention),))
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
                            joint_text=True)
@@ -196,8 +200,14 @@ class QwenImageModel(DiffusionModel):
 
     def __init__(self, transformer, *args, **kwargs):
         super().__init__(transformer, *args, **kwargs)
-        # pass-through modules (no parameters, no state) the RoPE tables leave through (``rope_and_time``)
+        # pass-through modules (no parameters, no state) the RoPE tables leave through (``rope_and_time``), and the
+        # model patches' hints (``_patch_block``): where a sequence-parallel plan cuts them
         transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
+        transformer.control_hint = torch.nn.Identity()
+        self.model_patches: list[model_patch.AppliedPatch] = []  # the running generation's model patches, in order
+        self._hints: list | None = None  # the running call's (hint, mask) per patch, whole; cut at block 0
+        for index, block in enumerate(transformer.transformer_blocks):  # once: a compiled block's hooks never change
+            block.register_forward_hook(partial(self._patch_block, index))
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for ``x`` [B, 16, h, w] at σ [B]; reference latents [B, 16, h', w'] (raw VAE
@@ -214,15 +224,43 @@ class QwenImageModel(DiffusionModel):
         # every image's (frames, rows, columns) in tokens: diffusers' RoPE (replaced by ``tables``) and, with
         # zero_cond_t, its modulate_index (0 on the noisy tokens, 1 on the references')
         shapes = [(1, h // 2, w // 2), *((1, latent.shape[-2] // 2, latent.shape[-1] // 2) for latent in latents)]
-        with rope_and_time(self.transformer, tables, self._time(timestep)):
-            velocity = self.transformer(
-                hidden_states=torch.cat(tokens, dim=1),  # [B, N + R, 64]
-                encoder_hidden_states=context,
-                timestep=timestep,
-                img_shapes=[shapes] * b,
-                return_dict=False,
-            )[0]  # [B, N + R, 64]
+        self._hints = self._patch_hints(sum(t.shape[1] for t in tokens))
+        try:
+            with rope_and_time(self.transformer, tables, self._time(timestep)):
+                velocity = self.transformer(
+                    hidden_states=torch.cat(tokens, dim=1),  # [B, N + R, 64]
+                    encoder_hidden_states=context,
+                    timestep=timestep,
+                    img_shapes=[shapes] * b,
+                    return_dict=False,
+                )[0]  # [B, N + R, 64]
+        finally:
+            self._hints = None
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
+
+    def _patch_hints(self, image_tokens: int) -> list | None:
+        """Each model patch's hint over the call's N + R image tokens [1, N + R, D] (zeros on the references') and
+        the mask of the tokens it controls [1, N + R, 1]: ComfyUI's patch adds to ``img[:, :N]`` only."""
+        hints = []
+        for patch in self.model_patches:
+            noisy = patch.hint.shape[1]
+            hint = torch.nn.functional.pad(patch.hint, (0, 0, 0, image_tokens - noisy))  # [1, N + R, D]
+            mask = (torch.arange(image_tokens, device=hint.device) < noisy).to(hint.dtype).view(1, -1, 1)
+            hints.append((hint, mask))
+        return hints or None
+
+    def _patch_block(self, index: int, block, args, out):
+        """ComfyUI's ``double_block`` patches after block ``index`` (comfy/ldm/qwen_image/model.py): each patch's
+        control, times its strength, added to the noisy image tokens, in order. Under sequence parallelism the
+        hints are cut at block 0 like the image (``control_hint`` in the plan): each rank controls its own tokens."""
+        if self._hints is None:
+            return out
+        if index == 0:
+            self._hints = [self.transformer.control_hint(pair) for pair in self._hints]  # [1, n, D], [1, n, 1]
+        text, image = out  # [B, L, D], [B, n, D]
+        for patch, (hint, mask) in zip(self.model_patches, self._hints):
+            image = image + patch.network.controlnet_blocks[index](image, hint) * patch.strength * mask
+        return text, image
 
     def _reference_latents(self, cond: dict, batch: int) -> list[torch.Tensor]:
         """The reference latents in model space, padded to the patch, over the call's rows: [batch, 16, h', w']."""

@@ -21,7 +21,7 @@ from ..distributed.mesh import MeshCache
 from ..distributed.runtime import Runtime
 from ..launch.worker_env import FAULT_ENV
 from ..memory import fit as memory_fit
-from ..models import lora, registry
+from ..models import lora, model_patch, registry
 from ..models.resolved import ResolvedModel, resolve_model
 from ..parallel import attention, shard, traffic
 from ..parallel.compile import use_compiled
@@ -46,6 +46,7 @@ class Executor:
         self.rt = rt
         self.cache = ModelCache()  # one resident base per file version, precision, sharding and stage
         self.lora_files = lora.LoraFiles(rt.device)  # the LoRA tensors the loaded models carry
+        self.patch_networks: dict[tuple, torch.nn.Module] = {}  # the last request's model patches, by file and dtype
         self.inputs = InputStore()  # the xDiT MODEL's conditioning by content hash (evaluate requests)
         self.evaluations: dict[str, int] = {}  # evaluate requests run, by model name (status shows them)
         self.estimates: dict[tuple, object] = {}  # the memory model's estimates by (key, layout, tokens, rows)
@@ -141,7 +142,9 @@ class Executor:
     def held_bytes(self) -> int:
         """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry. (The xDiT MODEL's
         conditioning, input_store.py, is in host memory, which the fit check reads as it is.)"""
-        return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes()
+        patches = sum(p.numel() * p.element_size() for network in self.patch_networks.values()
+                      for p in network.parameters())
+        return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes() + patches
 
     def memory_record(self) -> dict:
         """What ``status`` shows of this rank: its device's memory and its loaded models."""
@@ -174,14 +177,41 @@ class Executor:
         if self.rt.device.type == "cuda" and self.rt.local_rank == 0:
             torch.cuda.empty_cache()
 
+    def _patch_key(self, spec: model_patch.PatchSpec, key: ModelKey) -> tuple:
+        """A model patch network's identity: its file's version (or built-in name) and the model's compute dtype."""
+        version = None if spec.built_in else (os.stat(spec.path).st_mtime_ns, os.stat(spec.path).st_size)
+        return spec.path, version, key.compute_dtype
+
+    def _unloaded_patch_bytes(self, request: SampleRequest, key: ModelKey) -> int:
+        """The bytes of the request's model patches not loaded yet, for the fit check."""
+        dtype = getattr(torch, key.compute_dtype)
+        return sum(model_patch.nbytes(spec, dtype) for spec in request.controls
+                   if self._patch_key(spec, key) not in self.patch_networks)
+
+    def _model_patches(self, request: SampleRequest, key: ModelKey, spec) -> list:
+        """The request's model patches on this rank, in order: each network loaded once and kept while requests
+        use it (only the last request's are kept; their bytes count as held), its hint from the request's control
+        latent at the generation's latent size."""
+        kept = {}
+        for index, entry in enumerate(request.controls):
+            identity = self._patch_key(entry, key)
+            kept[identity] = self.patch_networks.get(identity) or model_patch.network(
+                entry, self.rt.device, getattr(torch, key.compute_dtype))
+        self.patch_networks = kept
+        size = request.latent_shape(spec)[-2:]
+        return [model_patch.applied(entry, kept[self._patch_key(entry, key)], request.control_latent(index),
+                                    request.seed + index, size, self.computing.transformer)
+                for index, entry in enumerate(request.controls)]
+
     def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int,
-                  modulation_per_token: bool = False) -> None:
+                  modulation_per_token: bool = False, extra_bytes: int = 0) -> None:
         """Before anything is allocated, on every request: every rank checks that the request's activations
         (its size, batch, frames and reference latents) and, when the model is not loaded yet, its weights
         fit its device, counting what evicting other least-recently-used models would free; the ranks agree
         (one small gather on the control group), then evict, or all raise the refusal of the first rank that
         cannot fit (nothing loaded, evicted or run). ``tokens`` per rank and ``rows`` per forward under
-        ``parallel``: memory_fit.request_shape for a generation; ``modulation_per_token``: a timestep per token."""
+        ``parallel``: memory_fit.request_shape for a generation; ``modulation_per_token``: a timestep per token;
+        ``extra_bytes``: more the request loads beside the model (its model patches)."""
         shard_ranks = (len(key.shard_ranks) or 1) if shard.shards_its_matrices(model.source.gguf) else 1
         shape = (key, parallel, tokens, rows, modulation_per_token)
         estimate = self.estimates.get(shape)
@@ -192,7 +222,7 @@ class Executor:
                                                                  key.weight_dtype, shard_ranks, parallel, tokens, rows,
                                                                  modulation_per_token)
         holds = key in self.cache.entries  # its resident weights are held already
-        need = estimate.total - (estimate.weights_resident if holds else 0)
+        need = estimate.total - (estimate.weights_resident if holds else 0) + extra_bytes
         free = memory_fit.available(self.rt.device, self.held_bytes(), self.rt.local_world_size)
         others = [(k, e.bytes) for k, e in self.cache.entries.items() if k != key]
         plan = memory_fit.eviction_plan(need, free, others)
@@ -248,18 +278,22 @@ class Executor:
         key = self.key(model, request.dtype, request.weight_dtype, shard_mesh, stage)
         text_tokens = spec.split_text_tokens(gen.positive)
         self.make_room(model, key, request.parallel, *memory_fit.request_shape(request, spec, text_tokens),
-                       request.modulates_per_token(spec))
+                       request.modulates_per_token(spec), self._unloaded_patch_bytes(request, key))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype,
                            shard_mesh, stage)
         self.computing = entry.model
         if stage is None:
             denoiser = Denoiser(self.computing, layout)
             first_block = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
+            if request.controls:
+                self.computing.model_patches = self._model_patches(request, key, spec)
             try:
                 with _armed_fault(first_block, self.rt.rank):
                     return generate(denoiser, gen, after_step)
             finally:
                 self.last_cache = denoiser.cache
+                if request.controls:
+                    self.computing.model_patches = []
         denoiser = Denoiser(self.computing, layout)  # the batch rows of this dp group, and their gather
         decides = gen.cache is not None and stage[0] <= model.cache_head < stage[1]
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..models import registry
+from ..models import model_patch, registry
 from ..parallel.denoiser import Denoiser
 from ..sampling.generate import generate
 from ..wire.protocol import Message
@@ -33,4 +33,14 @@ def serial_latent(fields: dict, tensors: dict | None = None, model=None,
     request.check_model(model.spec)
     with torch.no_grad():
         generation = replace(request.generation(model.spec, *request.sides(model.spec)), cpu_noise=cpu_noise)
-        return generate(Denoiser(model), generation, after_step)
+        if not request.controls:
+            return generate(Denoiser(model), generation, after_step)
+        model.model_patches = [  # the executor's, each network made anew here
+            model_patch.applied(entry, model_patch.network(entry, model.device, model.dtype),
+                                request.control_latent(index), request.seed + index,
+                                request.latent_shape(model.spec)[-2:], model.transformer)
+            for index, entry in enumerate(request.controls)]
+        try:
+            return generate(Denoiser(model), generation, after_step)
+        finally:
+            model.model_patches = []

@@ -16,7 +16,7 @@ import torch
 from .. import schema
 from ..distributed.config import ConfigError, ParallelConfig
 from ..errors import UserError
-from ..models import lora, registry
+from ..models import lora, model_patch, registry
 from ..models.base import shape_fits, shape_text
 from ..parallel.step_cache import CacheOptions
 from ..sampling import samplers, schedulers
@@ -28,6 +28,7 @@ GENERATION_TENSORS = ("latent", "sigmas", "noise_mask")
 # spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
 CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
 REFERENCE = re.compile(r"reference_(\d+)")
+CONTROL = re.compile(r"control_(\d+)")  # the i-th control's latent (controls)
 CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  # schema's choice registries
 
 
@@ -54,6 +55,7 @@ class SampleRequest:
     dtype: str
     weight_dtype: str
     loras: tuple[lora.LoraSpec, ...]  # in order
+    controls: tuple[model_patch.PatchSpec, ...]  # in order; control_<i> is the i-th's latent
     frames: int
     start_step: int
     end_step: int | None  # None: to the end of the schedule
@@ -96,8 +98,8 @@ class SampleRequest:
                                    f"it must lie in {field.low:g}..{field.high:g}")
 
     def _check_tensors(self) -> None:
-        unknown = sorted(name for name in self.tensors
-                         if name not in GENERATION_TENSORS and not CONDITIONING_NAME.fullmatch(name))
+        unknown = sorted(name for name in self.tensors if name not in GENERATION_TENSORS
+                         and not CONDITIONING_NAME.fullmatch(name) or self._stray_control(name))
         if unknown:
             raise RequestError(f"unknown tensors {unknown}",
                                "a sample request carries latent, sigmas and the model's conditioning tensors "
@@ -107,10 +109,23 @@ class SampleRequest:
                 raise RequestError(f"tensor {name!r} has dtype {tensor.dtype}; send float32, float16 or bfloat16")
             if not torch.isfinite(tensor).all():
                 raise RequestError(f"tensor {name!r} holds NaN or infinite values")
-        given = {name for name in self.tensors
-                 if name not in GENERATION_TENSORS and not REFERENCE.fullmatch(name.removeprefix("negative_"))}
+        given = {name for name in self.tensors if name not in GENERATION_TENSORS
+                 and not REFERENCE.fullmatch(name.removeprefix("negative_")) and not CONTROL.fullmatch(name)}
         if given and "context" not in given:
             raise RequestError("conditioning was sent without 'context'", "send the model's conditioning together")
+
+    def _stray_control(self, name: str) -> bool:
+        """A control_<i> tensor with no i-th control to go with it."""
+        match = CONTROL.fullmatch(name)
+        return bool(match) and int(match.group(1)) >= len(self.controls)
+
+    def control_latent(self, index: int) -> torch.Tensor | None:
+        """The i-th control's latent [1, C, h, w] (a video-shaped [1, C, 1, h, w] as ComfyUI's Qwen VAE gives it
+        is squeezed), or None when none was sent."""
+        latent = self.tensors.get(f"control_{index}")
+        if latent is not None and latent.dim() == 5 and latent.shape[2] == 1:
+            latent = latent[:, :, 0]
+        return latent
 
     def check_model(self, spec) -> None:
         """The checks that depend on the model: its sizes, its latent's shape, its step range."""
@@ -133,6 +148,7 @@ class SampleRequest:
                 f"latent has shape {list(latent.shape)}, but a {spec.family} latent for batch {self.batch} at "
                 f"{self.width}×{self.height}{frames} has shape {list(self.latent_shape(spec))}")
         self._check_noise_mask(spec)
+        self._check_controls(spec)
         if self.guidance is not None and spec.default_guidance is None:
             raise RequestError(f"guidance {self.guidance}: model {self.model} has no guidance embedding "
                                "(only Flux.1-dev-style models take one)", "leave guidance out; use cfg")
@@ -142,6 +158,32 @@ class SampleRequest:
         if self.end_step is not None and self.end_step > self.steps:
             raise RequestError(f"end_step {self.end_step} is past the last of {self.steps} steps",
                                f"use end_step ≤ {self.steps}, or leave it out")
+
+    def _check_controls(self, spec) -> None:
+        """Model patches: only a family that applies them, not under PipeFusion, each latent one image of the
+        generation's latent size (the patch's own channels are checked when it is loaded)."""
+        if not self.controls:
+            return
+        if not spec.takes_model_patches:
+            raise RequestError(f"controls: {spec.family} models take no model patch (a DiffSynth ControlNet patch "
+                               "is for Qwen-Image)", "leave controls out, or use a Qwen-Image model")
+        if self.parallel is not None and self.parallel.pipefusion > 1:
+            raise RequestError(f"controls with pipefusion={self.parallel.pipefusion}: a PipeFusion stage runs its "
+                               "blocks on patches of the latent, and the patch's control for those tokens is not "
+                               "wired there yet", "use ulysses, ring, cfg or dp with a control")
+        rows, columns = self.latent_shape(spec)[-2:]
+        for index, entry in enumerate(self.controls):
+            latent = self.control_latent(index)
+            if latent is None:
+                if not entry.built_in:
+                    raise RequestError(f"control {index} ({entry.path}) came without its latent control_{index}",
+                                       "send the control image's VAE latent (the xDiT node encodes it; on the "
+                                       "command line --control-latent FILE)")
+                continue
+            if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != (rows, columns):
+                raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one image's latent "
+                                   f"[1, C, {rows}, {columns}], the generation's latent size",
+                                   "encode the control image at the generation's width and height")
 
     def _check_noise_mask(self, spec) -> None:
         """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
@@ -210,7 +252,8 @@ class SampleRequest:
         """One side's tensors by key (without the prefix): the spec's shapes (None: any length), its
         optional keys and masks, and its reference latents; any other key is refused by name."""
         given = {name.removeprefix(prefix): tensor for name, tensor in self.tensors.items()
-                 if name not in GENERATION_TENSORS and name.startswith("negative_") == bool(prefix)}
+                 if name not in GENERATION_TENSORS and not CONTROL.fullmatch(name)
+                 and name.startswith("negative_") == bool(prefix)}
         context = given["context"]
         text_tokens = context.shape[1] if context.dim() == 3 else -1
         shapes = spec.conditioning_shapes(self.batch, text_tokens)
@@ -347,6 +390,11 @@ def _read(field: schema.Field, fields: dict):
         return _parallel(value)
     if field.kind == "loras":
         return _loras(value)
+    if field.kind == "controls":
+        try:
+            return tuple(model_patch.parse(value))
+        except UserError as exc:
+            raise RequestError(exc.message, exc.hint) from None
     return value
 
 
@@ -354,7 +402,7 @@ def _write(field: schema.Field, value):
     """One attribute as its wire value (None: left out)."""
     if field.kind == "layout":
         return "auto" if value is None else value.to_json()
-    if field.kind == "loras":
+    if field.kind in ("loras", "controls"):
         return [{"path": spec.path, "strength": spec.strength} for spec in value]
     return value
 

@@ -1,0 +1,204 @@
+"""ComfyUI's model patches (its ``models/model_patches`` folder): small networks a patch node attaches to a loaded
+model, here DiffSynth's block-wise ControlNet for Qwen-Image.
+
+As ComfyUI runs it (comfy_extras/nodes_model_patch.py in the shared snapshot, v0.3.64: QwenImageBlockWiseControlNet,
+ModelPatchLoader, DiffSynthCnetPatch, QwenImageDiffsynthControlnet): the control image's VAE latent (with
+``additional_in_dim`` / 4 mask channels after it for the inpainting patch) has its first 16 channels put into model
+space (Wan 2.1's latent format), is padded to 2×2 patches, packed like the image and embedded by the patch's own
+``img_in``: one hint token per image token. After transformer block i (a ``double_block`` patch, called in
+comfy/ldm/qwen_image/model.py after every block) the image tokens — the noisy latent's, not the references' after
+them — gain ``strength · block_i(x, hint)``, where block_i is RMSNorm(x) + RMSNorm(hint) through Linear, GELU,
+Linear. Everything is per token, so under sequence parallelism each rank applies it to its own share of the tokens
+with its own share of the hint (the family's sequence plan cuts the hint as it cuts the image): nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from . import latent_formats
+from .file_kind import not_a_file
+from .patch_embed import pack, pad_to_patch
+
+LATENT_CHANNELS = 16  # the model-space channels of the hint (Wan 2.1's latent); the rest are mask channels
+SEED = 7  # the built-in patches' weights
+MAX_PATCHES = 8
+# built-in patches (random weights, for tests and demos) and the built-in model each fits
+BUILTINS = {"qwen-image-diffsynth-tiny": "qwen-image-tiny"}
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One model patch of a request: its file (or built-in name) and its strength."""
+
+    path: str
+    strength: float
+
+    @property
+    def built_in(self) -> bool:
+        return self.path in BUILTINS
+
+
+class ControlBlock(nn.Module):
+    """One block's control: RMSNorm(x) + RMSNorm(hint) → Linear → GELU → Linear, per token."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.x_rms = nn.RMSNorm(dim, eps=1e-6)
+        self.y_rms = nn.RMSNorm(dim, eps=1e-6)
+        self.input_proj = nn.Linear(dim, dim)
+        self.act = nn.GELU()
+        self.output_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+        return self.output_proj(self.act(self.input_proj(self.x_rms(x) + self.y_rms(hint))))  # [B, n, D]
+
+
+class BlockwiseControlNet(nn.Module):
+    """DiffSynth's block-wise ControlNet for Qwen-Image: the hint's embedding and one ControlBlock per transformer
+    block. Its state-dict keys are the file's (``img_in.*``, ``controlnet_blocks.<i>.{x_rms,y_rms,input_proj,
+    output_proj}.*``)."""
+
+    def __init__(self, blocks: int, dim: int, in_dim: int = 64, additional_in_dim: int = 0):
+        super().__init__()
+        self.additional_in_dim = additional_in_dim
+        self.img_in = nn.Linear(in_dim + additional_in_dim, dim)
+        self.controlnet_blocks = nn.ModuleList(ControlBlock(dim) for _ in range(blocks))
+
+    @property
+    def latent_channels(self) -> int:
+        """The channels of the latent the hint is made from: 16 and the mask's."""
+        return self.img_in.in_features // 4
+
+    def hint(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] (raw VAE space, C = latent_channels) → [B, h/2·w/2, D] in the network's dtype, as
+        process_input_latent_image makes it: ``img_in`` in the latent's float32 (ComfyUI casts the layer to its
+        input), then rounded to the model's dtype where the patch adds it."""
+        latent = latent.to(torch.float32, copy=True)  # its first channels are changed below, not the caller's
+        latent[:, :LATENT_CHANNELS] = latent_formats.WAN21.process_in(latent[:, :LATENT_CHANNELS])
+        tokens = pack(pad_to_patch(latent, (1, 2, 2)))  # [B, n, C·4]
+        weight, bias = self.img_in.weight.float(), self.img_in.bias.float()
+        return torch.nn.functional.linear(tokens, weight, bias).to(self.img_in.weight.dtype)  # [B, n, D]
+
+
+@dataclass
+class AppliedPatch:
+    """A patch as one generation applies it: the network, its hint tokens for the generation's latent, the strength."""
+
+    network: BlockwiseControlNet
+    hint: torch.Tensor  # [1, N, D]: one token per noisy image token
+    strength: float
+
+
+def parse(entries: list) -> list[PatchSpec]:
+    """The ``controls`` of a request, checked: [{"path": str, "strength": number}, …]."""
+    if not isinstance(entries, list) or len(entries) > MAX_PATCHES:
+        raise UserError(f"controls must be a list of at most {MAX_PATCHES} {{path, strength}} entries")
+    specs = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"path", "strength"} or not isinstance(entry.get("path"), str):
+            raise UserError(f"control entry {entry!r} must hold a path and, optionally, a strength",
+                            'e.g. {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", '
+                            '"strength": 1.0}')
+        strength = entry.get("strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
+            raise UserError(f"control strength {strength!r} must be a number in -10..10 "
+                            "(QwenImageDiffsynthControlnet's range)")
+        if entry["path"] in BUILTINS:
+            specs.append(PatchSpec(entry["path"], float(strength)))
+            continue
+        path = Path(entry["path"]).expanduser()
+        odd = not_a_file(str(path))
+        if odd or not path.is_file():
+            raise UserError(f"control {entry['path']} is {odd or 'not there'}, not a model patch file",
+                            "give a model patch file (ComfyUI keeps them in models/model_patches) or a built-in: "
+                            + ", ".join(BUILTINS))
+        specs.append(PatchSpec(str(path.resolve()), float(strength)))
+    return specs
+
+
+def read(path: str) -> BlockwiseControlNet:
+    """A model patch file, as ModelPatchLoader reads it (on the CPU, in the file's precision); one ComfyUI does not
+    know, or one this version does not run, is refused with what it is."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path)
+    except (OSError, ValueError) as exc:  # safetensors' own errors are ValueError subclasses
+        raise UserError(f"model patch {path}: not a readable safetensors file ({exc})",
+                        "check the file: ComfyUI keeps model patches in models/model_patches") from None
+    if "controlnet_blocks.0.y_rms.weight" not in state:
+        kind = ("a SigLIP style projector (USO)" if "feature_embedder.mid_layer_norm.bias" in state
+                else f"no model patch ComfyUI knows (keys {sorted(state)[:3]}…)")
+        raise UserError(f"model patch {path} is {kind}; this version runs DiffSynth's block-wise ControlNet for "
+                        "Qwen-Image", "use a Qwen-Image DiffSynth ControlNet patch (e.g. "
+                        "qwen_image_canny_diffsynth_controlnet.safetensors)")
+    blocks = 1 + max(int(key.split(".")[1]) for key in state if key.startswith("controlnet_blocks."))
+    dim, in_features = state["img_in.weight"].shape
+    network = BlockwiseControlNet(blocks, dim, 64, in_features - 64)
+    network.load_state_dict({key: value.float() for key, value in state.items()})
+    return network.to(state["img_in.weight"].dtype)
+
+
+def built_in(blocks: int, dim: int) -> BlockwiseControlNet:
+    """A random patch for a model of ``blocks`` blocks of width ``dim`` (the tiny built-ins'), from a fixed seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        network = BlockwiseControlNet(blocks, dim)
+        for block in network.controlnet_blocks:  # RMSNorm starts at ones: give the norms' scales some spread
+            for norm in (block.x_rms, block.y_rms):
+                nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return network
+
+
+def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype) -> BlockwiseControlNet:
+    """The patch's network on ``device`` in ``dtype`` (a file's, read; a built-in's, drawn for its model's size)."""
+    if spec.built_in:
+        from . import builtins
+
+        config = builtins.BUILTINS[BUILTINS[spec.path]].config
+        made = built_in(config["num_layers"], config["num_attention_heads"] * config["attention_head_dim"])
+    else:
+        made = read(spec.path)
+    return made.to(device, dtype).requires_grad_(False)
+
+
+def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
+    """The bytes the patch's network holds in ``dtype``, from the file's header (nothing is read) or the built-in's
+    size: the fit check counts them before loading."""
+    if spec.built_in:
+        return sum(p.numel() for p in network(spec, torch.device("meta"), dtype).parameters()) * dtype.itemsize
+    from safetensors import safe_open
+
+    with safe_open(spec.path, framework="pt") as handle:
+        values = sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
+    return values * dtype.itemsize
+
+
+def applied(spec: PatchSpec, made: BlockwiseControlNet, latent: torch.Tensor | None, seed: int,
+            latent_size: tuple[int, int], transformer) -> AppliedPatch:
+    """The patch as a generation applies it: its hint from the control ``latent`` [1, C, h, w] (a built-in's drawn
+    from ``seed`` when none is sent), checked against the model it patches."""
+    blocks = len(transformer.transformer_blocks)
+    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    have = (len(made.controlnet_blocks), made.img_in.out_features)
+    if have != (blocks, width):
+        raise UserError(f"model patch {spec.path} has {have[0]} blocks of width {have[1]}, but the model has {blocks} "
+                        f"of width {width}", "use a patch made for this model (Qwen-Image's: 60 blocks of 3072)")
+    if latent is None:
+        generator = torch.Generator().manual_seed(seed)
+        latent = torch.randn((1, made.latent_channels, *latent_size), generator=generator)
+    elif latent.shape[1] != made.latent_channels:
+        raise UserError(f"the control latent for {spec.path} has {latent.shape[1]} channels; the patch takes "
+                        f"{made.latent_channels} ({LATENT_CHANNELS} latent channels"
+                        f"{' and the mask' if made.additional_in_dim else ''})",
+                        "encode the control image with the model's VAE (Qwen-Image's: Wan 2.1's)")
+    with torch.no_grad():
+        hint = made.hint(latent.to(made.img_in.weight.device))  # [1, N, D]
+    return AppliedPatch(made, hint, spec.strength)
