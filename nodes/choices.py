@@ -16,6 +16,19 @@ TEST_PREFIX = "[test] "  # built-in test models in the loader's list (random wei
 
 
 @dataclass(frozen=True)
+class ControlChoice:
+    """A model patch that controls the image (the xDiT DiffSynth ControlNet node): its file (or built-in name), its
+    strength, and what its control latent is made from when a sampler knows the latent's size (nodes/control.py)."""
+
+    path: str
+    strength: float
+    image: object = field(compare=False, repr=False)  # ComfyUI's IMAGE [B, H, W, 3]
+    vae: object = field(compare=False, repr=False)  # ComfyUI's VAE, None for a built-in patch
+    mask: object = field(default=None, compare=False, repr=False)  # ComfyUI's MASK, inverted as the patch node does
+    mask_channels: int = 0  # the patch's inpainting mask channels after the latent's
+
+
+@dataclass(frozen=True)
 class ModelChoice:
     ref: str  # a built-in name, or a file's absolute path
     dtype: str = "auto"  # the backend's names: auto, bfloat16, float16, float32
@@ -28,9 +41,13 @@ class ModelChoice:
     cache_threshold: float | None = schema.FIELDS["cache_threshold"].default
     cache_start: int = schema.FIELDS["cache_start"].default
     cache_end: int = schema.FIELDS["cache_end"].default
+    controls: tuple[ControlChoice, ...] = ()  # model patches, in order
 
     def with_lora(self, path: str, strength: float) -> ModelChoice:
         return replace(self, loras=(*self.loras, (path, strength)))
+
+    def with_control(self, control: ControlChoice) -> ModelChoice:
+        return replace(self, controls=(*self.controls, control))
 
     def with_cache(self, method: str, threshold: float | None, start: int, end: int) -> ModelChoice:
         return replace(self, cache=method, cache_threshold=threshold, cache_start=start, cache_end=end)
@@ -40,7 +57,8 @@ class ModelChoice:
                              shift=self.shift,
                              loras=[{"path": path, "strength": strength} for path, strength in self.loras],
                              cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
-                             cache_end=self.cache_end)
+                             cache_end=self.cache_end,
+                             controls=[{"path": c.path, "strength": c.strength} for c in self.controls] or None)
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what

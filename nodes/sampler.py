@@ -18,6 +18,7 @@ from xdit_backend.schema import FIELDS, MAX_STEPS, SEED_RANGE
 
 from . import translate
 from .choices import ParallelChoice
+from .control import control_latent
 from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
 
 
@@ -140,6 +141,11 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         mask = translate.noise_mask(latent_image)
         if mask is not None:
             tensors["noise_mask"] = mask
+        rows, columns = spec.latent_shape(geometry.batch, geometry.width, geometry.height, geometry.frames)[-2:]
+        for index, control in enumerate(model.controls):
+            latent = control_latent(control, rows, columns)
+            if latent is not None:
+                tensors[f"control_{index}"] = latent
         guidance = None
         for which, entries in (("positive", positive), ("negative", negative)):
             if entries is None:
@@ -202,7 +208,8 @@ def backend_client(parallel: ParallelChoice | None):
     gpus = parallel.gpus if parallel else None
     socket = default_socket()
     # a backend this node starts serves files from ComfyUI's model folders only
-    roots = tuple(sorted({str(Path(p).resolve()) for kind in ("diffusion_models", "checkpoints", "loras")
+    folders = ("diffusion_models", "checkpoints", "loras", "model_patches")
+    roots = tuple(sorted({str(Path(p).resolve()) for kind in folders
                           for p in folder_paths.get_folder_paths(kind)}))
     try:  # a backend this node starts lets the GPUs go when ComfyUI stops using it (idle.py)
         idle_unload, idle_stop = nodes_idle_times(os.environ)

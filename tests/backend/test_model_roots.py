@@ -1,4 +1,4 @@
-"""With --model-root, model and LoRA files come only from inside the roots: '..' and symlinks are
+"""With --model-root, model, LoRA and model patch files come only from inside the roots: '..' and symlinks are
 resolved before the check, so neither traversal nor a symlink escapes."""
 
 import pytest
@@ -62,6 +62,14 @@ def test_a_lora_outside_the_root_is_refused(confined, files):
     with pytest.raises(BackendError, match="LoRA .* is outside the model roots"):
         confined.sample({**FIELDS, "model": str(root / "flux.safetensors"),
                          "loras": [{"path": str(outside / "lora.safetensors")}]}, conditioning())
+
+
+def test_a_model_patch_outside_the_root_is_refused(confined, files):
+    root, outside = files
+    patch = outside / "patch.safetensors"
+    patch.write_bytes(b"")  # refused before it is read
+    with pytest.raises(BackendError, match="model patch .* is outside the model roots"):
+        confined.sample({**FIELDS, "model": "qwen-image-tiny", "controls": [{"path": str(patch)}]})
 
 
 def test_without_roots_every_path_is_allowed(files):

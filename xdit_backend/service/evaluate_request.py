@@ -52,6 +52,11 @@ class EvaluateRequest:
     cond_rows: int  # from them; ComfyUI batches uncond first)
     tensors: dict[str, torch.Tensor]  # x, timestep, guidance, and the inputs sent inline by hash
 
+    @property
+    def controls(self) -> tuple:
+        """No model patches: the xDiT MODEL's calls carry none (the sampler's request sends them, schema.SAMPLE)."""
+        return ()
+
     def cache_options(self):
         return SampleRequest.cache_options(self)
 

@@ -226,13 +226,14 @@ class Leader:
     def check_roots(self, request: SampleRequest) -> None:
         """The model: a regular file or folder (a FIFO or a device would block the loop that serves the socket at
         its first read; a symlink loop is named; LoRA paths were checked so when the request was read); model and
-        LoRA files only from the configured roots, symlinks and '..' resolved first."""
+        LoRA and model patch files only from the configured roots, symlinks and '..' resolved first."""
         a_path = request.model not in registry.BUILTINS
         odd = file_kind.not_a_file(request.model) if a_path else None
         if odd:
             raise RequestError(f"model {request.model} is {odd}, not a file or folder that can be read",
                                "give the path of a model file (.safetensors, .gguf) or a diffusers folder")
         files = ([("model", request.model)] if a_path else []) + [("LoRA", spec.path) for spec in request.loras]
+        files += [("model patch", spec.path) for spec in request.controls if not spec.built_in]
         for what, path in files:
             if not paths.inside_roots(path, self.model_roots):
                 raise RequestError(f"{what} {path} is outside the model roots this backend serves "

@@ -1,0 +1,118 @@
+"""xDiT DiffSynth ControlNet: ComfyUI's QwenImageDiffsynthControlnet for an xDiT model, and the control latent a
+sampler sends with it.
+
+ComfyUI's node (comfy_extras/nodes_model_patch.py, snapshot v0.3.64) keeps the image, the VAE and the inverted
+mask, and its patch encodes the image when the model first runs, again at the latent's size when they differ
+(``DiffSynthCnetPatch.__call__``: ``common_upscale`` "area" / "center" to the latent's pixels). Here the node keeps
+the same three, and the sampler, which knows the latent's size, encodes them as that patch would
+(``control_latent``): the backend has no VAE, and the patch network's own part (``img_in`` and the blocks) runs
+on the backend, on every rank's share of the tokens.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .choices import TEST_PREFIX, ControlChoice
+from .comfy_types import CATEGORY, XDiTModel
+
+LATENT_CHANNELS = 16  # Qwen-Image's latent (Wan 2.1's VAE)
+
+
+def patch_names() -> list[str]:
+    import folder_paths
+
+    from xdit_backend.models.model_patch import BUILTINS
+
+    return [*folder_paths.get_filename_list("model_patches"), *(TEST_PREFIX + name for name in BUILTINS)]
+
+
+def patch_path(name: str) -> str:
+    import folder_paths
+
+    if name.startswith(TEST_PREFIX):
+        return name.removeprefix(TEST_PREFIX)
+    return folder_paths.get_full_path_or_raise("model_patches", name)
+
+
+def mask_channels(path: str) -> int:
+    """The inpainting patch's mask channels (its ``img_in`` takes 64 + 4 per channel), from the file's header."""
+    from safetensors import safe_open
+
+    from xdit_backend.models.model_patch import BUILTINS
+
+    if path in BUILTINS:
+        return 0
+    with safe_open(path, framework="pt") as handle:
+        if "img_in.weight" not in handle.keys():
+            raise ValueError(f"xDiT: {path} is not a DiffSynth ControlNet model patch (it has no img_in.weight)\n"
+                             "choose a Qwen-Image DiffSynth ControlNet from models/model_patches")
+        return (handle.get_slice("img_in.weight").get_shape()[1] - 64) // 4
+
+
+class XDiTDiffSynthControlNet(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="XDiTDiffSynthControlNet",
+            display_name="xDiT DiffSynth ControlNet",
+            category=CATEGORY,
+            description="Qwen-Image's DiffSynth ControlNet (canny, depth, inpainting; a model patch from "
+                        "models/model_patches) on an xDiT model, as QwenImageDiffsynthControlnet applies it: run "
+                        "on the backend, each GPU controlling its own share of the image. Chain several.",
+            inputs=[
+                XDiTModel.Input("model"),
+                io.Combo.Input("model_patch", options=patch_names(),
+                               tooltip="[test] patches have random weights, for the [test] Qwen-Image"),
+                io.Vae.Input("vae", optional=True, tooltip="the model's VAE (Qwen-Image's); not for [test] patches"),
+                io.Image.Input("image", optional=True, tooltip="the control image (not for [test] patches)"),
+                io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01),
+                io.Mask.Input("mask", optional=True, tooltip="inpainting patches: where to inpaint"),
+            ],
+            outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+        )
+
+    @classmethod
+    def execute(cls, model, model_patch, strength, vae=None, image=None, mask=None) -> io.NodeOutput:
+        path = patch_path(model_patch)
+        if (image is None or vae is None) and not model_patch.startswith(TEST_PREFIX):
+            raise ValueError("xDiT: the DiffSynth ControlNet needs the control image and the model's VAE\n"
+                             "connect image and vae (only [test] patches draw their control from the seed)")
+        if image is not None:
+            image = image[:, :, :, :3]
+        if mask is not None:  # as QwenImageDiffsynthControlnet: [B, 1, 1, H, W], 1 where the image is kept
+            if mask.ndim == 3:
+                mask = mask.unsqueeze(1)
+            if mask.ndim == 4:
+                mask = mask.unsqueeze(2)
+            mask = 1.0 - mask
+        control = ControlChoice(path, strength, image if vae is not None else None, vae, mask, mask_channels(path))
+        return io.NodeOutput(model.with_control(control))
+
+
+def control_latent(control: ControlChoice, rows: int, columns: int):
+    """The control latent [1, C, rows, columns] the patch would encode for a latent of that size: the image resized
+    to its pixels when they differ ("area", "center"), through the VAE, with the mask's channels after it (the mask
+    resized "bilinear", or ones without one). None for a built-in patch without an image (the backend draws one)."""
+    import torch
+
+    import comfy.utils
+
+    if control.image is None:
+        return None
+    scale = control.vae.spacial_compression_encode()
+    image = control.image
+    if (image.shape[1], image.shape[2]) != (rows * scale, columns * scale):
+        image = comfy.utils.common_upscale(image.movedim(-1, 1), columns * scale, rows * scale, "area",
+                                           "center").movedim(1, -1)
+    latent = control.vae.encode(image)  # [B, 16, 1, rows, columns] (Qwen-Image's VAE) or [B, 16, rows, columns]
+    if control.mask_channels:
+        if control.mask is None:
+            extra = torch.ones_like(latent)[:, :control.mask_channels]
+        else:
+            extra = comfy.utils.common_upscale(control.mask.mean(dim=1, keepdim=True), latent.shape[-1],
+                                               latent.shape[-2], "bilinear", "none")
+        latent = torch.cat([latent, extra.to(latent)], dim=1)
+    if latent.dim() == 5:
+        latent = latent[:, :, 0]  # one frame
+    return latent[:1].to("cpu", torch.float32).contiguous()

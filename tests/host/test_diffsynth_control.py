@@ -1,0 +1,93 @@
+"""The xDiT DiffSynth ControlNet node in the real ComfyUI: the control latent the sampler sends is what ComfyUI's own
+DiffSynthCnetPatch encodes (resized to the latent, with an inpainting patch's mask), and a workflow with the node
+runs through ComfyUI's HTTP API to the latent the backend's serial reference gives with the same patch."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from host.conftest import WORKFLOWS
+
+from xdit_backend.models import model_patch
+
+pytestmark = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                reason="needs a ComfyUI checkout: set COMFYUI_DIR (and run with a Python that has "
+                                       "ComfyUI's requirements) to test the node in ComfyUI")
+
+
+class StandInVAE:
+    """A VAE as the patch uses one (encode, spacial_compression_encode): 8×8 pixel means through a fixed map to 16
+    channels, [B, 16, 1, h, w] like Qwen-Image's (Wan 2.1's) VAE."""
+
+    def __init__(self):
+        self.mix = torch.randn(16, 3, generator=torch.Generator().manual_seed(9))
+
+    def spacial_compression_encode(self) -> int:
+        return 8
+
+    def encode(self, image: torch.Tensor) -> torch.Tensor:
+        pooled = torch.nn.functional.avg_pool2d(image.movedim(-1, 1).float(), 8)  # [B, 3, h, w]
+        return torch.einsum("oc,bchw->bohw", self.mix, pooled)[:, :, None]  # [B, 16, 1, h, w]
+
+
+@pytest.mark.parametrize("mask_channels, masked", [(0, False), (1, True), (1, False)],
+                         ids=["control", "inpainting-with-mask", "inpainting-without"])
+def test_the_control_latent_is_what_comfyuis_patch_encodes(pack, tmp_path, mask_channels, masked):
+    """An image of another size than the latent's pixels (ComfyUI's patch re-encodes it resized), through the node
+    and the sampler's encoding, then the patch's img_in on the backend: ComfyUI's encoded_image exactly."""
+    import comfy.ops
+    import comfy_extras.nodes_model_patch as nodes_model_patch
+    from comfyui_xdit.nodes import choices, control
+
+    network = model_patch.BlockwiseControlNet(2, 32, 64, 4 * mask_channels)
+    theirs = nodes_model_patch.QwenImageBlockWiseControlNet(num_layers=2, dim=32, additional_in_dim=4 * mask_channels,
+                                                           operations=comfy.ops.manual_cast)
+    theirs.load_state_dict(network.state_dict())
+    g = torch.Generator().manual_seed(2)
+    image = torch.rand(1, 72, 100, 3, generator=g)  # pixels: not the latent's 64 × 96
+    mask = torch.rand(1, 72, 100, generator=g) if masked else None
+    vae = StandInVAE()
+    path = tmp_path / "patch.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(network.state_dict(), str(path))
+    mask_in = None if mask is None else 1.0 - mask.unsqueeze(1).unsqueeze(2)  # as QwenImageDiffsynthControlnet
+    chosen = choices.ControlChoice(str(path), 0.5, image, vae, mask_in, control.mask_channels(str(path)))
+    ours = network.hint(control.control_latent(chosen, 8, 12))  # [1, 48, 32]
+
+    patch = nodes_model_patch.DiffSynthCnetPatch(SimpleNamespace(model=theirs), vae, image, 0.5, mask_in)
+    x = torch.zeros(1, 16, 1, 8, 12)  # the latent the model runs on: 64 × 96 pixels
+    img = torch.zeros(1, 48, 32)
+    patch({"x": x, "img": img, "block_index": 0})  # re-encodes at the latent's size
+    assert patch.encoded_image_size == (64, 96)
+    assert (ours - patch.encoded_image).abs().max() <= 1e-6
+
+
+def test_a_workflow_with_the_node_gives_the_serial_latent(host):
+    """The tiny Qwen-Image workflow with xDiT DiffSynth ControlNet ([test] patch, strength 0.8) between the loader
+    and the sampler, through ComfyUI's HTTP API: the latent of the backend's serial reference with that patch, and
+    not the one without it."""
+    from xdit_backend.service.reference import serial_latent
+
+    prompt = json.loads((WORKFLOWS / "qwen-image-tiny.api.json").read_text())
+    loader = next(key for key, node in prompt.items() if node["class_type"] == "XDiTLoadDiffusionModel")
+    sampler = next(key for key, node in prompt.items() if node["class_type"] == "XDiTSampler")
+    prompt["control"] = {"class_type": "XDiTDiffSynthControlNet",
+                         "inputs": {"model": [loader, 0], "model_patch": "[test] qwen-image-diffsynth-tiny",
+                                    "strength": 0.8}}
+    prompt[sampler]["inputs"]["model"] = ["control", 0]
+    prompt[sampler]["inputs"]["steps"] = 3
+    save = next(key for key, node in prompt.items() if node["class_type"] == "SaveLatent")
+    prompt[save]["inputs"]["filename_prefix"] = "latents/qwen-control"
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    latent = host.latest_latent("qwen-control")[:, :, 0]  # [B, 16, 1, h, w]: one frame
+    empty = next(node for node in prompt.values() if node["class_type"] == "EmptySD3LatentImage")["inputs"]
+    sampling = prompt[sampler]["inputs"]
+    fields = {"model": "qwen-image-tiny", "width": empty["width"], "height": empty["height"],
+              "steps": sampling["steps"], "seed": sampling["seed"], "cfg": sampling["cfg"], "dtype": "float32"}
+    controlled = serial_latent({**fields, "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
+    assert (latent - controlled).abs().max() <= 1e-4 * max(1.0, controlled.abs().max().item())
+    assert (latent - serial_latent(fields)).abs().max() > 1e-2
