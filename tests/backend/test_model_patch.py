@@ -90,6 +90,10 @@ def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
     path = tmp_path / "patch.safetensors"
     save_file(model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32).state_dict(),
               str(path))
+    # the fit check counts a patch before loading it: its file's tensors at the compute dtype's size
+    state_values = sum(t.numel() for t in model_patch.read(str(path)).state_dict().values())
+    assert model_patch.nbytes(model_patch.PatchSpec(str(path), 1.0), torch.bfloat16) == 2 * state_values
+    assert model_patch.nbytes(model_patch.PatchSpec(TINY, 1.0), torch.float32) == 4 * state_values
     file_request = _request({**QWEN, "controls": [{"path": str(path)}]})
     with pytest.raises(RequestError, match="came without its latent control_0"):
         file_request.check_model(spec)

@@ -27,17 +27,20 @@ def common(lora: str) -> dict:
 
 @pytest.fixture
 def requests(tmp_path) -> list[dict]:
-    """Flux (guidance, ulysses) and Wan (frames, cfg parallel): together, every field away from its default."""
+    """Flux (guidance, ulysses), Wan (frames, cfg parallel) and Qwen-Image (a model patch, ring; not compiled: the
+    others compile): together, every field away from its default."""
     lora = tmp_path / "empty-lora.safetensors"
     save_file({}, str(lora))  # a LoRA file that matches nothing: merged as zero modules
     path = str(lora.resolve())
     flux = {"model": "flux-tiny", **common(path), "guidance": 4.25, "parallel": ParallelConfig(ulysses=2).to_json()}
     wan = {"model": "wan-tiny", **common(path), "frames": 5, "weight_dtype": "fp8_e4m3fn",
            "parallel": ParallelConfig(cfg=2).to_json()}
-    return [flux, wan]
+    qwen = {"model": "qwen-image-tiny", **common(path), "compile": False, "parallel": ParallelConfig(ring=2).to_json(),
+            "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.5}]}
+    return [flux, wan, qwen]
 
 
-def test_the_two_requests_set_every_field(requests):
+def test_the_requests_set_every_field(requests):
     """A new schema field must be set in one of them (and then reach every rank)."""
     away = {name for fields in requests for name, value in fields.items() if value != schema.FIELDS[name].default}
     assert sorted(set(schema.FIELDS) - away) == []

@@ -48,3 +48,15 @@ def test_the_cli_passes_the_cache_bench_its_request(monkeypatch):
     assert fields == {"model": "wan-tiny", "width": 256, "height": 128, "steps": 12, "batch": 1, "cfg": 1.0,
                       "seed": 1, "dtype": "auto", "frames": 9}
     assert (methods, thresholds, layout, device) == (["teacache"], [0.1, 0.4], "ulysses=2", "cpu")
+
+
+def test_the_control_bench_times_our_share_and_the_peers_whole(capsys):
+    """bench control's table at a narrow width (2 heads of 128): a row per degree, its share of the tokens, and no
+    bytes sent for the patch (per token: nothing to exchange)."""
+    from xdit_backend.bench.control import run_control_bench
+
+    assert run_control_bench(side=64, ranks=(1, 2), repeats=1, heads=2) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row[0].strip() for row in rows[1:]] == ["1", "2"]
+    assert [int(row[1]) for row in rows[1:]] == [16, 8]  # 64 px: 4 × 4 tokens, halved
+    assert all(float(row[3]) > 0 and float(row[5]) > 0 and row[7].strip() == "0" for row in rows[1:])

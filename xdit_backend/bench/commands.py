@@ -226,5 +226,22 @@ class ModelCall:
                                     args.repeats, args.dtype, args.device)
 
 
+class Control:
+    name = "control"
+    help = "a model patch's cost per rank (Qwen-Image's DiffSynth ControlNet at full width): ours against the peers'"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--size", type=int, default=512, help="image side in pixels (default 512)")
+        parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="sequence degrees (default 1 2 4)")
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+        parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+        parser.add_argument("--repeats", type=int, default=3)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .control import run_control_bench
+
+        return run_control_bench(args.size, tuple(args.ranks), args.device, args.dtype, args.repeats)
+
+
 BENCHES = (Transport(), Layouts(), Overhead(), Scaling(), Memory(), VersusDiffusers(), Cache(), PipefusionError(),
-           ModelCall())
+           ModelCall(), Control())

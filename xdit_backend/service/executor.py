@@ -157,6 +157,7 @@ class Executor:
         if model:
             names &= {model, str(Path(model).expanduser().resolve())}
         self.cache.drop(k for k in self.cache.least_recent_first() if k.name in names)
+        self.patch_networks = {}  # the model patches go with the models (the next request that uses one loads it)
         self.lora_files.keep_only({carried for e in self.cache.entries.values() for carried in e.model.patches.carried})
         if self.computing is not None and self.computing.name in names:
             self.computing = None  # the last request's model, held for its profile: not past an unload
