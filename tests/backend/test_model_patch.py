@@ -36,6 +36,20 @@ def test_every_layout_equals_serial_with_the_patch(shared_backends, serial_with_
     assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
 
 
+def test_with_sharded_weights_the_patch_blocks_are_sharded_too(backend2):
+    """ulysses=2 with shard_weights: each rank holds half of every control block (and the hint's img_in whole), as it
+    holds half of the model's blocks; the bytes held beside the models are the patch's share."""
+    backend2.sample({**QWEN, "controls": [CONTROL], "parallel": {"ulysses": 2, "shard_weights": True}})
+    status = backend2.status()
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    blocks = sum(p.numel() * 4 for p in network.controlnet_blocks.parameters())
+    whole = sum(p.numel() * 4 for p in network.parameters())
+    for rank, entry in enumerate(status["ranks"]):
+        models = sum(model["bytes_per_rank"][rank] for model in status["models"])
+        held = entry["memory"]["parameters"] - models  # the LoRA tensors: none here
+        assert whole - blocks + blocks // 2 <= held < whole - blocks // 3, (held, whole)
+
+
 def test_the_patch_moves_the_result_and_strength_0_is_no_patch_exactly(backend2, serial_with_control):
     plain, _ = backend2.sample({**QWEN, "parallel": {"ulysses": 2}})
     off, _ = backend2.sample({**QWEN, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ulysses": 2}})

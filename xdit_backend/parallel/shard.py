@@ -136,6 +136,21 @@ def shard_blocks(model, mesh: DeviceMesh, device: torch.device):
     return model
 
 
+def shard_network(network: nn.Module, blocks, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Shard ``blocks`` (a ModuleList of ``network``, on ``device``) over ``mesh`` as ``shard_blocks`` shards a model's,
+    the rest of ``network`` whole: a model patch's control blocks beside the model's own (each rank calls them
+    one by one, in the model's block order)."""
+    blocks = list(blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=whole_on_every_rank(block))
+    replicated = {p for p in network.parameters() if not isinstance(p, DTensor)}
+    fully_shard(network, mesh=mesh, reshard_after_forward=True, ignored_params=replicated)
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    fully_shard.state(network)._lazy_init()  # its blocks are called directly, never through its forward
+    return network
+
+
 def minor_dtype_parameters(block: nn.Module) -> set[nn.Parameter]:
     """The parameters of ``block`` whose dtype is not the one holding most of its bytes."""
     by_dtype: dict[torch.dtype, int] = {}

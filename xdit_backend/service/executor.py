@@ -142,8 +142,7 @@ class Executor:
     def held_bytes(self) -> int:
         """Bytes of every loaded model's weights and buffers and of the LoRA tensors they carry. (The xDiT MODEL's
         conditioning, input_store.py, is in host memory, which the fit check reads as it is.)"""
-        patches = sum(p.numel() * p.element_size() for network in self.patch_networks.values()
-                      for p in network.parameters())
+        patches = sum(shard.resident_bytes(network) for network in self.patch_networks.values())
         return sum(entry.bytes for entry in self.cache.entries.values()) + self.lora_files.nbytes() + patches
 
     def memory_record(self) -> dict:
@@ -179,25 +178,30 @@ class Executor:
             torch.cuda.empty_cache()
 
     def _patch_key(self, spec: model_patch.PatchSpec, key: ModelKey) -> tuple:
-        """A model patch network's identity: its file's version (or built-in name) and the model's compute dtype."""
+        """A model patch network's identity: its file's version (or built-in name), the model's compute dtype and
+        the ranks its blocks are sharded over (the model's)."""
         version = None if spec.built_in else (os.stat(spec.path).st_mtime_ns, os.stat(spec.path).st_size)
-        return spec.path, version, key.compute_dtype
+        return spec.path, version, key.compute_dtype, key.shard_ranks
 
     def _unloaded_patch_bytes(self, request: SampleRequest, key: ModelKey) -> int:
         """The bytes of the request's model patches not loaded yet, for the fit check."""
-        dtype = getattr(torch, key.compute_dtype)
-        return sum(model_patch.nbytes(spec, dtype) for spec in request.controls
+        dtype, shares = getattr(torch, key.compute_dtype), len(key.shard_ranks) or 1
+        return sum(-(-model_patch.nbytes(spec, dtype) // shares) for spec in request.controls
                    if self._patch_key(spec, key) not in self.patch_networks)
 
-    def _model_patches(self, request: SampleRequest, key: ModelKey, spec) -> list:
+    def _model_patches(self, request: SampleRequest, key: ModelKey, spec, shard_mesh=None) -> list:
         """The request's model patches on this rank, in order: each network loaded once and kept while requests
-        use it (only the last request's are kept; their bytes count as held), its hint from the request's control
-        latent at the generation's latent size."""
+        use it (only the last request's are kept; their bytes count as held), its control blocks sharded as the
+        model's blocks are (``shard_mesh``), its hint from the request's control latent at the latent's size."""
         kept = {}
         for index, entry in enumerate(request.controls):
             identity = self._patch_key(entry, key)
-            kept[identity] = self.patch_networks.get(identity) or model_patch.network(
-                entry, self.rt.device, getattr(torch, key.compute_dtype))
+            network = self.patch_networks.get(identity)
+            if network is None:
+                network = model_patch.network(entry, self.rt.device, getattr(torch, key.compute_dtype))
+                if shard_mesh is not None:
+                    shard.shard_network(network, network.controlnet_blocks, shard_mesh, self.rt.device)
+            kept[identity] = network
         self.patch_networks = kept
         size = request.latent_shape(spec)[-2:]
         return [model_patch.applied(entry, kept[self._patch_key(entry, key)], request.control_latent(index),
@@ -287,7 +291,7 @@ class Executor:
             denoiser = Denoiser(self.computing, layout)
             first_block = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
             if request.controls:
-                self.computing.model_patches = self._model_patches(request, key, spec)
+                self.computing.model_patches = self._model_patches(request, key, spec, shard_mesh)
             try:
                 with _armed_fault(first_block, self.rt.rank):
                     return generate(denoiser, gen, after_step)
