@@ -37,6 +37,34 @@ def not_a_file(path: str) -> str | None:
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
+def file_entries(entries, what: str, limit: int, example: dict, folder: str, names=()) -> list[tuple[str, float]]:
+    """A request's list of files with strengths (LoRAs, model patches), checked: [{"path": str, "strength": number
+    in -10..10 (1 when left out)}, …], at most ``limit``; each path a regular file (or one of ``names``, built-ins),
+    returned resolved. ``what`` names an entry in the errors; ``folder`` is where ComfyUI keeps such files."""
+    if not isinstance(entries, list) or len(entries) > limit:
+        raise UserError(f"{what} entries must be a list of at most {limit} {{path, strength}} entries")
+    checked = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"path", "strength"} or not isinstance(entry.get("path"), str):
+            raise UserError(f"{what} entry {entry!r} must hold a path and, optionally, a strength", f"e.g. {example}")
+        strength = entry.get("strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
+            raise UserError(f"{what} strength {strength!r} must be a number in -10..10")
+        if entry["path"] in names:
+            checked.append((entry["path"], float(strength)))
+            continue
+        path = Path(entry["path"]).expanduser()
+        odd = not_a_file(str(path))
+        if odd:
+            raise UserError(f"{what} {entry['path']} is {odd}, not a file that can be read",
+                            f"give the path of a {what} file (.safetensors; ComfyUI keeps them in {folder})")
+        if not path.is_file():
+            built_in = f", or a built-in: {', '.join(names)}" if names else ""
+            raise UserError(f"no {what} file at {entry['path']}", f"ComfyUI keeps them in {folder}{built_in}")
+        checked.append((str(path.resolve()), float(strength)))
+    return checked
+
+
 _STILL_BLOCKED: dict[str, tuple[threading.Thread, float]] = {}  # what → its look still blocked, since when
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from ..errors import UserError
 from .checkpoint import TensorSource
-from .file_kind import not_a_file
+from .file_kind import file_entries
 
 _DOWN = ("lora_A.weight", "lora_down.weight")
 _UP = ("lora_B.weight", "lora_up.weight")
@@ -237,22 +237,5 @@ def _strip(module: str) -> str:
 
 def parse(entries: list) -> list[LoraSpec]:
     """LoRA entries of a request, checked: [{"path": str, "strength": number}, …] (at most 16)."""
-    if not isinstance(entries, list) or len(entries) > 16:
-        raise UserError("loras must be a list of at most 16 {path, strength} entries")
-    specs = []
-    for entry in entries:
-        if not isinstance(entry, dict) or set(entry) - {"path", "strength"} or not isinstance(entry.get("path"), str):
-            raise UserError(f"LoRA entry {entry!r} must hold a path and, optionally, a strength",
-                            'e.g. {"path": "models/loras/style.safetensors", "strength": 0.8}')
-        strength = entry.get("strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
-            raise UserError(f"LoRA strength {strength!r} must be a number in -10..10")
-        path = Path(entry["path"]).expanduser()
-        odd = not_a_file(str(path))
-        if odd:
-            raise UserError(f"LoRA {entry['path']} is {odd}, not a file that can be read",
-                            "give the path of a LoRA file (.safetensors; ComfyUI keeps them in models/loras)")
-        if not path.is_file():
-            raise UserError(f"no LoRA file at {entry['path']}", "ComfyUI keeps them in models/loras")
-        specs.append(LoraSpec(str(path.resolve()), float(strength)))
-    return specs
+    return [LoraSpec(path, strength) for path, strength in file_entries(
+        entries, "LoRA", 16, {"path": "models/loras/style.safetensors", "strength": 0.8}, "models/loras")]

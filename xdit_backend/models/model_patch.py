@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import UserError
 from . import latent_formats
-from .file_kind import not_a_file
+from .file_kind import file_entries
 from .patch_embed import pack, pad_to_patch
 
 LATENT_CHANNELS = 16  # the model-space channels of the hint (Wan 2.1's latent); the rest are mask channels
@@ -98,29 +97,9 @@ class AppliedPatch:
 
 def parse(entries: list) -> list[PatchSpec]:
     """The ``controls`` of a request, checked: [{"path": str, "strength": number}, …]."""
-    if not isinstance(entries, list) or len(entries) > MAX_PATCHES:
-        raise UserError(f"controls must be a list of at most {MAX_PATCHES} {{path, strength}} entries")
-    specs = []
-    for entry in entries:
-        if not isinstance(entry, dict) or set(entry) - {"path", "strength"} or not isinstance(entry.get("path"), str):
-            raise UserError(f"control entry {entry!r} must hold a path and, optionally, a strength",
-                            'e.g. {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", '
-                            '"strength": 1.0}')
-        strength = entry.get("strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not -10 <= strength <= 10:
-            raise UserError(f"control strength {strength!r} must be a number in -10..10 "
-                            "(QwenImageDiffsynthControlnet's range)")
-        if entry["path"] in BUILTINS:
-            specs.append(PatchSpec(entry["path"], float(strength)))
-            continue
-        path = Path(entry["path"]).expanduser()
-        odd = not_a_file(str(path))
-        if odd or not path.is_file():
-            raise UserError(f"control {entry['path']} is {odd or 'not there'}, not a model patch file",
-                            "give a model patch file (ComfyUI keeps them in models/model_patches) or a built-in: "
-                            + ", ".join(BUILTINS))
-        specs.append(PatchSpec(str(path.resolve()), float(strength)))
-    return specs
+    example = {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", "strength": 1.0}
+    return [PatchSpec(path, strength) for path, strength in file_entries(
+        entries, "model patch", MAX_PATCHES, example, "models/model_patches", tuple(BUILTINS))]
 
 
 def read(path: str) -> BlockwiseControlNet:
