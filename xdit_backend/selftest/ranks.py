@@ -27,6 +27,9 @@ LAYOUTS = {2: ("ulysses=2", "ring=2", "cfg=2", "pipefusion=2", "dp=2", "ulysses=
            4: ("ulysses=2,ring=2", "cfg=2,ulysses=2", "pipefusion=2,ulysses=2", "ring=4,shard")}
 QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all-to-all, the ring's and the links' P2P
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
+# a model patch (Qwen-Image's DiffSynth ControlNet, per token: each rank controls its share), in every layout but
+# PipeFusion's (refused with a control)
+CONTROLLED = ("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
@@ -73,7 +76,7 @@ def ranks(ctx: Context, checks: Checks) -> None:
     serial: dict[tuple, torch.Tensor] = {}
 
     def serial_latent(name: str, dtype: torch.dtype, request: dict) -> torch.Tensor:
-        key = (name, dtype, request["width"], request["batch"], request["seed"])
+        key = (name, dtype, request["width"], request["batch"], request["seed"], str(request.get("controls")))
         if key not in serial:
             serial[key] = generation(registry.build(name, ctx.device, dtype), name, request)
         return serial[key]
@@ -81,14 +84,15 @@ def ranks(ctx: Context, checks: Checks) -> None:
     for world, runs in _plan(ctx).items():
         with ExitStack() as stack:
             client, fault = _backend(stack, ctx, world)
-            for name, dtype, size, layout in runs:
+            for name, dtype, size, layout, extra in runs:
                 dtype_name = str(dtype).removeprefix("torch.")
                 degrees = parse_layout(layout)
-                request = fields(name, ctx, dtype=dtype_name, batch=degrees.get("dp", 1), width=size, height=size)
+                request = fields(name, ctx, dtype=dtype_name, batch=degrees.get("dp", 1), width=size, height=size,
+                                 **extra)
                 reference = serial_latent(name, dtype, request)
                 result, _ = client.sample({**request, "parallel": degrees})
                 scaled, relative = distance(result["samples"].float(), reference)
-                label = f"{name}_{dtype_name}_{layout}"
+                label = f"{name}{'+control' if extra else ''}_{dtype_name}_{layout}"
                 if "pipefusion" in degrees:
                     seeds = distance(serial_latent(name, dtype, {**request, "seed": request["seed"] + 1}), reference)[1]
                     checks.record(**{f"{label}_rel": relative, f"{label}_seeds_rel": seeds})
@@ -110,11 +114,16 @@ def ranks(ctx: Context, checks: Checks) -> None:
 
 
 def _plan(ctx: Context) -> dict[int, list[tuple]]:
-    """(model, dtype, side, layout) of every run, by world size: the dry run's few, or the GPU's all."""
+    """(model, dtype, side, layout, more request fields) of every run, by world size: the dry run's few (a control
+    among them), or the GPU's all."""
+    controlled, control = CONTROLLED
     if ctx.quick:
-        return {world: [("flux-tiny", torch.float32, 64, layout) for layout in layouts]
-                for world, layouts in QUICK_LAYOUTS.items()}
+        return {world: [("flux-tiny", torch.float32, 64, layout, {}) for layout in layouts]
+                + [(controlled, torch.float32, 64, layouts[0], control)] for world, layouts in QUICK_LAYOUTS.items()}
     name, side, wide = FULL_WIDTH
-    return {world: [(model, dtype, 128, layout) for model in MODELS for dtype in (torch.float32, torch.bfloat16)
-                    for layout in layouts] + [(name, torch.bfloat16, side, layout) for layout in wide[world]]
+    both = (torch.float32, torch.bfloat16)
+    return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
+            + [(controlled, dtype, 128, layout, control) for dtype in both for layout in layouts
+               if "pipefusion" not in layout]
+            + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
             for world, layouts in LAYOUTS.items()}
