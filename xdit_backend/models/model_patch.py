@@ -70,6 +70,13 @@ class BlockwiseControlNet(nn.Module):
         self.img_in = nn.Linear(in_dim + additional_in_dim, dim)
         self.controlnet_blocks = nn.ModuleList(ControlBlock(dim) for _ in range(blocks))
 
+    def keep_blocks(self, start: int, end: int) -> None:
+        """Keep the control blocks of the model's blocks [start, end) only (a PipeFusion stage's); the others, never
+        called on this rank, become empty stand-ins."""
+        for index in range(len(self.controlnet_blocks)):
+            if not start <= index < end:
+                self.controlnet_blocks[index] = nn.Identity()
+
     @property
     def latent_channels(self) -> int:
         """The channels of the latent the hint is made from: 16 and the mask's."""
@@ -163,8 +170,9 @@ def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
 def applied(spec: PatchSpec, made: BlockwiseControlNet, latent: torch.Tensor | None, seed: int,
             latent_size: tuple[int, int], transformer) -> AppliedPatch:
     """The patch as a generation applies it: its hint from the control ``latent`` [1, C, h, w] (a built-in's drawn
-    from ``seed`` when none is sent), checked against the model it patches."""
-    blocks = len(transformer.transformer_blocks)
+    from ``seed`` when none is sent), checked against the model it patches (the whole model's blocks: a PipeFusion
+    stage holds some of them)."""
+    blocks = transformer.config.num_layers
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     have = (len(made.controlnet_blocks), made.img_in.out_features)
     if have != (blocks, width):

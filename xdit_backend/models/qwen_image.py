@@ -205,7 +205,8 @@ class QwenImageModel(DiffusionModel):
         transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
         transformer.control_hint = torch.nn.Identity()
         self.model_patches: list[model_patch.AppliedPatch] = []  # the running generation's model patches, in order
-        self._hints: list | None = None  # the running call's (hint, mask) per patch, whole; cut at block 0
+        self._hints: list | None = None  # the running call's (hint, mask) per patch: whole, cut at block 0
+        self._hints_local = False  # or already this rank's tokens' (a PipeFusion chunk's: block_kwargs)
         for index, block in enumerate(transformer.transformer_blocks):  # once: a compiled block's hooks never change
             block.register_forward_hook(partial(self._patch_block, index))
 
@@ -224,7 +225,7 @@ class QwenImageModel(DiffusionModel):
         # every image's (frames, rows, columns) in tokens: diffusers' RoPE (replaced by ``tables``) and, with
         # zero_cond_t, its modulate_index (0 on the noisy tokens, 1 on the references')
         shapes = [(1, h // 2, w // 2), *((1, latent.shape[-2] // 2, latent.shape[-1] // 2) for latent in latents)]
-        self._hints = self._patch_hints(sum(t.shape[1] for t in tokens))
+        self._hints, self._hints_local = self._patch_hints(sum(t.shape[1] for t in tokens)), False
         try:
             with rope_and_time(self.transformer, tables, self._time(timestep)):
                 velocity = self.transformer(
@@ -255,7 +256,7 @@ class QwenImageModel(DiffusionModel):
         hints are cut at block 0 like the image (``control_hint`` in the plan): each rank controls its own tokens."""
         if self._hints is None:
             return out
-        if index == 0:
+        if index == 0 and not self._hints_local:
             self._hints = [self.transformer.control_hint(pair) for pair in self._hints]  # [1, n, D], [1, n, 1]
         text, image = out  # [B, L, D], [B, n, D]
         for patch, (hint, mask) in zip(self.model_patches, self._hints):
@@ -324,7 +325,19 @@ class QwenImageModel(DiffusionModel):
         if self.spec.timestep_zero:  # [B, n]: 1 on the reference tokens (indices past the noisy latent's N)
             noisy = (h + 1) // 2 * ((w + 1) // 2)
             kwargs["modulate_index"] = (tokens >= noisy).int().expand(inputs["out_temb"].shape[0], -1)
+        self._hints, self._hints_local = self._chunk_hints(tokens), True
         return kwargs
+
+    def _chunk_hints(self, tokens: torch.Tensor) -> list | None:
+        """Each model patch's hint and mask at a PipeFusion chunk's tokens [n] (indices into [noisy; references]):
+        [1, n, D] and [1, n, 1], 0 on the references'."""
+        hints = []
+        for patch in self.model_patches:
+            noisy = patch.hint.shape[1]
+            at = tokens.to(patch.hint.device)
+            mask = (at < noisy).to(patch.hint.dtype).view(1, -1, 1)
+            hints.append((patch.hint[:, at.clamp(max=noisy - 1)], mask))  # [1, n, D], [1, n, 1]
+        return hints or None
 
     def run_block(self, block, image, text, kwargs):
         text, image = block(hidden_states=image, encoder_hidden_states=text, encoder_hidden_states_mask=None,

@@ -27,8 +27,8 @@ LAYOUTS = {2: ("ulysses=2", "ring=2", "cfg=2", "pipefusion=2", "dp=2", "ulysses=
            4: ("ulysses=2,ring=2", "cfg=2,ulysses=2", "pipefusion=2,ulysses=2", "ring=4,shard")}
 QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all-to-all, the ring's and the links' P2P
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
-# a model patch (Qwen-Image's DiffSynth ControlNet, per token: each rank controls its share), in every layout but
-# PipeFusion's (refused with a control)
+# a model patch (Qwen-Image's DiffSynth ControlNet, per token: each rank, and each PipeFusion chunk, controls its
+# own tokens), in every layout
 CONTROLLED = ("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
@@ -123,7 +123,6 @@ def _plan(ctx: Context) -> dict[int, list[tuple]]:
     name, side, wide = FULL_WIDTH
     both = (torch.float32, torch.bfloat16)
     return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
-            + [(controlled, dtype, 128, layout, control) for dtype in both for layout in layouts
-               if "pipefusion" not in layout]
+            + [(controlled, dtype, 128, layout, control) for dtype in both for layout in layouts]
             + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
             for world, layouts in LAYOUTS.items()}

@@ -181,7 +181,7 @@ class Executor:
         """A model patch network's identity: its file's version (or built-in name), the model's compute dtype and
         the ranks its blocks are sharded over (the model's)."""
         version = None if spec.built_in else (os.stat(spec.path).st_mtime_ns, os.stat(spec.path).st_size)
-        return spec.path, version, key.compute_dtype, key.shard_ranks
+        return spec.path, version, key.compute_dtype, key.shard_ranks, key.stage
 
     def _unloaded_patch_bytes(self, request: SampleRequest, key: ModelKey) -> int:
         """The bytes of the request's model patches not loaded yet, for the fit check."""
@@ -189,18 +189,22 @@ class Executor:
         return sum(-(-model_patch.nbytes(spec, dtype) // shares) for spec in request.controls
                    if self._patch_key(spec, key) not in self.patch_networks)
 
-    def _model_patches(self, request: SampleRequest, key: ModelKey, spec, shard_mesh=None) -> list:
+    def _model_patches(self, request: SampleRequest, key: ModelKey, spec, shard_mesh=None, stage=None) -> list:
         """The request's model patches on this rank, in order: each network loaded once and kept while requests
         use it (only the last request's are kept; their bytes count as held), its control blocks sharded as the
-        model's blocks are (``shard_mesh``), its hint from the request's control latent at the latent's size."""
+        model's blocks are (``shard_mesh``), a PipeFusion stage's only those of its blocks (``stage``: [start,
+        end)), its hint from the request's control latent at the latent's size."""
         kept = {}
         for index, entry in enumerate(request.controls):
             identity = self._patch_key(entry, key)
             network = self.patch_networks.get(identity)
             if network is None:
                 network = model_patch.network(entry, self.rt.device, getattr(torch, key.compute_dtype))
+                if stage is not None:
+                    network.keep_blocks(*stage)
                 if shard_mesh is not None:
-                    shard.shard_network(network, network.controlnet_blocks, shard_mesh, self.rt.device)
+                    used = [block for block in network.controlnet_blocks if any(True for _ in block.parameters())]
+                    shard.shard_network(network, used, shard_mesh, self.rt.device)
             kept[identity] = network
         self.patch_networks = kept
         size = request.latent_shape(spec)[-2:]
@@ -303,11 +307,15 @@ class Executor:
         decides = gen.cache is not None and stage[0] <= model.cache_head < stage[1]
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
         self.last_trace = pipeline.trace
+        if request.controls:
+            self.computing.model_patches = self._model_patches(request, key, spec, shard_mesh, stage)
         try:
             with _armed_fault(entry.blocks[0], self.rt.rank):
                 latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
         finally:
             self.last_cache = None if pipeline.cache is None else pipeline.cache.cache
+            if request.controls:
+                self.computing.model_patches = []
         return denoiser.gather_rows(latent).cpu()
 
     def evaluate(self, request: EvaluateRequest, after_step=None) -> torch.Tensor:

@@ -160,17 +160,13 @@ class SampleRequest:
                                f"use end_step ≤ {self.steps}, or leave it out")
 
     def _check_controls(self, spec) -> None:
-        """Model patches: only a family that applies them, not under PipeFusion, each latent one image of the
-        generation's latent size (the patch's own channels are checked when it is loaded)."""
+        """Model patches: only a family that applies them, each latent one image of the generation's latent size
+        (the patch's own channels are checked when it is loaded)."""
         if not self.controls:
             return
         if not spec.takes_model_patches:
             raise RequestError(f"controls: {spec.family} models take no model patch (a DiffSynth ControlNet patch "
                                "is for Qwen-Image)", "leave controls out, or use a Qwen-Image model")
-        if self.parallel is not None and self.parallel.pipefusion > 1:
-            raise RequestError(f"controls with pipefusion={self.parallel.pipefusion}: a PipeFusion stage runs its "
-                               "blocks on patches of the latent, and the patch's control for those tokens is not "
-                               "wired there yet", "use ulysses, ring, cfg or dp with a control")
         rows, columns = self.latent_shape(spec)[-2:]
         for index, entry in enumerate(self.controls):
             latent = self.control_latent(index)
