@@ -26,6 +26,10 @@ class ControlChoice:
     vae: object = field(compare=False, repr=False)  # ComfyUI's VAE, None for a built-in patch
     mask: object = field(default=None, compare=False, repr=False)  # ComfyUI's MASK, inverted as the patch node does
     mask_channels: int = 0  # the patch's inpainting mask channels after the latent's
+    start: float = 0.0  # a ControlNet's percent range (ControlNetApplyAdvanced's start_percent, end_percent)
+    end: float = 1.0
+    resize: str = "area"  # how the image meets the latent's pixels: the patch's "area" when they differ, a ControlNet's
+    # "nearest-exact" always (comfy/controlnet.py get_control)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,9 @@ class ModelChoice:
                              loras=[{"path": path, "strength": strength} for path, strength in self.loras],
                              cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
                              cache_end=self.cache_end,
-                             controls=[{"path": c.path, "strength": c.strength} for c in self.controls] or None)
+                             controls=[{"path": c.path, "strength": c.strength,
+                                        **({"start": c.start, "end": c.end} if (c.start, c.end) != (0.0, 1.0) else {})}
+                                       for c in self.controls] or None)
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what

@@ -90,10 +90,57 @@ class XDiTDiffSynthControlNet(io.ComfyNode):
         return io.NodeOutput(model.with_control(control))
 
 
+def controlnet_names() -> list[str]:
+    import folder_paths
+
+    from xdit_backend.models.controlnet import BUILTINS
+
+    return [*folder_paths.get_filename_list("controlnet"), *(TEST_PREFIX + name for name in BUILTINS)]
+
+
+class XDiTControlNet(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="XDiTControlNet",
+            display_name="xDiT ControlNet",
+            category=CATEGORY,
+            description="A Qwen-Image ControlNet (InstantX's Union; models/controlnet) on an xDiT model, as Load "
+                        "ControlNet Model + Apply ControlNet (with the VAE) apply it: run on the backend under the "
+                        "model's own split, each GPU adding its share of the residuals. Chain several.",
+            inputs=[
+                XDiTModel.Input("model"),
+                io.Combo.Input("control_net", options=controlnet_names(),
+                               tooltip="[test] ControlNets have random weights, for the [test] Qwen-Image"),
+                io.Vae.Input("vae", optional=True, tooltip="the model's VAE; not for [test] ControlNets"),
+                io.Image.Input("image", optional=True, tooltip="the control image (not for [test] ControlNets)"),
+                io.Float.Input("strength", default=1.0, min=0.0, max=10.0, step=0.01),
+                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.001),
+                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.001),
+            ],
+            outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
+        )
+
+    @classmethod
+    def execute(cls, model, control_net, strength, start_percent, end_percent, vae=None, image=None) -> io.NodeOutput:
+        import folder_paths
+
+        test = control_net.startswith(TEST_PREFIX)
+        path = control_net.removeprefix(TEST_PREFIX) if test else folder_paths.get_full_path_or_raise(
+            "controlnet", control_net)
+        if (image is None or vae is None) and not test:
+            raise ValueError("xDiT: the ControlNet needs the control image and the model's VAE\n"
+                             "connect image and vae (only [test] ControlNets draw their control from the seed)")
+        control = ControlChoice(path, strength, image[:, :, :, :3] if image is not None and vae is not None else None,
+                                vae, start=start_percent, end=end_percent, resize="nearest-exact")
+        return io.NodeOutput(model.with_control(control))
+
+
 def control_latent(control: ControlChoice, rows: int, columns: int):
-    """The control latent [1, C, rows, columns] the patch would encode for a latent of that size: the image resized
-    to its pixels when they differ ("area", "center"), through the VAE, with the mask's channels after it (the mask
-    resized "bilinear", or ones without one). None for a built-in patch without an image (the backend draws one)."""
+    """The control latent [1, C, rows, columns] the patch or ControlNet would encode for a latent of that size: the
+    image resized to its pixels (a patch's "area" when they differ, a ControlNet's "nearest-exact" always: ComfyUI's
+    get_control), through the VAE, with a patch's mask channels after it (the mask resized "bilinear", or ones
+    without one). None for a built-in without an image (the backend draws one)."""
     import torch
 
     import comfy.utils
@@ -102,8 +149,8 @@ def control_latent(control: ControlChoice, rows: int, columns: int):
         return None
     scale = control.vae.spacial_compression_encode()
     image = control.image
-    if (image.shape[1], image.shape[2]) != (rows * scale, columns * scale):
-        image = comfy.utils.common_upscale(image.movedim(-1, 1), columns * scale, rows * scale, "area",
+    if (image.shape[1], image.shape[2]) != (rows * scale, columns * scale) or control.resize != "area":
+        image = comfy.utils.common_upscale(image.movedim(-1, 1), columns * scale, rows * scale, control.resize,
                                            "center").movedim(1, -1)
     latent = control.vae.encode(image)  # [B, 16, 1, rows, columns] (Qwen-Image's VAE) or [B, 16, rows, columns]
     if control.mask_channels:

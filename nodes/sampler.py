@@ -208,7 +208,7 @@ def backend_client(parallel: ParallelChoice | None):
     gpus = parallel.gpus if parallel else None
     socket = default_socket()
     # a backend this node starts serves files from ComfyUI's model folders only
-    folders = ("diffusion_models", "checkpoints", "loras", "model_patches")
+    folders = ("diffusion_models", "checkpoints", "loras", "model_patches", "controlnet")
     roots = tuple(sorted({str(Path(p).resolve()) for kind in folders
                           for p in folder_paths.get_folder_paths(kind)}))
     try:  # a backend this node starts lets the GPUs go when ComfyUI stops using it (idle.py)

@@ -109,7 +109,7 @@ def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
         _request({**QWEN, "controls": [CONTROL]}, {"control_0": torch.zeros(1, 16, 4, 4)}).check_model(spec)
     with pytest.raises(RequestError, match=r"unknown tensors \['control_1'\]"):
         _request({**QWEN, "controls": [CONTROL]}, {"control_1": torch.zeros(1, 16, 8, 8)})
-    with pytest.raises(RequestError, match="no model patch file at .*missing.safetensors"):
+    with pytest.raises(RequestError, match="no control file at .*missing.safetensors"):
         _request({**QWEN, "controls": [{"path": str(tmp_path / "missing.safetensors")}]})
     lora_like = tmp_path / "lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora_like))
@@ -187,7 +187,8 @@ def test_the_patch_equals_comfyuis_own(tmp_path, mask_channels):
                           transformer_options={"patches": {"double_block": [patch]}})[:, :, 0]
         unpatched = theirs(x[:, :, None], sigma, cond["context"], ref_latents=[wan21.process_in(reference)])[:, :, 0]
     spec = model_patch.PatchSpec(str(path), 0.7)
-    model.model_patches = [model_patch.applied(spec, read, control, 0, (8, 12), model.transformer)]
+    model.model_patches = [model_patch.applied(spec, read, control, 0, (8, 12), model.transformer,
+                                               model.spec.model_sampling(None))]
     ours = velocity(model, x, sigma, {**cond, "reference_0": reference})
     assert (ours - expected).abs().max() <= 1e-5
     assert (expected - unpatched).abs().max() > 1e-2

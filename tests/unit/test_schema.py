@@ -21,7 +21,8 @@ def every_field(tmp_path) -> dict:
     return {"model": "wan-tiny", "width": 96, "height": 80, "batch": 2, "steps": 6, "seed": 2**64 - 2, "cfg": 2.5,
             "guidance": 4.25, "shift": 2.75, "parallel": ParallelConfig(cfg=2).to_json(), "profile": True,
             "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}],
-            "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": -0.25}], "frames": 5,
+            "controls": [{"path": "qwen-image-controlnet-tiny", "strength": -0.25, "start": 0.25, "end": 0.75}],
+            "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
             "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True,
             "cache": "teacache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 0}
@@ -89,7 +90,10 @@ def argv_for(fields: dict) -> list[str]:
             continue
         if field.kind == "bool":
             argv += [field.option] if value != field.default else []
-        elif field.kind in ("loras", "controls"):
+        elif field.kind == "controls":
+            argv += [arg for entry in value for arg in (field.option, ":".join(
+                str(entry[key]) for key in ("path", "strength", "start", "end")))]
+        elif field.kind == "loras":
             argv += [arg for entry in value for arg in (field.option, f"{entry['path']}:{entry['strength']}")]
         else:
             argv += [field.option, str(value)]

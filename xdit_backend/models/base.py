@@ -364,7 +364,8 @@ class SequencePlan:
 
     cuts:      the tensors cut to this rank's share, each where it enters or leaves a module. Every
                rank holds 1/P of the image tokens and, for a joint model, 1/P of the text tokens.
-    gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify).
+    gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify); None: nothing
+               is gathered (a ControlNet's residuals, which each rank adds to its own tokens).
     attention: (attribute name, processor class): attention modules that get a sequence-parallel
                processor. The class is the family's (defined in its module; SD3's and PixArt's plain
                diffusers ``Attention`` share joint_attention.JointAttentionProcessor): ``Processor(core)``
@@ -377,7 +378,7 @@ class SequencePlan:
 
     cuts: tuple[Cut, ...]
     attention: tuple[tuple[str, type], ...]
-    gather: str = "proj_out"
+    gather: str | None = "proj_out"
 
     @property
     def cuts_text(self) -> bool:

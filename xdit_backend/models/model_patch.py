@@ -1,5 +1,7 @@
-"""ComfyUI's model patches (its ``models/model_patches`` folder): small networks a patch node attaches to a loaded
-model, here DiffSynth's block-wise ControlNet for Qwen-Image.
+"""A request's controls: ComfyUI's model patches (its ``models/model_patches`` folder: small networks a patch node
+attaches to a loaded model, here DiffSynth's block-wise ControlNet for Qwen-Image) and ControlNets (``models/
+controlnet``, controlnet.py), told apart by their files' keys; each entry has a strength and, for a ControlNet,
+the percent range it acts in.
 
 As ComfyUI runs it (comfy_extras/nodes_model_patch.py in the shared snapshot, v0.3.64: QwenImageBlockWiseControlNet,
 ModelPatchLoader, DiffSynthCnetPatch, QwenImageDiffsynthControlnet): the control image's VAE latent (with
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from . import latent_formats
+from . import controlnet, latent_formats
 from .file_kind import file_entries
 from .patch_embed import pack, pad_to_patch
 
@@ -34,14 +36,17 @@ BUILTINS = {"qwen-image-diffsynth-tiny": "qwen-image-tiny"}
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """One model patch of a request: its file (or built-in name) and its strength."""
+    """One control of a request: its file (or built-in name), its strength, and the part of the schedule it acts in
+    (percent of the way from the first step to the last, as ControlNetApplyAdvanced's start and end: ControlNets)."""
 
     path: str
     strength: float
+    start: float = 0.0
+    end: float = 1.0
 
     @property
     def built_in(self) -> bool:
-        return self.path in BUILTINS
+        return self.path in BUILTINS or self.path in controlnet.BUILTINS
 
 
 class ControlBlock(nn.Module):
@@ -105,8 +110,21 @@ class AppliedPatch:
 def parse(entries: list) -> list[PatchSpec]:
     """The ``controls`` of a request, checked: [{"path": str, "strength": number}, …]."""
     example = {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", "strength": 1.0}
-    return [PatchSpec(path, strength) for path, strength in file_entries(
-        entries, "model patch", MAX_PATCHES, example, "models/model_patches", tuple(BUILTINS))]
+    ranges = []
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict):  # a ControlNet's percent range: checked here, the rest by file_entries
+            entry = dict(entry)
+            start, end = entry.pop("start", 0.0), entry.pop("end", 1.0)
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (start, end)) \
+                    or not 0 <= start <= end <= 1:
+                raise UserError(f"control range start {start!r}, end {end!r}: two numbers 0 ≤ start ≤ end ≤ 1",
+                                "as ControlNetApplyAdvanced's start_percent and end_percent")
+        ranges.append((float(start), float(end)) if isinstance(entry, dict) else (0.0, 1.0))
+    stripped = [{k: v for k, v in e.items() if k not in ("start", "end")} if isinstance(e, dict) else e
+                for e in entries] if isinstance(entries, list) else entries
+    files = file_entries(stripped, "control", MAX_PATCHES, example, "models/model_patches or models/controlnet",
+                         (*BUILTINS, *controlnet.BUILTINS))
+    return [PatchSpec(path, strength, *span) for (path, strength), span in zip(files, ranges)]
 
 
 def read(path: str) -> BlockwiseControlNet:
@@ -119,6 +137,8 @@ def read(path: str) -> BlockwiseControlNet:
     except (OSError, ValueError) as exc:  # safetensors' own errors are ValueError subclasses
         raise UserError(f"model patch {path}: not a readable safetensors file ({exc})",
                         "check the file: ComfyUI keeps model patches in models/model_patches") from None
+    if controlnet.is_controlnet(state):
+        return controlnet.read(path, state)
     if "controlnet_blocks.0.y_rms.weight" not in state:
         kind = ("a SigLIP style projector (USO)" if "feature_embedder.mid_layer_norm.bias" in state
                 else f"no model patch ComfyUI knows (keys {sorted(state)[:3]}…)")
@@ -143,16 +163,36 @@ def built_in(blocks: int, dim: int) -> BlockwiseControlNet:
     return network
 
 
-def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype) -> BlockwiseControlNet:
-    """The patch's network on ``device`` in ``dtype`` (a file's, read; a built-in's, drawn for its model's size)."""
-    if spec.built_in:
+def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype):
+    """The control's network on ``device`` in ``dtype`` (a file's, read; a built-in's, drawn for its model's size):
+    a BlockwiseControlNet, or a ControlNet (diffusers' QwenImageControlNetModel, with the pass-through modules its
+    RoPE tables leave through, as the model's: qwen_image.rope_and_time)."""
+    if spec.path in controlnet.BUILTINS:
+        made = controlnet.built_in(spec.path)
+    elif spec.built_in:
         from . import builtins
 
         config = builtins.BUILTINS[BUILTINS[spec.path]].config
         made = built_in(config["num_layers"], config["num_attention_heads"] * config["attention_head_dim"])
     else:
         made = read(spec.path)
-    return made.to(device, dtype).requires_grad_(False)
+    if not isinstance(made, BlockwiseControlNet):
+        made.image_rope, made.text_rope = nn.Identity(), nn.Identity()
+    # nn.Module's own: diffusers' ModelMixin.to warns about modules kept in float32, which this one has none of
+    return nn.Module.to(made, device, dtype).requires_grad_(False)
+
+
+def is_controlnet(spec: PatchSpec) -> bool:
+    """Whether the control is a ControlNet (not a model patch), from the built-in's name or the file's keys."""
+    if spec.built_in:
+        return spec.path in controlnet.BUILTINS
+    from safetensors import safe_open
+
+    try:
+        with safe_open(spec.path, framework="pt") as handle:
+            return controlnet.is_controlnet(handle.keys())
+    except (OSError, ValueError):
+        return False  # unreadable: reading it says so
 
 
 def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
@@ -167,13 +207,15 @@ def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
     return values * dtype.itemsize
 
 
-def applied(spec: PatchSpec, made: BlockwiseControlNet, latent: torch.Tensor | None, seed: int,
-            latent_size: tuple[int, int], transformer) -> AppliedPatch:
-    """The patch as a generation applies it: its hint from the control ``latent`` [1, C, h, w] (a built-in's drawn
+def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, latent_size: tuple[int, int], transformer,
+            sampling):
+    """The control as a generation applies it: its hint from the control ``latent`` [1, C, h, w] (a built-in's drawn
     from ``seed`` when none is sent), checked against the model it patches (the whole model's blocks: a PipeFusion
-    stage holds some of them)."""
+    stage holds some of them); a ControlNet's σ range from ``sampling`` (the model's: percent_to_sigma)."""
     blocks = transformer.config.num_layers
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    if not isinstance(made, BlockwiseControlNet):
+        return _applied_controlnet(spec, made, latent, seed, latent_size, width, sampling)
     have = (len(made.controlnet_blocks), made.img_in.out_features)
     if have != (blocks, width):
         raise UserError(f"model patch {spec.path} has {have[0]} blocks of width {have[1]}, but the model has {blocks} "
@@ -189,3 +231,18 @@ def applied(spec: PatchSpec, made: BlockwiseControlNet, latent: torch.Tensor | N
     with torch.no_grad():
         hint = made.hint(latent.to(made.img_in.weight.device))  # [1, N, D]
     return AppliedPatch(made, hint, spec.strength)
+
+
+def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: tuple[int, int], width: int,
+                        sampling) -> controlnet.AppliedControlNet:
+    have = made.config.num_attention_heads * made.config.attention_head_dim
+    if have != width:
+        raise UserError(f"ControlNet {spec.path} has width {have}, but the model has {width}",
+                        "use a ControlNet made for this model (Qwen-Image's: 3072)")
+    x_embedder = made.controlnet_x_embedder
+    if latent is None:
+        generator = torch.Generator().manual_seed(seed)
+        latent = torch.randn((1, x_embedder.in_features // 4, *latent_size), generator=generator)
+    hint = controlnet.hint_tokens(latent, x_embedder.in_features).to(x_embedder.weight.device, x_embedder.weight.dtype)
+    sigmas = (sampling.percent_to_sigma(spec.start), sampling.percent_to_sigma(spec.end))
+    return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas)

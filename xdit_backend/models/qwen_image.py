@@ -31,7 +31,7 @@ import torch
 
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
-from . import latent_formats, model_patch
+from . import controlnet, latent_formats, model_patch
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 from .patch_embed import pack, pad_to_patch, unpack
 
@@ -106,6 +106,14 @@ class QwenImageSpec(FamilySpec):
               # a model patch's hint tokens [1, N + R, D] and their mask [1, N + R, 1] (0 on the references')
               Cut("control_hint", None, 1)),
         attention=(("attn", QwenImageAttention),))
+    # a ControlNet (models/controlnet.py): the model's cuts and attention, its hint cut like the image, nothing gathered
+    control_plan = SequencePlan(
+        cuts=(Cut("", "hidden_states", 1),  # [B, N, 64]
+              Cut("", "controlnet_cond", 1),  # [B, N, C·4]: the control latent, packed like the image
+              Cut("", "encoder_hidden_states", 1, text=True),
+              Cut("image_rope", None, 0),
+              Cut("text_rope", None, 0, text=True)),
+        attention=(("attn", QwenImageAttention),), gather=None)
     stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", QwenImageAttention, True),),
                            joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks",),
@@ -204,7 +212,9 @@ class QwenImageModel(DiffusionModel):
         # model patches' hints (``_patch_block``): where a sequence-parallel plan cuts them
         transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
         transformer.control_hint = torch.nn.Identity()
-        self.model_patches: list[model_patch.AppliedPatch] = []  # the running generation's model patches, in order
+        # the running generation's controls, in order: DiffSynth patches (model_patch.py) and ControlNets (controlnet.py)
+        self.model_patches: list = []
+        self._residuals: list | None = None  # the running call's ControlNet residual per block, summed over them
         self._hints: list | None = None  # the running call's (hint, mask) per patch: whole, cut at block 0
         self._hints_local = False  # or already this rank's tokens' (a PipeFusion chunk's: block_kwargs)
         for index, block in enumerate(transformer.transformer_blocks):  # once: a compiled block's hooks never change
@@ -226,6 +236,7 @@ class QwenImageModel(DiffusionModel):
         # zero_cond_t, its modulate_index (0 on the noisy tokens, 1 on the references')
         shapes = [(1, h // 2, w // 2), *((1, latent.shape[-2] // 2, latent.shape[-1] // 2) for latent in latents)]
         self._hints, self._hints_local = self._patch_hints(sum(t.shape[1] for t in tokens)), False
+        self._residuals = self._control_residuals(tokens[0], context, timestep, tables, shapes[0])
         try:
             with rope_and_time(self.transformer, tables, self._time(timestep)):
                 velocity = self.transformer(
@@ -236,14 +247,38 @@ class QwenImageModel(DiffusionModel):
                     return_dict=False,
                 )[0]  # [B, N + R, 64]
         finally:
-            self._hints = None
+            self._hints = self._residuals = None
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
+
+    @property
+    def controlnets(self) -> list:
+        """The running generation's ControlNets (they run under the model's own sequence split: parallel/denoiser)."""
+        return [control for control in self.model_patches if isinstance(control, controlnet.AppliedControlNet)]
+
+    def _control_residuals(self, tokens, context, timestep, tables, shape) -> list | None:
+        """Each block's residual from the ControlNets active at this σ, summed in their order (ComfyUI's
+        control_merge), or None. ``tokens`` [B, N, 64] the noisy latent's (a ControlNet sees no references),
+        ``tables`` the model's RoPE tables, ``shape`` the latent's (frames, rows, columns) in tokens."""
+        active = [control for control in self.controlnets if control.active(float(timestep[0]))]
+        if not active:
+            return None
+        residuals = [None] * self.transformer.config.num_layers
+        for control in active:
+            with rope_and_time(control.network, tables, timestep.to(self.dtype)):  # ComfyUI: timesteps.to(dtype)
+                samples = control.network(
+                    hidden_states=tokens, controlnet_cond=control.hint.expand(tokens.shape[0], -1, -1),
+                    conditioning_scale=control.strength, encoder_hidden_states=context, timestep=timestep,
+                    img_shapes=[[shape]] * tokens.shape[0], return_dict=False)  # per network block: [B, N, D]
+            for block in range(len(residuals)):
+                add = control.residual_of(samples, block)
+                residuals[block] = add if residuals[block] is None else residuals[block] + add
+        return residuals
 
     def _patch_hints(self, image_tokens: int) -> list | None:
         """Each model patch's hint over the call's N + R image tokens [1, N + R, D] (zeros on the references') and
         the mask of the tokens it controls [1, N + R, 1]: ComfyUI's patch adds to ``img[:, :N]`` only."""
         hints = []
-        for patch in self.model_patches:
+        for patch in self._patches():
             noisy = patch.hint.shape[1]
             hint = torch.nn.functional.pad(patch.hint, (0, 0, 0, image_tokens - noisy))  # [1, N + R, D]
             mask = (torch.arange(image_tokens, device=hint.device) < noisy).to(hint.dtype).view(1, -1, 1)
@@ -254,14 +289,19 @@ class QwenImageModel(DiffusionModel):
         """ComfyUI's ``double_block`` patches after block ``index`` (comfy/ldm/qwen_image/model.py): each patch's
         control, times its strength, added to the noisy image tokens, in order. Under sequence parallelism the
         hints are cut at block 0 like the image (``control_hint`` in the plan): each rank controls its own tokens."""
-        if self._hints is None:
+        if self._hints is None and self._residuals is None:
             return out
-        if index == 0 and not self._hints_local:
+        if index == 0 and self._hints is not None and not self._hints_local:
             self._hints = [self.transformer.control_hint(pair) for pair in self._hints]  # [1, n, D], [1, n, 1]
         text, image = out  # [B, L, D], [B, n, D]
-        for patch, (hint, mask) in zip(self.model_patches, self._hints):
+        for patch, (hint, mask) in zip(self._patches(), self._hints or ()):
             image = image + patch.network.controlnet_blocks[index](image, hint) * patch.strength * mask
+        if self._residuals is not None:  # ControlNets' after the patches, as comfy/ldm/qwen_image/model.py adds them
+            image = image + self._residuals[index]
         return text, image
+
+    def _patches(self) -> list:
+        return [patch for patch in self.model_patches if isinstance(patch, model_patch.AppliedPatch)]
 
     def _reference_latents(self, cond: dict, batch: int) -> list[torch.Tensor]:
         """The reference latents in model space, padded to the patch, over the call's rows: [batch, 16, h', w']."""
@@ -332,7 +372,7 @@ class QwenImageModel(DiffusionModel):
         """Each model patch's hint and mask at a PipeFusion chunk's tokens [n] (indices into [noisy; references]):
         [1, n, D] and [1, n, 1], 0 on the references'."""
         hints = []
-        for patch in self.model_patches:
+        for patch in self._patches():
             noisy = patch.hint.shape[1]
             at = tokens.to(patch.hint.device)
             mask = (at < noisy).to(patch.hint.dtype).view(1, -1, 1)

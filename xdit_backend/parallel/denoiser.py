@@ -48,6 +48,10 @@ class Denoiser:
                                            attention.local_attention(self.device))
                 stack.callback(attached.detach)
                 shard = attached.shard
+                networks = {id(c.network): c.network for c in getattr(self.model, "controlnets", ())}  # each once
+                for network in networks.values():  # a ControlNet runs split as the model, its residuals too
+                    stack.callback(sequence.attach(network, self.model.spec.control_plan, self.layout,
+                                                   attention.local_attention(self.device)).detach)
             if gen is not None and gen.cache is not None:
                 plan = self.model.spec.cache_plan
                 self.cache = StepCache(gen.cache, gen.steps, plan.teacache,

@@ -220,8 +220,9 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
             for cut in outputs:
                 attached.hooks.append(module.register_forward_hook(
                     lambda module, args, out, cut=cut: _cut_output(shard, cut, out)))
-    attached.hooks.append(modules[plan.gather].register_forward_hook(
-        lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
+    if plan.gather is not None:  # None: the outputs stay split (a ControlNet's residuals, added on each rank)
+        attached.hooks.append(modules[plan.gather].register_forward_hook(
+            lambda module, args, out: shard.gather(out)))  # [B, N/P, C] → [B, N, C]
     usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel, shard)
     processors = dict(plan.attention)
     for name, module in modules.items():

@@ -202,14 +202,15 @@ class Executor:
                 network = model_patch.network(entry, self.rt.device, getattr(torch, key.compute_dtype))
                 if stage is not None:
                     network.keep_blocks(*stage)
-                if shard_mesh is not None:
-                    used = [block for block in network.controlnet_blocks if any(True for _ in block.parameters())]
+                if shard_mesh is not None:  # a ControlNet's own transformer blocks, a patch's control blocks
+                    used = getattr(network, "transformer_blocks", None) or [
+                        block for block in network.controlnet_blocks if any(True for _ in block.parameters())]
                     shard.shard_network(network, used, shard_mesh, self.rt.device)
             kept[identity] = network
         self.patch_networks = kept
-        size = request.latent_shape(spec)[-2:]
+        size, sampling = request.latent_shape(spec)[-2:], spec.model_sampling(request.shift)
         return [model_patch.applied(entry, kept[self._patch_key(entry, key)], request.control_latent(index),
-                                    request.seed + index, size, self.computing.transformer)
+                                    request.seed + index, size, self.computing.transformer, sampling)
                 for index, entry in enumerate(request.controls)]
 
     def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int,

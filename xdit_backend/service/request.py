@@ -167,6 +167,16 @@ class SampleRequest:
         if not spec.takes_model_patches:
             raise RequestError(f"controls: {spec.family} models take no model patch (a DiffSynth ControlNet patch "
                                "is for Qwen-Image)", "leave controls out, or use a Qwen-Image model")
+        controlnets = [entry.path for entry in self.controls if model_patch.is_controlnet(entry)]
+        if controlnets and self.parallel is not None and self.parallel.pipefusion > 1:
+            raise RequestError(f"ControlNet {controlnets[0]} with pipefusion={self.parallel.pipefusion}: a ControlNet "
+                               "runs a transformer of its own over the whole latent each step, which PipeFusion's "
+                               "patches do not hold yet", "use ulysses, ring, cfg or dp with a ControlNet (a DiffSynth "
+                               "model patch runs under PipeFusion)")
+        if controlnets and any(REFERENCE.fullmatch(name) for name in self.tensors):
+            raise RequestError(f"ControlNet {controlnets[0]} with reference latents: the ControlNet sees the noisy "
+                               "latent's tokens only, and beside an edit's references their split is not wired yet",
+                               "leave the references or the ControlNet out")
         rows, columns = self.latent_shape(spec)[-2:]
         for index, entry in enumerate(self.controls):
             latent = self.control_latent(index)
@@ -398,8 +408,12 @@ def _write(field: schema.Field, value):
     """One attribute as its wire value (None: left out)."""
     if field.kind == "layout":
         return "auto" if value is None else value.to_json()
-    if field.kind in ("loras", "controls"):
+    if field.kind == "loras":
         return [{"path": spec.path, "strength": spec.strength} for spec in value]
+    if field.kind == "controls":  # every rank must see the same range, or their collectives would part
+        return [{"path": spec.path, "strength": spec.strength,
+                 **({"start": spec.start, "end": spec.end} if (spec.start, spec.end) != (0.0, 1.0) else {})}
+                for spec in value]
     return value
 
 

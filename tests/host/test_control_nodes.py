@@ -1,6 +1,7 @@
-"""The xDiT DiffSynth ControlNet node in the real ComfyUI: the control latent the sampler sends is what ComfyUI's own
-DiffSynthCnetPatch encodes (resized to the latent, with an inpainting patch's mask), and a workflow with the node
-runs through ComfyUI's HTTP API to the latent the backend's serial reference gives with the same patch."""
+"""The xDiT DiffSynth ControlNet and xDiT ControlNet nodes in the real ComfyUI: the control latent the sampler sends
+is what ComfyUI's own DiffSynthCnetPatch and ControlNet.get_control encode (resized to the latent, with an inpainting
+patch's mask), and a workflow with each node runs through ComfyUI's HTTP API to the latent the backend's serial
+reference gives with the same control."""
 
 import json
 import os
@@ -91,3 +92,66 @@ def test_a_workflow_with_the_node_gives_the_serial_latent(host):
     controlled = serial_latent({**fields, "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
     assert (latent - controlled).abs().max() <= 1e-4 * max(1.0, controlled.abs().max().item())
     assert (latent - serial_latent(fields)).abs().max() > 1e-2
+
+
+def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack):
+    """ComfyUI's own ControlNet.get_control (its control model a stand-in that keeps the hint it is given) resizes
+    the image "nearest-exact" to the latent's pixels, encodes it and puts it in model space; the xDiT ControlNet
+    node's latent, through the backend's process_in, is that hint."""
+    import comfy.controlnet
+    import comfy.latent_formats
+    from comfyui_xdit.nodes import choices, control
+
+    from xdit_backend.models import latent_formats
+
+    kept = {}
+
+    class StandInControlModel:
+        dtype = torch.float32
+
+        def __call__(self, x, hint, timesteps, context, **extra):
+            kept["hint"] = hint
+            return {"input": []}
+
+    image = torch.rand(1, 72, 100, 3, generator=torch.Generator().manual_seed(3))
+    vae = StandInVAE()
+    theirs = comfy.controlnet.ControlNet(None, compression_ratio=1, latent_format=comfy.latent_formats.Wan21(),
+                                         extra_conds=[])
+    theirs.control_model = StandInControlModel()
+    theirs.set_cond_hint(image.movedim(-1, 1), 0.7, (0.0, 1.0), vae=vae)
+    theirs.model_sampling_current = SimpleNamespace(timestep=lambda t: t, calculate_input=lambda t, x: x)
+    x = torch.zeros(1, 16, 1, 8, 12)  # the latent: 64 × 96 pixels
+    theirs.get_control(x, torch.tensor([0.5]), {"c_crossattn": torch.zeros(1, 4, 8)}, 1, {})
+
+    chosen = choices.ControlChoice("qwen-image-controlnet-tiny", 0.7, image, vae, resize="nearest-exact")
+    ours = latent_formats.WAN21.process_in(control.control_latent(chosen, 8, 12))
+    assert (ours - kept["hint"][:, :, 0]).abs().max() <= 1e-6
+
+
+def test_a_workflow_with_the_controlnet_node_gives_the_serial_latent(host):
+    """The tiny Qwen-Image workflow with xDiT ControlNet ([test], strength 0.6, the first 60 % of the schedule) through
+    ComfyUI's HTTP API: the backend's serial reference with that ControlNet and range."""
+    from xdit_backend.service.reference import serial_latent
+
+    prompt = json.loads((WORKFLOWS / "qwen-image-tiny.api.json").read_text())
+    loader = next(key for key, node in prompt.items() if node["class_type"] == "XDiTLoadDiffusionModel")
+    sampler = next(key for key, node in prompt.items() if node["class_type"] == "XDiTSampler")
+    prompt["control"] = {"class_type": "XDiTControlNet",
+                         "inputs": {"model": [loader, 0], "control_net": "[test] qwen-image-controlnet-tiny",
+                                    "strength": 0.6, "start_percent": 0.0, "end_percent": 0.6}}
+    prompt[sampler]["inputs"]["model"] = ["control", 0]
+    prompt[sampler]["inputs"]["steps"] = 3
+    save = next(key for key, node in prompt.items() if node["class_type"] == "SaveLatent")
+    prompt[save]["inputs"]["filename_prefix"] = "latents/qwen-controlnet"
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    latent = host.latest_latent("qwen-controlnet")[:, :, 0]
+    empty = next(node for node in prompt.values() if node["class_type"] == "EmptySD3LatentImage")["inputs"]
+    sampling = prompt[sampler]["inputs"]
+    fields = {"model": "qwen-image-tiny", "width": empty["width"], "height": empty["height"],
+              "steps": sampling["steps"], "seed": sampling["seed"], "cfg": sampling["cfg"], "dtype": "float32"}
+    expected = serial_latent({**fields, "controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.6,
+                                                      "start": 0.0, "end": 0.6}]})
+    assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+    whole = serial_latent({**fields, "controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.6}]})
+    assert (latent - whole).abs().max() > 1e-3

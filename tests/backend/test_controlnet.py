@@ -1,0 +1,133 @@
+"""Qwen-Image's ControlNet (InstantX's layout: diffusers' QwenImageControlNetModel) on the backend: under the
+sequence-parallel, CFG and data-parallel layouts, sharded or not, it equals the serial generation with the same
+ControlNet, running split as the model (its residuals never gathered); strength 0 is no ControlNet exactly; its
+percent range and a second ControlNet act as ComfyUI's; and it equals ComfyUI's own QwenImageControlNetModel with
+its residuals added as comfy/ldm/qwen_image/model.py adds them."""
+
+import os
+import sys
+
+import pytest
+import torch
+from parity import bound
+from safetensors.torch import save_file
+
+from xdit_backend.models import model_patch, registry
+from xdit_backend.service.reference import serial_latent
+from xdit_backend.service.request import RequestError, SampleRequest
+from xdit_backend.wire.protocol import Message
+
+TINY = "qwen-image-controlnet-tiny"
+QWEN = {"model": "qwen-image-tiny", "width": 64, "height": 64, "steps": 3, "seed": 13, "cfg": 2.5, "batch": 2,
+        "dtype": "float32"}
+CONTROL = {"path": TINY, "strength": 0.7}
+LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}),
+           (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
+
+
+@pytest.fixture(scope="module")
+def serial_with_control():
+    return serial_latent({**QWEN, "controls": [CONTROL]})
+
+
+@pytest.mark.parametrize("world, degrees", LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_equals_serial_with_the_controlnet(shared_backends, serial_with_control, world, degrees):
+    result, _ = shared_backends.get(world).sample({**QWEN, "controls": [CONTROL], "parallel": degrees})
+    assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
+
+
+def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, serial_with_control):
+    plain, _ = backend2.sample({**QWEN, "parallel": {"ulysses": 2}})
+    off, _ = backend2.sample({**QWEN, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ulysses": 2}})
+    assert torch.equal(off["samples"], plain["samples"])
+    assert (serial_with_control - plain["samples"]).abs().max() > 100 * bound(serial_with_control)
+
+
+def test_a_range_and_a_chained_controlnet_under_ring(backend2):
+    """Active for the first half of the schedule only, chained with a DiffSynth patch and a second ControlNet with
+    its own latent: ring=2 as serial, and the range changed the result."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {"control_2": torch.randn(1, 16, 8, 8, generator=g)}
+    controls = [{**CONTROL, "start": 0.0, "end": 0.5}, {"path": "qwen-image-diffsynth-tiny", "strength": 0.5},
+                {"path": TINY, "strength": -0.4}]
+    fields = {**QWEN, "batch": 1, "controls": controls}
+    expected = serial_latent(fields, tensors)
+    result, _ = backend2.sample({**fields, "parallel": {"ring": 2}}, tensors)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)
+    whole_range = serial_latent({**fields, "controls": [CONTROL, *controls[1:]]}, tensors)
+    assert (expected - whole_range).abs().max() > 1e-2
+
+
+def test_requests_a_controlnet_cannot_serve_are_refused_with_the_reason():
+    spec = registry.spec("qwen-image-tiny")
+    request = SampleRequest.parse(Message("sample", {**QWEN, "controls": [CONTROL], "parallel": {"pipefusion": 2}}))
+    with pytest.raises(RequestError, match="with pipefusion=2: a ControlNet runs a transformer of its own"):
+        request.check_model(spec)
+    with pytest.raises(RequestError, match="start 0.6, end 0.2: two numbers 0 ≤ start ≤ end ≤ 1"):
+        SampleRequest.parse(Message("sample", {**QWEN, "controls": [{**CONTROL, "start": 0.6, "end": 0.2}]}))
+    edit = SampleRequest.parse(Message("sample", {**QWEN, "model": "qwen-image-edit-2511-tiny", "controls": [CONTROL]},
+                                       {"reference_0": torch.zeros(2, 16, 8, 8)}))
+    with pytest.raises(RequestError, match="with reference latents"):
+        edit.check_model(registry.spec("qwen-image-edit-2511-tiny"))
+
+
+def test_a_controlnet_file_loads_as_the_built_in(tmp_path):
+    """A file in InstantX's layout (diffusers' names) is told from a model patch by its keys and read with its config
+    off the shapes: the same generation as the built-in it was written from."""
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    path = tmp_path / "controlnet.safetensors"
+    save_file({k: v for k, v in network.state_dict().items()}, str(path))
+    assert model_patch.is_controlnet(model_patch.PatchSpec(str(path), 1.0))
+    g = torch.Generator().manual_seed(5)
+    tensors = {"control_0": torch.randn(1, 16, 8, 8, generator=g)}
+    fields = {**QWEN, "batch": 1}
+    from_file = serial_latent({**fields, "controls": [{"path": str(path), "strength": 0.7}]}, tensors)
+    built_in = serial_latent({**fields, "controls": [CONTROL]}, tensors)
+    assert torch.equal(from_file, built_in)
+
+
+needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with ComfyUI's "
+                                          "QwenImageControlNetModel and its residuals in the model's forward")
+
+
+@needs_comfyui
+def test_the_controlnet_equals_comfyuis_own():
+    """ComfyUI's QwenImageControlNetModel with the same tensors, given what ControlNet.get_control gives it (the
+    latent, σ as its timestep in the model's dtype, the prompt, the hint in model space), its residuals times the
+    strength into ComfyUI's QwenImage forward as ``control``: our velocity with the ControlNet within 1e-5."""
+    sys.path.insert(0, os.environ["COMFYUI_DIR"])
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ranks"))
+    from test_qwen_image import TINY as QWEN_TINY, comfyui, inputs, tiny_file, velocity
+
+    comfy = comfyui()
+    import comfy.ldm.qwen_image.controlnet as comfy_controlnet
+
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    theirs_control = comfy_controlnet.QwenImageControlNetModel(operations=comfy.ops.disable_weight_init,
+                                                                **{**QWEN_TINY, "num_layers": 1})
+    theirs_control.load_state_dict(network.state_dict(), strict=False)
+    missing = set(theirs_control.state_dict()) - set(network.state_dict())
+    assert not missing, missing
+    state = tiny_file()
+    theirs = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(**QWEN_TINY,
+                                                                    operations=comfy.ops.disable_weight_init)
+    theirs.load_state_dict(state, strict=True)
+    model = registry.build("qwen-image-tiny", torch.device("cpu"))
+    model.transformer.load_state_dict(state, strict=True)
+
+    x, sigma, cond = inputs(4, 8, 12)
+    control = torch.randn(1, 16, 8, 12, generator=torch.Generator().manual_seed(6))
+    wan21 = comfy.latent_formats.Wan21()
+    with torch.no_grad():
+        residuals = theirs_control(x=x[:, :, None], hint=wan21.process_in(control[:, :, None]), timesteps=sigma,
+                                   context=cond["context"])["input"]
+        expected = theirs(x[:, :, None], sigma, cond["context"],
+                          control={"input": [r * 0.7 for r in residuals]})[:, :, 0]
+        plain = theirs(x[:, :, None], sigma, cond["context"])[:, :, 0]
+    spec = model_patch.PatchSpec(TINY, 0.7)
+    model.model_patches = [model_patch.applied(spec, network, control, 0, (8, 12), model.transformer,
+                                               model.spec.model_sampling(None))]
+    ours = velocity(model, x, sigma, cond)
+    assert (ours - expected).abs().max() <= 1e-5
+    assert (expected - plain).abs().max() > 1e-2
