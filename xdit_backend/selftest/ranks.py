@@ -27,9 +27,11 @@ LAYOUTS = {2: ("ulysses=2", "ring=2", "cfg=2", "pipefusion=2", "dp=2", "ulysses=
            4: ("ulysses=2,ring=2", "cfg=2,ulysses=2", "pipefusion=2,ulysses=2", "ring=4,shard")}
 QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all-to-all, the ring's and the links' P2P
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
-# a model patch (Qwen-Image's DiffSynth ControlNet, per token: each rank, and each PipeFusion chunk, controls its
-# own tokens), in every layout
-CONTROLLED = ("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
+# controls on Qwen-Image: a model patch (DiffSynth's ControlNet, per token: each rank, and each PipeFusion chunk,
+# controls its own tokens) in every layout, and a ControlNet (its own transformer, split as the model's) in every
+# layout but PipeFusion's (refused with one)
+CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}),
+              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}))
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
@@ -92,7 +94,7 @@ def ranks(ctx: Context, checks: Checks) -> None:
                 reference = serial_latent(name, dtype, request)
                 result, _ = client.sample({**request, "parallel": degrees})
                 scaled, relative = distance(result["samples"].float(), reference)
-                label = f"{name}{'+control' if extra else ''}_{dtype_name}_{layout}"
+                label = f"{name}{'+' + extra['controls'][0]['path'] if extra else ''}_{dtype_name}_{layout}"
                 if "pipefusion" in degrees:
                     seeds = distance(serial_latent(name, dtype, {**request, "seed": request["seed"] + 1}), reference)[1]
                     checks.record(**{f"{label}_rel": relative, f"{label}_seeds_rel": seeds})
@@ -116,13 +118,14 @@ def ranks(ctx: Context, checks: Checks) -> None:
 def _plan(ctx: Context) -> dict[int, list[tuple]]:
     """(model, dtype, side, layout, more request fields) of every run, by world size: the dry run's few (a control
     among them), or the GPU's all."""
-    controlled, control = CONTROLLED
     if ctx.quick:
         return {world: [("flux-tiny", torch.float32, 64, layout, {}) for layout in layouts]
-                + [(controlled, torch.float32, 64, layouts[0], control)] for world, layouts in QUICK_LAYOUTS.items()}
+                + [(controlled, torch.float32, 64, layouts[0], control) for controlled, control in CONTROLLED]
+                for world, layouts in QUICK_LAYOUTS.items()}
     name, side, wide = FULL_WIDTH
     both = (torch.float32, torch.bfloat16)
     return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
-            + [(controlled, dtype, 128, layout, control) for dtype in both for layout in layouts]
+            + [(controlled, dtype, 128, layout, control) for controlled, control in CONTROLLED for dtype in both
+               for layout in layouts if "pipefusion" not in layout or "diffsynth" in str(control)]
             + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
             for world, layouts in LAYOUTS.items()}
