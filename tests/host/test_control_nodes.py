@@ -66,29 +66,31 @@ def test_the_control_latent_is_what_comfyuis_patch_encodes(pack, tmp_path, mask_
     assert (ours - patch.encoded_image).abs().max() <= 1e-6
 
 
-def test_a_workflow_with_the_node_gives_the_serial_latent(host):
-    """The tiny Qwen-Image workflow with xDiT DiffSynth ControlNet ([test] patch, strength 0.8) between the loader
-    and the sampler, through ComfyUI's HTTP API: the latent of the backend's serial reference with that patch, and
-    not the one without it."""
-    from xdit_backend.service.reference import serial_latent
-
+def run_with_control(host, node: dict, prefix: str) -> tuple[torch.Tensor, dict]:
+    """The tiny Qwen-Image workflow (3 steps) with a control node (class and inputs) between the loader and the
+    sampler, through ComfyUI's HTTP API: its latent [B, 16, h, w] (one frame) and the serial request it asked for."""
     prompt = json.loads((WORKFLOWS / "qwen-image-tiny.api.json").read_text())
-    loader = next(key for key, node in prompt.items() if node["class_type"] == "XDiTLoadDiffusionModel")
-    sampler = next(key for key, node in prompt.items() if node["class_type"] == "XDiTSampler")
-    prompt["control"] = {"class_type": "XDiTDiffSynthControlNet",
-                         "inputs": {"model": [loader, 0], "model_patch": "[test] qwen-image-diffsynth-tiny",
-                                    "strength": 0.8}}
-    prompt[sampler]["inputs"]["model"] = ["control", 0]
-    prompt[sampler]["inputs"]["steps"] = 3
-    save = next(key for key, node in prompt.items() if node["class_type"] == "SaveLatent")
-    prompt[save]["inputs"]["filename_prefix"] = "latents/qwen-control"
+    kind = {node["class_type"]: key for key, node in prompt.items()}
+    prompt["control"] = {"class_type": node["class_type"],
+                         "inputs": {"model": [kind["XDiTLoadDiffusionModel"], 0], **node["inputs"]}}
+    sampling = prompt[kind["XDiTSampler"]]["inputs"]
+    sampling.update(model=["control", 0], steps=3)
+    prompt[kind["SaveLatent"]]["inputs"]["filename_prefix"] = f"latents/{prefix}"
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
-    latent = host.latest_latent("qwen-control")[:, :, 0]  # [B, 16, 1, h, w]: one frame
-    empty = next(node for node in prompt.values() if node["class_type"] == "EmptySD3LatentImage")["inputs"]
-    sampling = prompt[sampler]["inputs"]
+    empty = prompt[kind["EmptySD3LatentImage"]]["inputs"]
     fields = {"model": "qwen-image-tiny", "width": empty["width"], "height": empty["height"],
               "steps": sampling["steps"], "seed": sampling["seed"], "cfg": sampling["cfg"], "dtype": "float32"}
+    return host.latest_latent(prefix)[:, :, 0], fields
+
+
+def test_a_workflow_with_the_node_gives_the_serial_latent(host):
+    """The tiny Qwen-Image workflow with xDiT DiffSynth ControlNet ([test] patch, strength 0.8): the latent of the
+    backend's serial reference with that patch, and not the one without it."""
+    from xdit_backend.service.reference import serial_latent
+
+    latent, fields = run_with_control(host, {"class_type": "XDiTDiffSynthControlNet", "inputs": {
+        "model_patch": "[test] qwen-image-diffsynth-tiny", "strength": 0.8}}, "qwen-control")
     controlled = serial_latent({**fields, "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]})
     assert (latent - controlled).abs().max() <= 1e-4 * max(1.0, controlled.abs().max().item())
     assert (latent - serial_latent(fields)).abs().max() > 1e-2
@@ -129,29 +131,14 @@ def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack):
 
 
 def test_a_workflow_with_the_controlnet_node_gives_the_serial_latent(host):
-    """The tiny Qwen-Image workflow with xDiT ControlNet ([test], strength 0.6, the first 60 % of the schedule) through
-    ComfyUI's HTTP API: the backend's serial reference with that ControlNet and range."""
+    """The tiny Qwen-Image workflow with xDiT ControlNet ([test], strength 0.6, the first 60 % of the schedule): the
+    backend's serial reference with that ControlNet and range, not the whole range's."""
     from xdit_backend.service.reference import serial_latent
 
-    prompt = json.loads((WORKFLOWS / "qwen-image-tiny.api.json").read_text())
-    loader = next(key for key, node in prompt.items() if node["class_type"] == "XDiTLoadDiffusionModel")
-    sampler = next(key for key, node in prompt.items() if node["class_type"] == "XDiTSampler")
-    prompt["control"] = {"class_type": "XDiTControlNet",
-                         "inputs": {"model": [loader, 0], "control_net": "[test] qwen-image-controlnet-tiny",
-                                    "strength": 0.6, "start_percent": 0.0, "end_percent": 0.6}}
-    prompt[sampler]["inputs"]["model"] = ["control", 0]
-    prompt[sampler]["inputs"]["steps"] = 3
-    save = next(key for key, node in prompt.items() if node["class_type"] == "SaveLatent")
-    prompt[save]["inputs"]["filename_prefix"] = "latents/qwen-controlnet"
-    prompt_id = host.queue(prompt)
-    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
-    latent = host.latest_latent("qwen-controlnet")[:, :, 0]
-    empty = next(node for node in prompt.values() if node["class_type"] == "EmptySD3LatentImage")["inputs"]
-    sampling = prompt[sampler]["inputs"]
-    fields = {"model": "qwen-image-tiny", "width": empty["width"], "height": empty["height"],
-              "steps": sampling["steps"], "seed": sampling["seed"], "cfg": sampling["cfg"], "dtype": "float32"}
-    expected = serial_latent({**fields, "controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.6,
-                                                      "start": 0.0, "end": 0.6}]})
+    latent, fields = run_with_control(host, {"class_type": "XDiTControlNet", "inputs": {
+        "control_net": "[test] qwen-image-controlnet-tiny", "strength": 0.6, "start_percent": 0.0,
+        "end_percent": 0.6}}, "qwen-controlnet")
+    control = {"path": "qwen-image-controlnet-tiny", "strength": 0.6}
+    expected = serial_latent({**fields, "controls": [{**control, "start": 0.0, "end": 0.6}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
-    whole = serial_latent({**fields, "controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.6}]})
-    assert (latent - whole).abs().max() > 1e-3
+    assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
