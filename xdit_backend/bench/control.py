@@ -7,6 +7,10 @@ patch's control block over the same share (the backend: each rank controls its o
 over all the image tokens (the peers' way: every rank runs the whole control, then keeps its slice). Bytes: the
 patch is per token, so the backend sends none for it (its hint is cut like the image, once per call); nor do the
 peers, who compute everything everywhere instead.
+
+A ControlNet's blocks are the model's own kind (InstantX's Qwen-Image Union: 5 of them beside the model's 60), so
+its cost per rank follows from the same measured block times, which the second table derives: split as the model
+(the backend), 5 blocks over the rank's share; whole on every rank (the peers'), 5 blocks over every token.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..models.model_patch import ControlBlock
 
 HEADS, HEAD = 24, 128  # Qwen-Image's: width 3072
 TEXT_TOKENS = 256
+MODEL_BLOCKS, CONTROLNET_BLOCKS = 60, 5  # Qwen-Image's, and InstantX's Union ControlNet's
 
 
 def _seconds(run, device: torch.device, repeats: int) -> float:
@@ -69,4 +74,14 @@ def run_control_bench(side: int = 512, ranks: tuple[int, ...] = (1, 2, 4), devic
     for parts, share, step, ours, every in rows:
         print(f"| {parts} | {share} | {step * 1e3:.1f} | {ours * 1e3:.1f} | {ours / step:.0%} | {every * 1e3:.1f} | "
               f"{every / step:.0%} | 0 |")
+    whole_block = rows[0][2] if rows[0][0] == 1 else None
+    if whole_block is not None:
+        print(f"\nA ControlNet of {CONTROLNET_BLOCKS} such blocks beside the model's {MODEL_BLOCKS}, per step and rank "
+              "(derived from the block times above)\n")
+        print("| ranks | ControlNet ms, split as the model | its share of the step | ControlNet ms, every token on "
+              "every rank | their share |\n|---|---|---|---|---|")
+        for parts, _, step, _, _ in rows:
+            model, ours, theirs = MODEL_BLOCKS * step, CONTROLNET_BLOCKS * step, CONTROLNET_BLOCKS * whole_block
+            print(f"| {parts} | {ours * 1e3:.0f} | {ours / (model + ours):.0%} | {theirs * 1e3:.0f} | "
+                  f"{theirs / (model + theirs):.0%} |")
     return 0
