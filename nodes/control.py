@@ -27,12 +27,18 @@ def patch_names() -> list[str]:
     return [*folder_paths.get_filename_list("model_patches"), *(TEST_PREFIX + name for name in BUILTINS)]
 
 
-def patch_path(name: str) -> str:
+def chosen_file(name: str, folder: str, what: str, image, vae) -> tuple[str, object]:
+    """A control node's file (a ``[test]`` built-in's name, else its path in ComfyUI's ``folder``) and the control
+    image to encode (its colour channels; None for a built-in given none, whose latent the backend draws). A file
+    needs the image and the model's VAE."""
     import folder_paths
 
-    if name.startswith(TEST_PREFIX):
-        return name.removeprefix(TEST_PREFIX)
-    return folder_paths.get_full_path_or_raise("model_patches", name)
+    test = name.startswith(TEST_PREFIX)
+    if (image is None or vae is None) and not test:
+        raise ValueError(f"xDiT: the {what} needs the control image and the model's VAE\n"
+                         f"connect image and vae (only [test] {what}s draw their control from the seed)")
+    path = name.removeprefix(TEST_PREFIX) if test else folder_paths.get_full_path_or_raise(folder, name)
+    return path, image[:, :, :, :3] if image is not None and vae is not None else None
 
 
 def mask_channels(path: str) -> int:
@@ -74,19 +80,14 @@ class XDiTDiffSynthControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, model_patch, strength, vae=None, image=None, mask=None) -> io.NodeOutput:
-        path = patch_path(model_patch)
-        if (image is None or vae is None) and not model_patch.startswith(TEST_PREFIX):
-            raise ValueError("xDiT: the DiffSynth ControlNet needs the control image and the model's VAE\n"
-                             "connect image and vae (only [test] patches draw their control from the seed)")
-        if image is not None:
-            image = image[:, :, :, :3]
+        path, image = chosen_file(model_patch, "model_patches", "DiffSynth ControlNet", image, vae)
         if mask is not None:  # as QwenImageDiffsynthControlnet: [B, 1, 1, H, W], 1 where the image is kept
             if mask.ndim == 3:
                 mask = mask.unsqueeze(1)
             if mask.ndim == 4:
                 mask = mask.unsqueeze(2)
             mask = 1.0 - mask
-        control = ControlChoice(path, strength, image if vae is not None else None, vae, mask, mask_channels(path))
+        control = ControlChoice(path, strength, image, vae, mask, mask_channels(path))
         return io.NodeOutput(model.with_control(control))
 
 
@@ -123,16 +124,9 @@ class XDiTControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, control_net, strength, start_percent, end_percent, vae=None, image=None) -> io.NodeOutput:
-        import folder_paths
-
-        test = control_net.startswith(TEST_PREFIX)
-        path = control_net.removeprefix(TEST_PREFIX) if test else folder_paths.get_full_path_or_raise(
-            "controlnet", control_net)
-        if (image is None or vae is None) and not test:
-            raise ValueError("xDiT: the ControlNet needs the control image and the model's VAE\n"
-                             "connect image and vae (only [test] ControlNets draw their control from the seed)")
-        control = ControlChoice(path, strength, image[:, :, :, :3] if image is not None and vae is not None else None,
-                                vae, start=start_percent, end=end_percent, resize="nearest-exact")
+        path, image = chosen_file(control_net, "controlnet", "ControlNet", image, vae)
+        control = ControlChoice(path, strength, image, vae, start=start_percent, end=end_percent,
+                                resize="nearest-exact")
         return io.NodeOutput(model.with_control(control))
 
 

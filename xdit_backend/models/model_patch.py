@@ -108,23 +108,22 @@ class AppliedPatch:
 
 
 def parse(entries: list) -> list[PatchSpec]:
-    """The ``controls`` of a request, checked: [{"path": str, "strength": number}, …]."""
+    """The ``controls`` of a request, checked: [{"path": str, "strength": number[, "start", "end"]}, …]."""
     example = {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", "strength": 1.0}
-    ranges = []
-    for entry in entries if isinstance(entries, list) else ():
-        if isinstance(entry, dict):  # a ControlNet's percent range: checked here, the rest by file_entries
-            entry = dict(entry)
-            start, end = entry.pop("start", 0.0), entry.pop("end", 1.0)
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (start, end)) \
-                    or not 0 <= start <= end <= 1:
-                raise UserError(f"control range start {start!r}, end {end!r}: two numbers 0 ≤ start ≤ end ≤ 1",
-                                "as ControlNetApplyAdvanced's start_percent and end_percent")
-        ranges.append((float(start), float(end)) if isinstance(entry, dict) else (0.0, 1.0))
-    stripped = [{k: v for k, v in e.items() if k not in ("start", "end")} if isinstance(e, dict) else e
-                for e in entries] if isinstance(entries, list) else entries
-    files = file_entries(stripped, "control", MAX_PATCHES, example, "models/model_patches or models/controlnet",
+    without_ranges = [{k: v for k, v in entry.items() if k not in ("start", "end")} if isinstance(entry, dict)
+                      else entry for entry in entries] if isinstance(entries, list) else entries
+    files = file_entries(without_ranges, "control", MAX_PATCHES, example, "models/model_patches or models/controlnet",
                          (*BUILTINS, *controlnet.BUILTINS))
-    return [PatchSpec(path, strength, *span) for (path, strength), span in zip(files, ranges)]
+    return [PatchSpec(path, strength, *_percent_range(entry)) for (path, strength), entry in zip(files, entries)]
+
+
+def _percent_range(entry: dict) -> tuple[float, float]:
+    """A control entry's start and end (a ControlNet's; 0 and 1 when left out), checked."""
+    start, end = entry.get("start", 0.0), entry.get("end", 1.0)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (start, end)) or not 0 <= start <= end <= 1:
+        raise UserError(f"control range start {start!r}, end {end!r}: two numbers 0 ≤ start ≤ end ≤ 1",
+                        "as ControlNetApplyAdvanced's start_percent and end_percent")
+    return float(start), float(end)
 
 
 def read(path: str) -> BlockwiseControlNet:
@@ -180,6 +179,14 @@ def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype):
         made.image_rope, made.text_rope = nn.Identity(), nn.Identity()
     # nn.Module's own: diffusers' ModelMixin.to warns about modules kept in float32, which this one has none of
     return nn.Module.to(made, device, dtype).requires_grad_(False)
+
+
+def blocks_of(network) -> list[nn.Module]:
+    """The blocks weight sharding splits: a ControlNet's own transformer blocks, a patch's control blocks (those a
+    PipeFusion stage kept)."""
+    if not isinstance(network, BlockwiseControlNet):
+        return list(network.transformer_blocks)
+    return [block for block in network.controlnet_blocks if not isinstance(block, nn.Identity)]
 
 
 def is_controlnet(spec: PatchSpec) -> bool:

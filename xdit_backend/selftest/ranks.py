@@ -29,9 +29,9 @@ QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
 # controls on Qwen-Image: a model patch (DiffSynth's ControlNet, per token: each rank, and each PipeFusion chunk,
 # controls its own tokens) in every layout, and a ControlNet (its own transformer, split as the model's) in every
-# layout but PipeFusion's (refused with one)
-CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}),
-              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}))
+# layout but PipeFusion's (refused with one): (model, request fields, whether it runs under PipeFusion)
+CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}, True),
+              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False))
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
@@ -120,12 +120,12 @@ def _plan(ctx: Context) -> dict[int, list[tuple]]:
     among them), or the GPU's all."""
     if ctx.quick:
         return {world: [("flux-tiny", torch.float32, 64, layout, {}) for layout in layouts]
-                + [(controlled, torch.float32, 64, layouts[0], control) for controlled, control in CONTROLLED]
+                + [(controlled, torch.float32, 64, layouts[0], control) for controlled, control, _ in CONTROLLED]
                 for world, layouts in QUICK_LAYOUTS.items()}
     name, side, wide = FULL_WIDTH
     both = (torch.float32, torch.bfloat16)
     return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
-            + [(controlled, dtype, 128, layout, control) for controlled, control in CONTROLLED for dtype in both
-               for layout in layouts if "pipefusion" not in layout or "diffsynth" in str(control)]
+            + [(controlled, dtype, 128, layout, control) for controlled, control, pipefusion in CONTROLLED
+               for dtype in both for layout in layouts if pipefusion or "pipefusion" not in layout]
             + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
             for world, layouts in LAYOUTS.items()}

@@ -202,10 +202,8 @@ class Executor:
                 network = model_patch.network(entry, self.rt.device, getattr(torch, key.compute_dtype))
                 if stage is not None:
                     network.keep_blocks(*stage)
-                if shard_mesh is not None:  # a ControlNet's own transformer blocks, a patch's control blocks
-                    used = getattr(network, "transformer_blocks", None) or [
-                        block for block in network.controlnet_blocks if any(True for _ in block.parameters())]
-                    shard.shard_network(network, used, shard_mesh, self.rt.device)
+                if shard_mesh is not None:
+                    shard.shard_network(network, model_patch.blocks_of(network), shard_mesh, self.rt.device)
             kept[identity] = network
         self.patch_networks = kept
         size, sampling = request.latent_shape(spec)[-2:], spec.model_sampling(request.shift)
