@@ -120,11 +120,9 @@ class Sample:
                             help="a reference image's latent (image editing: Qwen-Image-Edit, Flux.2), a safetensors "
                                  "file with 'samples' [B, C, h, w] like --latent; repeat for several, in order. Both "
                                  "sides of the guidance get them")
-        parser.add_argument("--control-latent", type=Path, action="append", default=[], metavar="FILE",
-                            help="the control image's VAE latent for the --control of the same position (a "
-                                 "safetensors file with 'samples' [1, C, h, w] at the generation's latent size, as "
-                                 "VAE Encode makes it: the backend has no VAE); a built-in control draws one from the "
-                                 "seed without it")
+        for option, value, what in CONTROL_OPTIONS:
+            parser.add_argument(option, type=value, action=ControlOption, dest="controls", help=what,
+                                metavar=option.removeprefix("--control-").upper())
         parser.add_argument("--noise-mask", type=Path, default=None, metavar="FILE",
                             help="inpainting: a safetensors file with 'mask' (or 'noise_mask') [N, 1, H, W], 1 where "
                                  "to make anew, 0 where to keep --latent (resized to the latent as ComfyUI does)")
@@ -228,13 +226,16 @@ def requested_layout(args) -> dict | str:
 
 def sample_fields(args) -> dict:
     """The request's wire fields from the ``sample`` flags: the schema's, and the layout's."""
-    return {**schema.flag_fields(args), "parallel": requested_layout(args)}
+    fields = {**schema.flag_fields(args), "parallel": requested_layout(args)}
+    if "controls" in fields:  # each control's image travels as a tensor (sample_tensors)
+        fields["controls"] = [{k: v for k, v in control.items() if k != "image"} for control in fields["controls"]]
+    return fields
 
 
 def sample_tensors(args) -> dict:
     """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, its --noise-mask, and
     each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side), each
-    --control-latent as control_<i>."""
+    each --control-image as control_<i>."""
     from safetensors.torch import load_file
 
     def latent(path: Path):
@@ -257,12 +258,52 @@ def sample_tensors(args) -> dict:
         tensors[f"reference_{i}"] = latent(path)
         if "negative_context" in tensors:
             tensors[f"negative_reference_{i}"] = tensors[f"reference_{i}"]
-    if len(args.control_latent) > len(args.controls or ()):
-        raise SystemExit(f"{len(args.control_latent)} --control-latent for {len(args.controls or ())} --control: give "
-                         "each control latent after its --control")
-    for i, path in enumerate(args.control_latent):
-        tensors[f"control_{i}"] = latent(path)
+    for i, control in enumerate(args.controls or ()):
+        image = control.get("image")
+        if image is not None:
+            tensors[f"control_{i}"] = control_latent(image)
     return tensors
+
+
+def control_latent(path: Path):
+    """A --control-image: a latent (a safetensors file with 'samples' or 'latent', or ComfyUI's SaveLatent file), at
+    the generation's latent size."""
+    from safetensors.torch import load_file
+
+    if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
+        raise SystemExit(f"--control-image {path}: an image; the controls this version runs take the image's VAE "
+                         "latent, and the backend has no VAE. Encode it at the generation's size (ComfyUI: Load Image, "
+                         "VAE Encode, Save Latent) and give that file")
+    stored = load_file(path)
+    samples = stored.get("samples", stored.get("latent", stored.get("latent_tensor")))
+    if samples is None:
+        raise SystemExit(f"{path} holds no latent ('samples', 'latent' or SaveLatent's 'latent_tensor'; it has: "
+                         f"{', '.join(stored)})")
+    return samples
+
+
+CONTROL_OPTIONS = (  # each applies to the --control before it
+    ("--control-image", Path, "the control image's VAE latent at the generation's latent size: a safetensors file with "
+                              "'samples' [1, C, h, w] (or ComfyUI's Save Latent file); the backend has no VAE. A "
+                              "built-in control draws one from the seed without it"),
+    ("--control-strength", float, "its strength (default 1)"),
+    ("--control-start", float, "a ControlNet's start percent (default 0)"),
+    ("--control-end", float, "a ControlNet's end percent (default 1)"),
+    ("--control-type", int, "a union ControlNet's control type, SetUnionControlNetType's number: openpose 0, depth 1, "
+                            "hed/pidi/scribble/ted 2, canny/lineart/anime_lineart/mlsd 3, normal 4, segment 5, tile 6, "
+                            "repaint 7 (default: auto)"),
+)
+
+
+class ControlOption(argparse.Action):
+    """A --control-* option: sets its key on the --control given before it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        controls = getattr(namespace, self.dest, None)
+        if not controls:
+            parser.error(f"{option_string} comes after the --control it belongs to")
+        key = option_string.removeprefix("--control-")
+        controls[-1]["type" if key == "type" else key] = value
 
 
 class Bench:

@@ -93,12 +93,13 @@ SAMPLE: tuple[Field, ...] = (
           help="LoRA files patched onto the loaded model (no copy), in order: [{path, strength}, ...]; on the command "
                "line PATH[:STRENGTH], repeated (strength 1 by default)"),
     Field("controls", list, "controls", [], flag="--control",
-          help="controls that steer the image by a control latent, in order: a Qwen-Image DiffSynth ControlNet patch "
-               "(ComfyUI's models/model_patches) or Qwen-Image ControlNet (InstantX's; models/controlnet) file, or the "
-               "built-in qwen-image-diffsynth-tiny or qwen-image-controlnet-tiny: [{path, strength[, start, end]}, "
-               "...] (start, end: a ControlNet's percent range, as ControlNetApplyAdvanced's), the i-th's control "
-               "latent sent as tensor control_<i>; on the command line PATH[:STRENGTH[:START:END]], repeated, each "
-               "with a --control-latent (a built-in draws one from the seed)"),
+          help="controls that steer the image by a control latent, in order: a ControlNet file (ComfyUI's "
+               "models/controlnet: Flux.1's InstantX / Shakker-Labs Union, Qwen-Image's InstantX Union), a Qwen-Image "
+               "DiffSynth ControlNet patch (models/model_patches), or a built-in (flux-controlnet-tiny, "
+               "qwen-image-controlnet-tiny, qwen-image-diffsynth-tiny): [{path, strength[, start, end, type]}, ...] "
+               "(start, end: a ControlNet's percent range, as ControlNetApplyAdvanced's; type: a union ControlNet's "
+               "control type, SetUnionControlNetType's number), the i-th's control latent sent as tensor control_<i>; "
+               "on the command line FILE|NAME, repeated, each followed by its --control-image and options"),
     Field("frames", int, "int", 1, 1, MAX_FRAMES, help="video models (Wan): frames, 1 + a multiple of 4"),
     Field("start_step", int, "int", 0, 0, MAX_STEPS,
           help="first step of the --steps schedule to run (KSamplerAdvanced; Wan 2.2's two experts are two runs)"),
@@ -154,16 +155,8 @@ def path_and_strength(text: str) -> dict:
 
 
 def control_entry(text: str) -> dict:
-    """PATH, PATH:STRENGTH or PATH:STRENGTH:START:END (a ControlNet's percent range) → {"path", "strength"[, "start",
-    "end"]}."""
-    parts = text.split(":")
-    try:
-        if len(parts) >= 4:
-            strength, start, end = map(float, parts[-3:])
-            return {"path": ":".join(parts[:-3]), "strength": strength, "start": start, "end": end}
-    except ValueError:
-        pass
-    return path_and_strength(text)
+    """FILE or a built-in's NAME → {"path", "strength": 1} (its options follow it: cli.py's --control-*)."""
+    return {"path": text, "strength": 1.0}
 
 
 _ARG_TYPES = {"int": int, "float": float, "text": str, "choice": str, "dtype": str}
@@ -183,7 +176,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         elif field.kind == "loras":
             kwargs.update(action="append", type=path_and_strength, metavar="PATH[:STRENGTH]")
         elif field.kind == "controls":
-            kwargs.update(action="append", type=control_entry, metavar="PATH[:STRENGTH[:START:END]]")
+            kwargs.update(action="append", type=control_entry, metavar="FILE|NAME")
         else:
             kwargs["type"] = _ARG_TYPES[field.kind]
             if isinstance(field.choices, tuple) and field.choices:

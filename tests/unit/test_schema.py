@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from xdit_backend import cli, schema
 from xdit_backend.distributed.config import ParallelConfig
@@ -21,7 +22,7 @@ def every_field(tmp_path) -> dict:
     return {"model": "wan-tiny", "width": 96, "height": 80, "batch": 2, "steps": 6, "seed": 2**64 - 2, "cfg": 2.5,
             "guidance": 4.25, "shift": 2.75, "parallel": ParallelConfig(cfg=2).to_json(), "profile": True,
             "dtype": "bfloat16", "weight_dtype": "fp8_e5m2", "loras": [{"path": str(lora.resolve()), "strength": 0.5}],
-            "controls": [{"path": "qwen-image-controlnet-tiny", "strength": -0.25, "start": 0.25, "end": 0.75}],
+            "controls": [{"path": "flux-controlnet-tiny", "strength": -0.25, "start": 0.25, "end": 0.75, "type": 3}],
             "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
             "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True,
@@ -91,8 +92,8 @@ def argv_for(fields: dict) -> list[str]:
         if field.kind == "bool":
             argv += [field.option] if value != field.default else []
         elif field.kind == "controls":
-            argv += [arg for entry in value for arg in (field.option, ":".join(
-                str(entry[key]) for key in ("path", "strength", "start", "end")))]
+            argv += [arg for entry in value for arg in (field.option, entry["path"], *(
+                arg for key in ("strength", "start", "end", "type") for arg in (f"--control-{key}", str(entry[key]))))]
         elif field.kind == "loras":
             argv += [arg for entry in value for arg in (field.option, f"{entry['path']}:{entry['strength']}")]
         else:
@@ -120,3 +121,26 @@ def test_fields_refuses_a_name_outside_the_schema():
     assert schema.fields(seed=3, guidance=None) == {"seed": 3}
     with pytest.raises(KeyError, match="sampler_name: not a field of a sample request"):
         schema.fields(sampler_name="euler")
+
+
+def test_control_options_belong_to_the_control_before_them(tmp_path, capsys):
+    """--control-* set the --control before them; its --control-image (a latent file, SaveLatent's too) travels as
+    control_<i>, never in the fields; an option with no --control before it, or an image file, is refused saying
+    what to do."""
+    from safetensors.torch import save_file
+
+    latent = torch.randn(1, 16, 6, 8)
+    save_file({"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "hint.latent"))
+    args = sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control", "a.safetensors", "--control", "b",
+                                       "--control-image", str(tmp_path / "hint.latent"), "--control-strength", "0.5",
+                                       "--control-type", "6"])
+    assert cli.sample_fields(args)["controls"] == [{"path": "a.safetensors", "strength": 1.0},
+                                                   {"path": "b", "strength": 0.5, "type": 6}]
+    tensors = cli.sample_tensors(args)
+    assert list(tensors) == ["control_1"] and torch.equal(tensors["control_1"], latent)
+    with pytest.raises(SystemExit):
+        sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control-strength", "0.5", "--control", "a"])
+    assert "--control-strength comes after the --control it belongs to" in capsys.readouterr().err
+    args = sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control", "a", "--control-image", "canny.png"])
+    with pytest.raises(SystemExit, match="the backend has no VAE. Encode it"):
+        cli.sample_tensors(args)

@@ -58,6 +58,9 @@ class FamilySpec(ABC):
                       (nodes/model_call.py) does not run this family yet.
     takes_model_patches: the family's wrapper applies ComfyUI's block-wise model patches (models/model_patch.py:
                       a DiffSynth ControlNet) after each block, from its ``model_patches``.
+    takes_controlnets: the family's wrapper runs its ControlNets (models/controlnet.py) from its ``model_patches``
+                      and adds their residuals; ``control_plan`` is where sequence parallelism cuts a ControlNet
+                      (the model's cuts and attention, the hint cut like the image, nothing gathered).
     takes_references: reference latents (ComfyUI's ``reference_latents``: image editing) come as
                       ``reference_0``, ``reference_1``, … [B, C, h, w] in ComfyUI's raw latent space
                       (C the latent channels, h and w multiples of the patch); the model wrapper applies
@@ -89,6 +92,8 @@ class FamilySpec(ABC):
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
     takes_model_patches: ClassVar[bool] = False
+    takes_controlnets: ClassVar[bool] = False
+    control_plan: ClassVar[SequencePlan | None] = None
     comfy_model_inputs: ClassVar[dict[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs):
@@ -218,6 +223,15 @@ class DiffusionModel(ABC):
         # diffusers' transformer.dtype would name the first parameter's, float8 for an fp8 file.
         self.compute_dtype = compute_dtype or transformer.dtype
         self.storage_dtype = storage_dtype or str(self.compute_dtype).removeprefix("torch.")
+        # the running generation's controls, in order (the executor's): model patches and ControlNets (model_patch.py)
+        self.model_patches: list = []
+
+    @property
+    def controlnets(self) -> list:
+        """The running generation's ControlNets (they run under the model's own sequence split: parallel/denoiser)."""
+        from .controlnet import AppliedControlNet
+
+        return [control for control in self.model_patches if isinstance(control, AppliedControlNet)]
 
     @property
     def latent_format(self):

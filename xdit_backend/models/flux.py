@@ -127,6 +127,13 @@ class FluxSpec(FamilySpec):
         cuts=(Cut("", "hidden_states", 1), Cut("", "img_ids", 0),  # [B, N, 64], [N, 3]
               Cut("", "encoder_hidden_states", 1, text=True), Cut("", "txt_ids", 0, text=True)),  # [B, L, C], [L, 3]
         attention=(("attn", FluxProcessor),))  # double- and single-stream blocks alike
+    takes_controlnets = True  # InstantX's and Shakker-Labs' (models/flux_controlnet.py)
+    # a ControlNet: the image, its hint and their positions cut as the model's, the text where the union's type
+    # token has joined it; the model's attention; its residuals left split
+    control_plan = SequencePlan(
+        cuts=(Cut("", "hidden_states", 1), Cut("", "controlnet_cond", 1), Cut("", "img_ids", 0),  # [B, N, ·], [N, 3]
+              Cut("control_text", None, 1, text=True)),  # [B, (1 +) L, D]
+        attention=(("attn", FluxProcessor),), gather=None)
     stage_plan = StagePlan(block_lists=("transformer_blocks", "single_transformer_blocks"),
                            attention=(("attn", FluxProcessor, True),), joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks", "single_transformer_blocks"),
@@ -195,6 +202,7 @@ class FluxModel(DiffusionModel):
         reference_tokens, reference_ids = self._references(cond, b)
         tokens = [pack(self.with_concat(x, cond)), *(t.to(x.dtype) for t in reference_tokens)]  # [B, N, 64 (+ 4·E)]…
         ids = [image_ids(h, w, self.device), *reference_ids]  # [N, 3], [R_i, 3]…
+        double, single = self._control_residuals(pack(x), context, cond, timestep, guidance, ids[0])
         with time_embedded_in_float32(self.transformer.time_text_embed, timestep, guidance):
             velocity = self.transformer(
                 hidden_states=torch.cat(tokens, dim=1),  # [B, N (+ R), 64]
@@ -204,9 +212,33 @@ class FluxModel(DiffusionModel):
                 img_ids=torch.cat(ids),  # [N (+ R), 3]
                 txt_ids=torch.zeros(context.shape[1], 3, device=self.device),  # [L, 3]
                 guidance=guidance,
+                controlnet_block_samples=double,  # one per block: diffusers adds block i's to its image tokens
+                controlnet_single_block_samples=single,
                 return_dict=False,
             )[0]
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's [B, N, 64] → [B, 16, h, w]
+
+    def _control_residuals(self, tokens, context, cond, timestep, guidance, ids) -> tuple[list | None, list | None]:
+        """The residual of each double and each single block from the ControlNets active at this σ, summed in
+        their order (ComfyUI's control_merge), or None. ``tokens`` [B, N, 64] the noisy latent's (a ControlNet sees
+        no references nor a Fill model's concatenated channels), ``ids`` their positions [N, 3]."""
+        active = [control for control in self.controlnets if control.active(float(timestep[0]))]
+        if not active:
+            return None, None
+        from .flux_controlnet import model_residuals
+        blocks = (len(self.transformer.transformer_blocks), len(self.transformer.single_transformer_blocks))
+        sums: list[list | None] = [None, None]
+        for control in active:
+            samples = control.network(
+                hidden_states=tokens, controlnet_cond=control.hint.expand(tokens.shape[0], -1, -1),
+                encoder_hidden_states=context, pooled_projections=cond["pooled"].to(self.device, self.dtype),
+                timestep=timestep, img_ids=ids, guidance=guidance, mode=control.mode)  # per block: [B, N, D]
+            for which, (made, count) in enumerate(zip(samples, blocks)):
+                if not made:
+                    continue
+                adds = [add * control.strength for add in model_residuals(made, count, bool(which))]
+                sums[which] = adds if sums[which] is None else [a + b for a, b in zip(sums[which], adds)]
+        return sums[0], sums[1]
 
     def _references(self, cond: dict, batch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The reference latents (Flux.1 Kontext) as packed tokens [batch, R_i, 64] (float32) and their ids [R_i, 3],

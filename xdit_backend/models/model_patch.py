@@ -43,6 +43,7 @@ class PatchSpec:
     strength: float
     start: float = 0.0
     end: float = 1.0
+    mode: int | None = None  # a union ControlNet's control type (SetUnionControlNetType's); None: auto
 
     @property
     def built_in(self) -> bool:
@@ -108,13 +109,25 @@ class AppliedPatch:
 
 
 def parse(entries: list) -> list[PatchSpec]:
-    """The ``controls`` of a request, checked: [{"path": str, "strength": number[, "start", "end"]}, …]."""
+    """The ``controls`` of a request, checked: [{"path": str, "strength": number[, "start", "end", "type"]}, …]."""
     example = {"path": "models/model_patches/qwen_image_canny_diffsynth_controlnet.safetensors", "strength": 1.0}
-    without_ranges = [{k: v for k, v in entry.items() if k not in ("start", "end")} if isinstance(entry, dict)
+    own = ("start", "end", "type")  # checked here, the rest by file_entries
+    without_ranges = [{k: v for k, v in entry.items() if k not in own} if isinstance(entry, dict)
                       else entry for entry in entries] if isinstance(entries, list) else entries
     files = file_entries(without_ranges, "control", MAX_PATCHES, example, "models/model_patches or models/controlnet",
                          (*BUILTINS, *controlnet.BUILTINS))
-    return [PatchSpec(path, strength, *_percent_range(entry)) for (path, strength), entry in zip(files, entries)]
+    return [PatchSpec(path, strength, *_percent_range(entry), _union_type(entry))
+            for (path, strength), entry in zip(files, entries)]
+
+
+def _union_type(entry: dict) -> int | None:
+    """A control entry's union type (a union ControlNet's; None when left out: ComfyUI's "auto"), checked."""
+    mode = entry.get("type")
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or mode < 0):
+        raise UserError(f"control type {mode!r}: a union ControlNet's type number ≥ 0",
+                        "as SetUnionControlNetType numbers them (openpose 0, depth 1, … canny 3, … tile 6), or "
+                        "leave it out for auto")
+    return mode
 
 
 def _percent_range(entry: dict) -> tuple[float, float]:
@@ -136,7 +149,7 @@ def read(path: str) -> BlockwiseControlNet:
     except (OSError, ValueError) as exc:  # safetensors' own errors are ValueError subclasses
         raise UserError(f"model patch {path}: not a readable safetensors file ({exc})",
                         "check the file: ComfyUI keeps model patches in models/model_patches") from None
-    if controlnet.is_controlnet(state):
+    if controlnet.kind_of_keys(state) is not None:
         return controlnet.read(path, state)
     if "controlnet_blocks.0.y_rms.weight" not in state:
         kind = ("a SigLIP style projector (USO)" if "feature_embedder.mid_layer_norm.bias" in state
@@ -175,8 +188,6 @@ def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype):
         made = built_in(config["num_layers"], config["num_attention_heads"] * config["attention_head_dim"])
     else:
         made = read(spec.path)
-    if not isinstance(made, BlockwiseControlNet):
-        made.image_rope, made.text_rope = nn.Identity(), nn.Identity()
     # nn.Module's own: diffusers' ModelMixin.to warns about modules kept in float32, which this one has none of
     return nn.Module.to(made, device, dtype).requires_grad_(False)
 
@@ -185,21 +196,27 @@ def blocks_of(network) -> list[nn.Module]:
     """The blocks weight sharding splits: a ControlNet's own transformer blocks, a patch's control blocks (those a
     PipeFusion stage kept)."""
     if not isinstance(network, BlockwiseControlNet):
-        return list(network.transformer_blocks)
+        return [*network.transformer_blocks, *getattr(network, "single_transformer_blocks", ())]
     return [block for block in network.controlnet_blocks if not isinstance(block, nn.Identity)]
 
 
 def is_controlnet(spec: PatchSpec) -> bool:
     """Whether the control is a ControlNet (not a model patch), from the built-in's name or the file's keys."""
+    return control_family(spec) is not None
+
+
+def control_family(spec: PatchSpec) -> str | None:
+    """The family a ControlNet is made for (None: a model patch, or a file reading will say what is wrong with)."""
     if spec.built_in:
-        return spec.path in controlnet.BUILTINS
+        return controlnet.family_of_builtin(spec.path) if spec.path in controlnet.BUILTINS else None
     from safetensors import safe_open
 
     try:
         with safe_open(spec.path, framework="pt") as handle:
-            return controlnet.is_controlnet(handle.keys())
+            kind = controlnet.kind_of_keys(handle.keys())
     except (OSError, ValueError):
-        return False  # unreadable: reading it says so
+        return None  # unreadable: reading it says so
+    return None if kind is None else kind.FAMILY
 
 
 def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
@@ -222,7 +239,7 @@ def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, laten
     blocks = transformer.config.num_layers
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     if not isinstance(made, BlockwiseControlNet):
-        return _applied_controlnet(spec, made, latent, seed, latent_size, width, sampling)
+        return _applied_controlnet(spec, made, latent, seed, latent_size, transformer, width, sampling)
     have = (len(made.controlnet_blocks), made.img_in.out_features)
     if have != (blocks, width):
         raise UserError(f"model patch {spec.path} has {have[0]} blocks of width {have[1]}, but the model has {blocks} "
@@ -240,16 +257,22 @@ def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, laten
     return AppliedPatch(made, hint, spec.strength)
 
 
-def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: tuple[int, int], width: int,
-                        sampling) -> controlnet.AppliedControlNet:
-    have = made.config.num_attention_heads * made.config.attention_head_dim
-    if have != width:
-        raise UserError(f"ControlNet {spec.path} has width {have}, but the model has {width}",
-                        "use a ControlNet made for this model (Qwen-Image's: 3072)")
-    x_embedder = made.controlnet_x_embedder
+def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: tuple[int, int], transformer,
+                        width: int, sampling) -> controlnet.AppliedControlNet:
+    kind = controlnet.kind_of(made)
+    if kind.width(made) != width:
+        raise UserError(f"ControlNet {spec.path} has width {kind.width(made)}, but the model has {width}",
+                        "use a ControlNet made for this model (Flux.1's and Qwen-Image's: 3072)")
+    embedder = getattr(made, "controlnet_mode_embedder", None)
+    if spec.mode is not None and embedder is not None and spec.mode >= embedder.num_embeddings:
+        raise UserError(f"ControlNet {spec.path}: union type {spec.mode}, but it has {embedder.num_embeddings} types",
+                        f"use a type 0 … {embedder.num_embeddings - 1} (SetUnionControlNetType's), or none (auto)")
+    in_features = kind.hint_in_features(made)
     if latent is None:
         generator = torch.Generator().manual_seed(seed)
-        latent = torch.randn((1, x_embedder.in_features // 4, *latent_size), generator=generator)
-    hint = controlnet.hint_tokens(latent, x_embedder.in_features).to(x_embedder.weight.device, x_embedder.weight.dtype)
+        latent = torch.randn((1, in_features // 4, *latent_size), generator=generator)
+    weight = made.controlnet_x_embedder.weight
+    hint = controlnet.hint_tokens(latent, in_features, kind.LATENT, kind.VAE).to(weight.device, weight.dtype)
+    kind.bind(made, transformer)
     sigmas = (sampling.percent_to_sigma(spec.start), sampling.percent_to_sigma(spec.end))
-    return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas)
+    return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas, spec.mode)

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
-from . import controlnet, latent_formats, model_patch
+from . import latent_formats, model_patch, qwen_image_controlnet
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 from .patch_embed import pack, pad_to_patch, unpack
 
@@ -95,6 +95,7 @@ class QwenImageSpec(FamilySpec):
     latent_format = latent_formats.WAN21  # supported_models.QwenImage.latent_format = latent_formats.Wan21
     takes_references = True
     takes_model_patches = True  # DiffSynth's block-wise ControlNet (models/model_patch.py)
+    takes_controlnets = True  # InstantX's (models/qwen_image_controlnet.py)
     parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     sequence_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1),  # [B, N + R, 64]: noisy then reference tokens
@@ -106,7 +107,7 @@ class QwenImageSpec(FamilySpec):
               # a model patch's hint tokens [1, N + R, D] and their mask [1, N + R, 1] (0 on the references')
               Cut("control_hint", None, 1)),
         attention=(("attn", QwenImageAttention),))
-    # a ControlNet (models/controlnet.py): the model's cuts and attention, its hint cut like the image, nothing gathered
+    # a ControlNet (models/qwen_image_controlnet.py): the model's cuts and attention, its hint cut like the image
     control_plan = SequencePlan(
         cuts=(Cut("", "hidden_states", 1),  # [B, N, 64]
               Cut("", "controlnet_cond", 1),  # [B, N, C·4]: the control latent, packed like the image
@@ -212,8 +213,6 @@ class QwenImageModel(DiffusionModel):
         # model patches' hints (``_patch_block``): where a sequence-parallel plan cuts them
         transformer.image_rope, transformer.text_rope = torch.nn.Identity(), torch.nn.Identity()
         transformer.control_hint = torch.nn.Identity()
-        # the running generation's controls, in order: DiffSynth patches (model_patch.py) and ControlNets (controlnet.py)
-        self.model_patches: list = []
         self._residuals: list | None = None  # the running call's ControlNet residual per block, summed over them
         self._hints: list | None = None  # the running call's (hint, mask) per patch: whole, cut at block 0
         self._hints_local = False  # or already this rank's tokens' (a PipeFusion chunk's: block_kwargs)
@@ -250,11 +249,6 @@ class QwenImageModel(DiffusionModel):
             self._hints = self._residuals = None
         return unpack(velocity[:, :h // 2 * (w // 2)], h, w)  # the noisy latent's tokens → [B, 16, h, w]
 
-    @property
-    def controlnets(self) -> list:
-        """The running generation's ControlNets (they run under the model's own sequence split: parallel/denoiser)."""
-        return [control for control in self.model_patches if isinstance(control, controlnet.AppliedControlNet)]
-
     def _control_residuals(self, tokens, context, timestep, tables, shape) -> list | None:
         """Each block's residual from the ControlNets active at this σ, summed in their order (ComfyUI's
         control_merge), or None. ``tokens`` [B, N, 64] the noisy latent's (a ControlNet sees no references),
@@ -269,8 +263,7 @@ class QwenImageModel(DiffusionModel):
                     hidden_states=tokens, controlnet_cond=control.hint.expand(tokens.shape[0], -1, -1),
                     conditioning_scale=control.strength, encoder_hidden_states=context, timestep=timestep,
                     img_shapes=[[shape]] * tokens.shape[0], return_dict=False)  # per network block: [B, N, D]
-            for block in range(len(residuals)):
-                add = control.residual_of(samples, block)
+            for block, add in enumerate(qwen_image_controlnet.model_residuals(samples, len(residuals))):
                 residuals[block] = add if residuals[block] is None else residuals[block] + add
         return residuals
 

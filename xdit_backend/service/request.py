@@ -164,10 +164,19 @@ class SampleRequest:
         (the patch's own channels are checked when it is loaded)."""
         if not self.controls:
             return
-        if not spec.takes_model_patches:
-            raise RequestError(f"controls: {spec.family} models take no model patch (a DiffSynth ControlNet patch "
-                               "is for Qwen-Image)", "leave controls out, or use a Qwen-Image model")
-        controlnets = [entry.path for entry in self.controls if model_patch.is_controlnet(entry)]
+        if self.cache != "none":
+            raise RequestError(f"controls with the step cache ({self.cache}): a control adds its residuals after the "
+                               "blocks, and on the steps the cache reuses, the blocks' cached output already holds "
+                               "them; that is not wired yet", "use cache none with a control")
+        families = [model_patch.control_family(entry) for entry in self.controls]  # None: a model patch
+        for entry, family in zip(self.controls, families):
+            if family is None and not spec.takes_model_patches:
+                raise RequestError(f"control {entry.path}: {spec.family} models take no model patch (a DiffSynth "
+                                   "ControlNet patch is for Qwen-Image)", "leave it out, or use a Qwen-Image model")
+            if family is not None and family != spec.family:
+                raise RequestError(f"control {entry.path} is a {family} ControlNet, but {self.model} is a "
+                                   f"{spec.family} model", f"use a ControlNet made for {spec.family} models")
+        controlnets = [entry.path for entry, family in zip(self.controls, families) if family is not None]
         if controlnets and self.parallel is not None and self.parallel.pipefusion > 1:
             raise RequestError(f"ControlNet {controlnets[0]} with pipefusion={self.parallel.pipefusion}: a ControlNet "
                                "runs a transformer of its own over the whole latent each step, which PipeFusion's "
@@ -410,9 +419,10 @@ def _write(field: schema.Field, value):
         return "auto" if value is None else value.to_json()
     if field.kind == "loras":
         return [{"path": spec.path, "strength": spec.strength} for spec in value]
-    if field.kind == "controls":  # every rank must see the same range, or their collectives would part
+    if field.kind == "controls":  # every rank must see the same range and type, or their collectives would part
         return [{"path": spec.path, "strength": spec.strength,
-                 **({"start": spec.start, "end": spec.end} if (spec.start, spec.end) != (0.0, 1.0) else {})}
+                 **({"start": spec.start, "end": spec.end} if (spec.start, spec.end) != (0.0, 1.0) else {}),
+                 **({"type": spec.mode} if spec.mode is not None else {})}
                 for spec in value]
     return value
 

@@ -1,0 +1,156 @@
+"""Flux.1's ControlNets (InstantX's and Shakker-Labs' layout: diffusers' FluxControlNetModel) on the backend: under
+the sequence-parallel, CFG and data-parallel layouts, sharded or not, with a union type (one more text token, cut
+with the text) or without, it equals the serial generation with the same ControlNet, running split as the model (its
+residuals never gathered); strength 0 is no ControlNet exactly; and it equals ComfyUI's own ControlNetFlux with its
+residuals added as comfy/ldm/flux/model.py adds them."""
+
+import os
+import sys
+
+import pytest
+import torch
+from parity import bound
+from safetensors.torch import save_file
+
+from xdit_backend.models import model_patch, registry
+from xdit_backend.service.reference import serial_latent
+from xdit_backend.service.request import RequestError, SampleRequest
+from xdit_backend.wire.protocol import Message
+
+TINY = "flux-controlnet-tiny"
+FLUX = {"model": "flux-tiny", "width": 64, "height": 48, "steps": 3, "seed": 13, "cfg": 2.5, "batch": 2,
+        "dtype": "float32"}
+CONTROL = {"path": TINY, "strength": 0.7, "type": 3}  # canny: the union's token joins the 8 text tokens
+LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}),
+           (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
+
+
+@pytest.fixture(scope="module")
+def serial_with_control():
+    return serial_latent({**FLUX, "controls": [CONTROL]})
+
+
+@pytest.mark.parametrize("world, degrees", LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_equals_serial_with_the_controlnet(shared_backends, serial_with_control, world, degrees):
+    result, _ = shared_backends.get(world).sample({**FLUX, "controls": [CONTROL], "parallel": degrees})
+    assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
+
+
+def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, serial_with_control):
+    plain, _ = backend2.sample({**FLUX, "parallel": {"ulysses": 2}})
+    off, _ = backend2.sample({**FLUX, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ulysses": 2}})
+    assert torch.equal(off["samples"], plain["samples"])
+    assert (serial_with_control - plain["samples"]).abs().max() > 100 * bound(serial_with_control)
+
+
+def test_auto_type_a_range_and_a_chained_controlnet_under_ring(backend2):
+    """No union type (ComfyUI's "auto": no extra token), active for the first half of the schedule only, chained with
+    a second ControlNet with its own latent and type: ring=2 as serial; the type and the range changed the result."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {"control_1": torch.randn(1, 16, 6, 8, generator=g)}
+    controls = [{"path": TINY, "strength": 0.7, "start": 0.0, "end": 0.5}, {**CONTROL, "strength": -0.4, "type": 6}]
+    fields = {**FLUX, "batch": 1, "controls": controls}
+    expected = serial_latent(fields, tensors)
+    result, _ = backend2.sample({**fields, "parallel": {"ring": 2}}, tensors)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)
+    whole_range = serial_latent({**fields, "controls": [{**controls[0], "end": 1.0}, controls[1]]}, tensors)
+    assert (expected - whole_range).abs().max() > 1e-2
+    typed = serial_latent({**fields, "controls": [{**controls[0], "type": 1}, controls[1]]}, tensors)
+    assert (expected - typed).abs().max() > 1e-3
+
+
+def test_requests_a_flux_controlnet_cannot_serve_are_refused_with_the_reason(tmp_path):
+    def check(fields, model="flux-tiny", tensors=None):
+        SampleRequest.parse(Message("sample", {**FLUX, **fields}, tensors or {})).check_model(registry.spec(model))
+
+    with pytest.raises(RequestError, match="is a qwen_image ControlNet, but flux-tiny is a flux model"):
+        check({"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 1.0}]})
+    with pytest.raises(RequestError, match="is a flux ControlNet, but qwen-image-tiny is a qwen_image model"):
+        check({"model": "qwen-image-tiny", "controls": [CONTROL]}, "qwen-image-tiny")
+    with pytest.raises(RequestError, match="flux models take no model patch"):
+        check({"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 1.0}]})
+    with pytest.raises(RequestError, match="with pipefusion=2"):
+        check({"controls": [CONTROL], "parallel": {"pipefusion": 2}})
+    with pytest.raises(RequestError, match=r"with the step cache \(fbcache\)"):
+        check({"controls": [CONTROL], "cache": "fbcache"})
+    with pytest.raises(RequestError, match="control type -1: a union ControlNet's type number"):
+        check({"controls": [{**CONTROL, "type": -1}]})
+    with pytest.raises(Exception, match="union type 9, but it has 8 types"):
+        serial_latent({**FLUX, "controls": [{**CONTROL, "type": 9}]})
+
+
+def test_a_controlnet_file_loads_as_the_built_in(tmp_path):
+    """A file in diffusers' layout is told from a Qwen-Image one and from a model patch by its keys and read with its
+    config off the shapes (union types and all): the same generation as the built-in it was written from."""
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    path = tmp_path / "flux_controlnet.safetensors"
+    save_file({k: v for k, v in network.state_dict().items()}, str(path))
+    assert model_patch.control_family(model_patch.PatchSpec(str(path), 1.0)) == "flux"
+    g = torch.Generator().manual_seed(5)
+    tensors = {"control_0": torch.randn(1, 16, 6, 8, generator=g)}
+    fields = {**FLUX, "batch": 1}
+    from_file = serial_latent({**fields, "controls": [{**CONTROL, "path": str(path)}]}, tensors)
+    built_in = serial_latent({**fields, "controls": [CONTROL]}, tensors)
+    assert torch.equal(from_file, built_in)
+
+
+needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with ComfyUI's "
+                                          "ControlNetFlux and its residuals in Flux's forward")
+
+
+def comfy_state(state: dict) -> dict:
+    """A diffusers-layout Flux (or Flux ControlNet) state dict in ComfyUI's names, as its loaders convert it (the
+    ControlNet's own tensors kept: load_controlnet_flux_instantx)."""
+    import comfy.model_detection
+
+    left = {key: value.clone() for key, value in state.items()}  # it writes some conversions into the tensors given
+    converted = comfy.model_detection.convert_diffusers_mmdit(left, "")  # and takes those it converts out of left
+    return {**left, **converted}
+
+
+@needs_comfyui
+@pytest.mark.parametrize("mode", [3, None], ids=["union-type", "auto"])
+def test_the_controlnet_equals_comfyuis_own(mode):
+    """ComfyUI's ControlNetFlux (latent input, 8 union types) with the same tensors, given what ControlNet.get_control
+    gives it (the latent, σ, the prompt, pooled and guidance, the hint in model space, the union type), its residuals
+    times the strength into ComfyUI's Flux forward as ``control``: our velocity with the ControlNet within 1e-5."""
+    sys.path.insert(0, os.environ["COMFYUI_DIR"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.latent_formats
+    import comfy.ldm.flux.controlnet
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    params = dict(in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64, hidden_size=64, mlp_ratio=4.0,
+                  num_heads=4, axes_dim=[4, 6, 6], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+    ops = comfy.ops.disable_weight_init
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    theirs_control = comfy.ldm.flux.controlnet.ControlNetFlux(
+        latent_input=True, num_union_modes=8, control_latent_channels=16, operations=ops,
+        **{**params, "depth": 1, "depth_single_blocks": 1})
+    theirs_control.load_state_dict(comfy_state(network.state_dict()), strict=True)
+    model = registry.build("flux-tiny", torch.device("cpu"))
+    theirs = comfy.ldm.flux.model.Flux(operations=ops, **{**params, "depth": 2, "depth_single_blocks": 5})
+    theirs.load_state_dict(comfy_state(model.transformer.state_dict()), strict=True)
+
+    g = torch.Generator().manual_seed(6)
+    x, control = torch.randn(2, 16, 6, 8, generator=g), torch.randn(1, 16, 6, 8, generator=g)
+    sigma, guidance = torch.tensor([0.7, 0.7]), torch.tensor([3.5, 3.5])
+    cond = {"context": torch.randn(2, 8, 64, generator=g), "pooled": torch.randn(2, 32, generator=g)}
+    flux = comfy.latent_formats.Flux()
+    with torch.no_grad():
+        residuals = theirs_control(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance,
+                                   hint=flux.process_in(control).expand(2, -1, -1, -1),
+                                   control_type=[] if mode is None else [mode])
+        scaled = {key: [r * 0.7 for r in value] for key, value in residuals.items()}
+        expected = theirs(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance, control=scaled)
+        plain = theirs(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance)
+        spec = model_patch.PatchSpec(TINY, 0.7, mode=mode)
+        model.model_patches = [model_patch.applied(spec, network, control, 0, (6, 8), model.transformer,
+                                                   model.spec.model_sampling(None))]
+        ours = model.output(x, sigma, cond, guidance)
+    assert (ours - expected).abs().max() <= 1e-5
+    assert (expected - plain).abs().max() > 1e-2

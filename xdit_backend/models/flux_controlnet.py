@@ -1,0 +1,158 @@
+"""Flux.1's ControlNets in diffusers' layout (InstantX's Union and its single-mode nets, Shakker-Labs' Union Pro /
+Pro 2.0; the files diffusers' ``FluxControlNetModel`` reads): a kind of controlnet.py.
+
+As ComfyUI runs them (shared snapshot v0.3.64: comfy/controlnet.py ``load_controlnet_flux_instantx`` and
+``ControlNet.get_control``; comfy/ldm/flux/controlnet.py ``ControlNetFlux`` with ``latent_input``; the ``control``
+argument of comfy/ldm/flux/model.py): the control image's VAE latent in model space (Flux's ``process_in``; a
+17-channel net's mask after it), packed 2×2 like the image, goes through ``controlnet_x_embedder`` and is added to the
+embedded noisy latent; the time (σ in the model's dtype, × 1000), guidance and pooled prompt are embedded as the
+model embeds them; a union net's control type (SetUnionControlNetType; none for "auto") is embedded as one more text
+token before the prompt's. The double blocks then the single blocks run over [text; image] at the model's
+positions, each block's image tokens through its ``controlnet_blocks`` Linear give one residual. ComfyUI repeats
+them in place to Flux's 19 double and 38 single blocks (ceil(19 / n) consecutive blocks share one), times the
+strength, and adds each to the image tokens after its model block.
+
+Diffusers' ``forward`` prepends the union's token after the text is embedded, which under sequence parallelism would
+come after the text's cut (one token on every rank): ``FluxControlNet.forward`` below runs the same modules with the
+token joined first and the text cut after it (``control_text``, where the family's ``control_plan`` cuts it).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from diffusers import FluxControlNetModel
+
+from ..errors import UserError
+from . import controlnet, latent_formats
+
+FAMILY = "flux"
+LATENT = latent_formats.FLUX
+VAE = "Flux.1's: ae.safetensors"
+MODEL_DOUBLE, MODEL_SINGLE = 19, 38  # ComfyUI's main_model_double / main_model_single: Flux.1's blocks
+SEED = 12  # the built-in ControlNets' weights
+# the built-in (controlnet.BUILTINS): its model's width, one double and one single block, a union net of 8 control
+# types (ComfyUI's UNION_CONTROLNET_TYPES)
+TINY_MODES = 8
+
+
+class FluxControlNet(FluxControlNetModel):
+    """diffusers' FluxControlNetModel (its modules, config and file layout) with the forward ComfyUI's
+    ControlNetFlux computes, its text joined before the cut, and a pass-through ``control_text`` where the text is
+    cut. Its ``pos_embed`` is the model's (``bind``): ComfyUI builds both from the same config."""
+
+    def __init__(self, *args, **kwargs):
+        with warnings.catch_warnings():  # diffusers 0.42's class builds the FluxPosEmbed it deprecates: not ours to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(*args, **kwargs)
+        self.control_text = torch.nn.Identity()
+
+    def forward(self, hidden_states, controlnet_cond, encoder_hidden_states, pooled_projections, timestep, img_ids,
+                guidance=None, mode: int | None = None):
+        """hidden_states [B, N, 64] the noisy latent's packed tokens, controlnet_cond [B, N, C·4] the hint's,
+        encoder_hidden_states [B, L, context_dim], pooled_projections [B, pooled_dim], timestep and guidance [B]
+        (σ and the scale), img_ids [N, 3]. Returns each double block's and each single block's residual
+        [B, N, D] (not yet times the strength)."""
+        dtype = hidden_states.dtype
+        image = self.x_embedder(hidden_states) + self.controlnet_x_embedder(controlnet_cond)  # [B, N, D]
+        timestep = timestep.to(dtype) * 1000  # ComfyUI hands the ControlNet σ in the model's dtype
+        temb = (self.time_text_embed(timestep, pooled_projections) if guidance is None else
+                self.time_text_embed(timestep, guidance.to(dtype) * 1000, pooled_projections))  # [B, D]
+        text = self.context_embedder(encoder_hidden_states)  # [B, L, D]
+        if mode is not None and getattr(self, "controlnet_mode_embedder", None) is not None:
+            token = self.controlnet_mode_embedder(torch.tensor([mode], device=text.device)).to(dtype)  # [1, D]
+            text = torch.cat([token.expand(text.shape[0], 1, -1), text], dim=1)  # [B, 1 + L, D]
+        text = self.control_text(text)  # sequence parallelism cuts the text here, the union's token with it
+        ids = torch.cat([img_ids.new_zeros(text.shape[1], 3), img_ids])  # [L', 3] text (all 0), then [N, 3]
+        rope = self.pos_embed(ids)
+        double, single = [], []
+        for block, out in zip(self.transformer_blocks, self.controlnet_blocks):
+            text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+            double.append(out(image))  # [B, N, D]
+        for block, out in zip(self.single_transformer_blocks, self.controlnet_single_blocks):
+            text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+            single.append(out(image))  # [B, N, D]: the image tokens only, as ComfyUI's img[:, txt:]
+        return double, single
+
+
+def network_class():
+    return FluxControlNet
+
+
+def matches(keys: set) -> bool:
+    """A Flux ControlNet in diffusers' layout, as ComfyUI tells it (``controlnet_x_embedder`` beside the blocks'
+    outputs, not Qwen-Image's feed-forward names)."""
+    return ("controlnet_blocks.0.weight" in keys and "controlnet_x_embedder.weight" in keys
+            and "transformer_blocks.0.img_mlp.net.0.proj.weight" not in keys)
+
+
+def _count(state, prefix: str) -> int:
+    return 1 + max((int(key.split(".")[1]) for key in state if key.startswith(prefix)), default=-1)
+
+
+def read(path: str, state: dict) -> FluxControlNet:
+    """The ControlNet in ``state`` (read from ``path``), its config read off the shapes (on the CPU, in the file's
+    precision)."""
+    width, in_channels = state["x_embedder.weight"].shape
+    head = state["transformer_blocks.0.attn.norm_q.weight"].shape[0]
+    modes = state.get("controlnet_mode_embedder.weight")
+    config = dict(in_channels=in_channels, num_layers=_count(state, "transformer_blocks."),
+                  num_single_layers=_count(state, "single_transformer_blocks."), attention_head_dim=head,
+                  num_attention_heads=width // head, joint_attention_dim=state["context_embedder.weight"].shape[1],
+                  pooled_projection_dim=state["time_text_embed.text_embedder.linear_1.weight"].shape[1],
+                  guidance_embeds="time_text_embed.guidance_embedder.linear_1.weight" in state,
+                  num_mode=None if modes is None else modes.shape[0])
+    with torch.device("meta"):
+        network = FluxControlNet(**config)
+        hint_channels = state["controlnet_x_embedder.weight"].shape[1]  # 64, or 68 with an inpainting mask
+        network.controlnet_x_embedder = torch.nn.Linear(hint_channels, width)
+    try:
+        network.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise UserError(f"ControlNet {path}: its tensors do not fit Flux's ControlNet ({str(exc)[:300]})",
+                        "use a Flux.1 ControlNet in diffusers' layout (InstantX's, Shakker-Labs')") from None
+    return network
+
+
+def built_in(name: str) -> FluxControlNet:
+    """A built-in ControlNet (controlnet.BUILTINS) for its model's size, from a fixed seed."""
+    from .builtins import BUILTINS as MODELS
+
+    config = MODELS[controlnet.BUILTINS[name]].config
+    keep = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim",
+            "guidance_embeds", "axes_dims_rope")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        network = FluxControlNet(**{k: config[k] for k in keep}, num_layers=1, num_single_layers=1,
+                                 num_mode=TINY_MODES)
+        with torch.no_grad():  # diffusers zero-initialises the control outputs (a new ControlNet adds nothing)
+            for module in (*network.controlnet_blocks, *network.controlnet_single_blocks,
+                           network.controlnet_x_embedder):
+                torch.nn.init.normal_(module.weight, std=0.05)
+    return network
+
+
+def bind(network: FluxControlNet, transformer) -> None:
+    """Give the network the model's positions (its RoPE module: no weights)."""
+    network.pos_embed = transformer.pos_embed
+
+
+def width(network) -> int:
+    return network.config.num_attention_heads * network.config.attention_head_dim
+
+
+def hint_in_features(network) -> int:
+    return network.controlnet_x_embedder.in_features
+
+
+def model_residuals(samples: list[torch.Tensor], blocks: int, single: bool) -> list[torch.Tensor | None]:
+    """The residual of each of the model's ``blocks`` double (or ``single``) blocks from the network's ``samples``
+    (one per network block), repeated in place as ComfyUI repeats them to Flux.1's 19 and 38 (None: no residual)."""
+    whole = MODEL_SINGLE if single else MODEL_DOUBLE
+    if not samples:
+        return [None] * blocks
+    repeat = math.ceil(whole / len(samples))
+    return [samples[block // repeat] if block < whole else None for block in range(blocks)]
+
