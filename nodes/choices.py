@@ -17,8 +17,8 @@ TEST_PREFIX = "[test] "  # built-in test models in the loader's list (random wei
 
 @dataclass(frozen=True)
 class ControlChoice:
-    """A model patch that controls the image (the xDiT DiffSynth ControlNet node): its file (or built-in name), its
-    strength, and what its control latent is made from when a sampler knows the latent's size (nodes/control.py)."""
+    """A control (the xDiT ControlNet and xDiT DiffSynth ControlNet nodes): its file (or built-in name), its strength,
+    and what its control latent is made from when a sampler knows the latent's size (nodes/control.py)."""
 
     path: str
     strength: float
@@ -30,6 +30,7 @@ class ControlChoice:
     end: float = 1.0
     resize: str = "area"  # how the image meets the latent's pixels: the patch's "area" when they differ, a ControlNet's
     # "nearest-exact" always (comfy/controlnet.py get_control)
+    mode: int | None = None  # a union ControlNet's control type (SetUnionControlNetType's number); None: auto
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class ModelChoice:
                              cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
                              cache_end=self.cache_end,
                              controls=[{"path": c.path, "strength": c.strength,
-                                        **({"start": c.start, "end": c.end} if (c.start, c.end) != (0.0, 1.0) else {})}
+                                        **({"start": c.start, "end": c.end} if (c.start, c.end) != (0.0, 1.0) else {}),
+                                        **({"type": c.mode} if c.mode is not None else {})}
                                        for c in self.controls] or None)
 
     def fingerprint(self) -> str:

@@ -1,5 +1,5 @@
-"""xDiT DiffSynth ControlNet: ComfyUI's QwenImageDiffsynthControlnet for an xDiT model, and the control latent a
-sampler sends with it.
+"""xDiT ControlNet and xDiT DiffSynth ControlNet: ComfyUI's Apply ControlNet and QwenImageDiffsynthControlnet for an
+xDiT model, and the control latent a sampler sends with them.
 
 ComfyUI's node (comfy_extras/nodes_model_patch.py, snapshot v0.3.64) keeps the image, the VAE and the inverted
 mask, and its patch encodes the image when the model first runs, again at the latent's size when they differ
@@ -91,6 +91,13 @@ class XDiTDiffSynthControlNet(io.ComfyNode):
         return io.NodeOutput(model.with_control(control))
 
 
+def union_types() -> dict[str, int]:
+    """ComfyUI's union ControlNet types by name (comfy/cldm/control_types.py, what SetUnionControlNetType offers)."""
+    from comfy.cldm.control_types import UNION_CONTROLNET_TYPES
+
+    return UNION_CONTROLNET_TYPES
+
+
 def controlnet_names() -> list[str]:
     import folder_paths
 
@@ -106,9 +113,10 @@ class XDiTControlNet(io.ComfyNode):
             node_id="XDiTControlNet",
             display_name="xDiT ControlNet",
             category=CATEGORY,
-            description="A Qwen-Image ControlNet (InstantX's Union; models/controlnet) on an xDiT model, as Load "
-                        "ControlNet Model + Apply ControlNet (with the VAE) apply it: run on the backend under the "
-                        "model's own split, each GPU adding its share of the residuals. Chain several.",
+            description="A Flux.1 or Qwen-Image ControlNet (InstantX's and Shakker-Labs' Union, diffusers' layout; "
+                        "models/controlnet) on an xDiT model, as Load ControlNet Model + Set Union ControlNet Type + "
+                        "Apply ControlNet (with the VAE) apply it: run on the backend under the model's own split, "
+                        "each GPU adding its share of the residuals. Chain several.",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Combo.Input("control_net", options=controlnet_names(),
@@ -118,15 +126,18 @@ class XDiTControlNet(io.ComfyNode):
                 io.Float.Input("strength", default=1.0, min=0.0, max=10.0, step=0.01),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.001),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.001),
+                io.Combo.Input("union_type", options=["auto", *union_types()], default="auto", optional=True,
+                               tooltip="a union ControlNet's control type, as Set Union ControlNet Type's"),
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
         )
 
     @classmethod
-    def execute(cls, model, control_net, strength, start_percent, end_percent, vae=None, image=None) -> io.NodeOutput:
+    def execute(cls, model, control_net, strength, start_percent, end_percent, vae=None, image=None,
+                union_type="auto") -> io.NodeOutput:
         path, image = chosen_file(control_net, "controlnet", "ControlNet", image, vae)
         control = ControlChoice(path, strength, image, vae, start=start_percent, end=end_percent,
-                                resize="nearest-exact")
+                                resize="nearest-exact", mode=union_types().get(union_type))
         return io.NodeOutput(model.with_control(control))
 
 

@@ -66,10 +66,12 @@ def test_the_control_latent_is_what_comfyuis_patch_encodes(pack, tmp_path, mask_
     assert (ours - patch.encoded_image).abs().max() <= 1e-6
 
 
-def run_with_control(host, node: dict, prefix: str) -> tuple[torch.Tensor, dict]:
-    """The tiny Qwen-Image workflow (3 steps) with a control node (class and inputs) between the loader and the
-    sampler, through ComfyUI's HTTP API: its latent [B, 16, h, w] (one frame) and the serial request it asked for."""
-    prompt = json.loads((WORKFLOWS / "qwen-image-tiny.api.json").read_text())
+def run_with_control(host, node: dict, prefix: str, workflow: str = "qwen-image-tiny",
+                     model: str = "qwen-image-tiny") -> tuple[torch.Tensor, dict]:
+    """A tiny workflow (3 steps; Qwen-Image's unless told) with a control node (class and inputs) between the loader
+    and the sampler, through ComfyUI's HTTP API: its latent [B, 16, h, w] (one frame) and the serial request it asked
+    for."""
+    prompt = json.loads((WORKFLOWS / f"{workflow}.api.json").read_text())
     kind = {node["class_type"]: key for key, node in prompt.items()}
     prompt["control"] = {"class_type": node["class_type"],
                          "inputs": {"model": [kind["XDiTLoadDiffusionModel"], 0], **node["inputs"]}}
@@ -79,9 +81,10 @@ def run_with_control(host, node: dict, prefix: str) -> tuple[torch.Tensor, dict]
     prompt_id = host.queue(prompt)
     assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
     empty = prompt[kind["EmptySD3LatentImage"]]["inputs"]
-    fields = {"model": "qwen-image-tiny", "width": empty["width"], "height": empty["height"],
+    fields = {"model": model, "width": empty["width"], "height": empty["height"],
               "steps": sampling["steps"], "seed": sampling["seed"], "cfg": sampling["cfg"], "dtype": "float32"}
-    return host.latest_latent(prefix)[:, :, 0], fields
+    latent = host.latest_latent(prefix)
+    return latent[:, :, 0] if latent.dim() == 5 else latent, fields
 
 
 def test_a_workflow_with_the_node_gives_the_serial_latent(host):
@@ -140,5 +143,19 @@ def test_a_workflow_with_the_controlnet_node_gives_the_serial_latent(host):
         "end_percent": 0.6}}, "qwen-controlnet")
     control = {"path": "qwen-image-controlnet-tiny", "strength": 0.6}
     expected = serial_latent({**fields, "controls": [{**control, "start": 0.0, "end": 0.6}]})
+    assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+    assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
+
+
+def test_a_flux_workflow_with_a_union_controlnet_gives_the_serial_latent(host):
+    """The tiny Flux workflow with xDiT ControlNet ([test] flux-controlnet-tiny, union type canny): the backend's
+    serial reference with that ControlNet and type, not the one of type auto."""
+    from xdit_backend.service.reference import serial_latent
+
+    latent, fields = run_with_control(host, {"class_type": "XDiTControlNet", "inputs": {
+        "control_net": "[test] flux-controlnet-tiny", "strength": 0.6, "start_percent": 0.0, "end_percent": 1.0,
+        "union_type": "canny/lineart/anime_lineart/mlsd"}}, "flux-controlnet", "xdit-tiny", "flux-tiny")
+    control = {"path": "flux-controlnet-tiny", "strength": 0.6}
+    expected = serial_latent({**fields, "controls": [{**control, "type": 3}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
     assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3

@@ -50,14 +50,17 @@ def test_conditioning_the_backend_cannot_honour_is_refused_by_name(options, name
 
 def test_a_comfyui_controlnet_on_the_prompt_points_to_the_xdit_control_nodes():
     """Apply ControlNet's control lives in ComfyUI's process: refused, with the node that runs it on the backend for
-    a family that has one (Qwen-Image), and said plainly for a family that has none yet (Flux)."""
+    a family that has one (Qwen-Image, Flux), and said plainly for a family that has none yet (Wan 2.1)."""
     qwen = registry.spec("qwen-image-tiny")
     with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
         translate.conditioning([entry(dim=qwen.context_dim, control=object())], qwen, 1, "positive")
     assert "use xDiT ControlNet" in refused.value.hint
     with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
         translate.conditioning([entry(pooled_output=torch.randn(1, 32), control=object())], FLUX, 1, "positive")
-    assert "ControlNets for flux models do not run on the backend yet" in refused.value.hint
+    assert "use xDiT ControlNet" in refused.value.hint
+    with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
+        translate.conditioning([entry(control=object())], WAN, 1, "positive")
+    assert "ControlNets for wan models do not run on the backend yet" in refused.value.hint
 
 
 def test_a_full_timestep_range_is_the_default_and_accepted():
