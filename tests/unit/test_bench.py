@@ -65,3 +65,16 @@ def test_the_control_bench_times_our_share_and_the_peers_whole(capsys):
     # either way (the timings themselves are the bench's, not asserted)
     ours, theirs = ([int(row[column].strip(" %")) for row in controlnet[1:]] for column in (2, 4))
     assert ours == [8, 8] and theirs[0] == 8
+
+
+def test_the_flux_controlnet_bench_derives_its_share_and_counts_its_bytes(capsys):
+    """bench control --family flux at a narrow width (2 heads of 128), 64 px: a row per degree; no residual bytes;
+    the Ulysses bytes as the shapes give them (15 blocks × q, k, v, out × this rank's tokens × width × 4 bytes, the
+    half that leaves at 2 ranks; none at 1)."""
+    from xdit_backend.bench.control import run_flux_controlnet_bench
+
+    assert run_flux_controlnet_bench(side=64, ranks=(1, 2), repeats=1, heads=2) == 0
+    table = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(row[0].strip(), int(row[1])) for row in table] == [("1", 16), ("2", 8)]
+    assert [float(row[7]) for row in table] == [0.0, round(15 * 4 * (8 + 257) * 256 * 4 / 2 / 1e6, 1)]
+    assert all(row[8].strip() == "0" and float(row[3]) > 0 for row in table)

@@ -228,7 +228,8 @@ class ModelCall:
 
 class Control:
     name = "control"
-    help = "a model patch's cost per rank (Qwen-Image's DiffSynth ControlNet at full width): ours against the peers'"
+    help = ("a control's cost per rank at full width (Qwen-Image's DiffSynth patch and ControlNet; --family flux: a "
+            "Flux ControlNet): ours against the peers'")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--size", type=int, default=512, help="image side in pixels (default 512)")
@@ -236,11 +237,14 @@ class Control:
         parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
         parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         parser.add_argument("--repeats", type=int, default=3)
+        parser.add_argument("--family", choices=("qwen_image", "flux"), default="qwen_image",
+                            help="whose control: Qwen-Image's patch and ControlNet, or Flux.1's ControlNet")
 
     def run(self, args: argparse.Namespace) -> int:
-        from .control import run_control_bench
+        from .control import run_control_bench, run_flux_controlnet_bench
 
-        return run_control_bench(args.size, tuple(args.ranks), args.device, args.dtype, args.repeats)
+        bench = run_flux_controlnet_bench if args.family == "flux" else run_control_bench
+        return bench(args.size, tuple(args.ranks), args.device, args.dtype, args.repeats)
 
 
 BENCHES = (Transport(), Layouts(), Overhead(), Scaling(), Memory(), VersusDiffusers(), Cache(), PipefusionError(),
