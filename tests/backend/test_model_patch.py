@@ -74,7 +74,7 @@ def test_the_patch_moves_the_result_and_strength_0_is_no_patch_exactly(backend2,
 
 
 def test_a_sent_control_latent_is_the_one_used_and_two_patches_chain(backend2, tmp_path):
-    """A control latent sent as control_0 (what the node and --control-latent send) replaces the built-in's drawn
+    """A control latent sent as control_0 (what the node and --control-image send) replaces the built-in's drawn
     one; two patches apply in order, each with its own latent, under ring=2 as in serial."""
     g = torch.Generator().manual_seed(3)
     tensors = {"control_0": torch.randn(1, 16, 8, 8, generator=g), "control_1": torch.randn(1, 16, 8, 8, generator=g)}

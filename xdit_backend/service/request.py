@@ -193,7 +193,7 @@ class SampleRequest:
                 if not entry.built_in:
                     raise RequestError(f"control {index} ({entry.path}) came without its latent control_{index}",
                                        "send the control image's VAE latent (the xDiT node encodes it; on the "
-                                       "command line --control-latent FILE)")
+                                       "command line --control-image FILE)")
                 continue
             if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != (rows, columns):
                 raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one image's latent "
