@@ -131,16 +131,16 @@ def test_control_options_belong_to_the_control_before_them(tmp_path, capsys):
 
     latent = torch.randn(1, 16, 6, 8)
     save_file({"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "hint.latent"))
-    args = sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control", "a.safetensors", "--control", "b",
-                                       "--control-image", str(tmp_path / "hint.latent"), "--control-strength", "0.5",
-                                       "--control-type", "6"])
+    flags = ["--model", "flux-tiny", "--out", "o.safetensors"]
+    args = sample_parser().parse_args([*flags, "--control", "a.safetensors", "--control", "b", "--control-image",
+                                       str(tmp_path / "hint.latent"), "--control-strength", "0.5", "--control-type", "6"])
     assert cli.sample_fields(args)["controls"] == [{"path": "a.safetensors", "strength": 1.0},
                                                    {"path": "b", "strength": 0.5, "type": 6}]
     tensors = cli.sample_tensors(args)
     assert list(tensors) == ["control_1"] and torch.equal(tensors["control_1"], latent)
     with pytest.raises(SystemExit):
-        sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control-strength", "0.5", "--control", "a"])
+        sample_parser().parse_args([*flags, "--control-strength", "0.5", "--control", "a"])
     assert "--control-strength comes after the --control it belongs to" in capsys.readouterr().err
-    args = sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control", "a", "--control-image", "canny.png"])
+    args = sample_parser().parse_args([*flags, "--control", "a", "--control-image", "canny.png"])
     with pytest.raises(SystemExit, match="the backend has no VAE. Encode it"):
         cli.sample_tensors(args)

@@ -125,7 +125,8 @@ def run_flux_controlnet_bench(side: int = 512, ranks: tuple[int, ...] = (1, 2, 4
             rows.append((parts, share, model, ours))
     itemsize = kind.itemsize
     print(f"\nA Flux ControlNet (InstantX's Union: {FLUX_CONTROLNET[0]} double and {FLUX_CONTROLNET[1]} single blocks "
-          f"beside Flux.1's {FLUX_MODEL[0]} and {FLUX_MODEL[1]}) at width {width}, {side}² ({image_tokens} image tokens, "
+          f"beside Flux.1's {FLUX_MODEL[0]} and {FLUX_MODEL[1]}) at width {width}, {side}² ({image_tokens} image "
+          f"tokens, "
           f"{FLUX_TEXT_TOKENS} text), {dtype}, {device}; per step, one rank, from one measured block of each kind\n")
     print("| ranks | image tokens a rank | model ms | ControlNet ms, split as the model | its share of the step | "
           "ControlNet ms, every token on every rank | their share | ControlNet MB a rank sends (Ulysses) | residual "

@@ -44,7 +44,7 @@ class FluxControlNet(FluxControlNetModel):
     cut. Its ``pos_embed`` is the model's (``bind``): ComfyUI builds both from the same config."""
 
     def __init__(self, *args, **kwargs):
-        with warnings.catch_warnings():  # diffusers 0.42's class builds the FluxPosEmbed it deprecates: not ours to act on
+        with warnings.catch_warnings():  # diffusers 0.42's class builds the FluxPosEmbed it deprecates: not ours to fix
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__(*args, **kwargs)
         self.control_text = torch.nn.Identity()
