@@ -133,7 +133,8 @@ def test_control_options_belong_to_the_control_before_them(tmp_path, capsys):
     save_file({"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, str(tmp_path / "hint.latent"))
     flags = ["--model", "flux-tiny", "--out", "o.safetensors"]
     args = sample_parser().parse_args([*flags, "--control", "a.safetensors", "--control", "b", "--control-image",
-                                       str(tmp_path / "hint.latent"), "--control-strength", "0.5", "--control-type", "6"])
+                                       str(tmp_path / "hint.latent"), "--control-strength", "0.5",
+                                       "--control-type", "6"])
     assert cli.sample_fields(args)["controls"] == [{"path": "a.safetensors", "strength": 1.0},
                                                    {"path": "b", "strength": 0.5, "type": 6}]
     tensors = cli.sample_tensors(args)
