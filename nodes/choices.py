@@ -31,6 +31,9 @@ class ControlChoice:
     resize: str = "area"  # how the image meets the latent's pixels: the patch's "area" when they differ, a ControlNet's
     # "nearest-exact" always (comfy/controlnet.py get_control)
     mode: int | None = None  # a union ControlNet's control type (SetUnionControlNetType's number); None: auto
+    # how the image is mapped before it is encoded (an SD3.5 ControlNet's, by its file's control_type: ComfyUI's
+    # load_controlnet_sd35 preprocess_image): "canny" x → 127.5·x + 0.5, "depth" x → 1 − x; None: as it is
+    preprocess: str | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,21 @@ class XDiTDiffSynthControlNet(io.ComfyNode):
         return io.NodeOutput(model.with_control(control))
 
 
+def preprocess(path: str) -> str | None:
+    """How an SD3.5 ControlNet maps its image before encoding, from the file's ``control_type`` (1 canny, 2 depth;
+    0 blur and other files: as it is), as ComfyUI's load_controlnet_sd35 reads it."""
+    from safetensors import safe_open
+
+    from xdit_backend.models.controlnet import BUILTINS
+
+    if path in BUILTINS:
+        return None
+    with safe_open(path, framework="pt") as handle:
+        if "control_type" not in handle.keys():
+            return None
+        return {1: "canny", 2: "depth"}.get(round(handle.get_tensor("control_type").item()))
+
+
 def union_types() -> dict[str, int]:
     """ComfyUI's union ControlNet types by name (comfy/cldm/control_types.py, what SetUnionControlNetType offers)."""
     from comfy.cldm.control_types import UNION_CONTROLNET_TYPES
@@ -137,7 +152,7 @@ class XDiTControlNet(io.ComfyNode):
                 union_type="auto") -> io.NodeOutput:
         path, image = chosen_file(control_net, "controlnet", "ControlNet", image, vae)
         control = ControlChoice(path, strength, image, vae, start=start_percent, end=end_percent,
-                                resize="nearest-exact", mode=union_types().get(union_type))
+                                resize="nearest-exact", mode=union_types().get(union_type), preprocess=preprocess(path))
         return io.NodeOutput(model.with_control(control))
 
 
@@ -157,6 +172,10 @@ def control_latent(control: ControlChoice, rows: int, columns: int):
     if (image.shape[1], image.shape[2]) != (rows * scale, columns * scale) or control.resize != "area":
         image = comfy.utils.common_upscale(image.movedim(-1, 1), columns * scale, rows * scale, control.resize,
                                            "center").movedim(1, -1)
+    if control.preprocess == "canny":
+        image = image * 255 * 0.5 + 0.5
+    elif control.preprocess == "depth":
+        image = 1.0 - image
     latent = control.vae.encode(image)  # [B, 16, 1, rows, columns] (Qwen-Image's VAE) or [B, 16, rows, columns]
     if control.mask_channels:
         if control.mask is None:

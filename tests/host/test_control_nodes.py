@@ -99,10 +99,13 @@ def test_a_workflow_with_the_node_gives_the_serial_latent(host):
     assert (latent - serial_latent(fields)).abs().max() > 1e-2
 
 
-def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack):
+@pytest.mark.parametrize("preprocess", [None, "canny", "depth"])
+def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack, preprocess):
     """ComfyUI's own ControlNet.get_control (its control model a stand-in that keeps the hint it is given) resizes
-    the image "nearest-exact" to the latent's pixels, encodes it and puts it in model space; the xDiT ControlNet
-    node's latent, through the backend's process_in, is that hint."""
+    the image "nearest-exact" to the latent's pixels, maps it as an SD3.5 canny or depth ControlNet's
+    preprocess_image does (load_controlnet_sd35's, taken from the loader of a file with that control_type), encodes
+    it and puts it in model space; the xDiT ControlNet node's latent, through the backend's process_in, is that
+    hint."""
     import comfy.controlnet
     import comfy.latent_formats
     from comfyui_xdit.nodes import choices, control
@@ -120,15 +123,20 @@ def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack):
 
     image = torch.rand(1, 72, 100, 3, generator=torch.Generator().manual_seed(3))
     vae = StandInVAE()
+    mapping = {None: lambda a: a}
+    if preprocess is not None:
+        sd35 = comfy.controlnet.load_controlnet_sd35(sd35_controlnet_state({"canny": 1, "depth": 2}[preprocess]))
+        mapping[preprocess] = sd35.preprocess_image
     theirs = comfy.controlnet.ControlNet(None, compression_ratio=1, latent_format=comfy.latent_formats.Wan21(),
-                                         extra_conds=[])
+                                         extra_conds=[], preprocess_image=mapping[preprocess])
     theirs.control_model = StandInControlModel()
     theirs.set_cond_hint(image.movedim(-1, 1), 0.7, (0.0, 1.0), vae=vae)
     theirs.model_sampling_current = SimpleNamespace(timestep=lambda t: t, calculate_input=lambda t, x: x)
     x = torch.zeros(1, 16, 1, 8, 12)  # the latent: 64 × 96 pixels
     theirs.get_control(x, torch.tensor([0.5]), {"c_crossattn": torch.zeros(1, 4, 8)}, 1, {})
 
-    chosen = choices.ControlChoice("qwen-image-controlnet-tiny", 0.7, image, vae, resize="nearest-exact")
+    chosen = choices.ControlChoice("qwen-image-controlnet-tiny", 0.7, image, vae, resize="nearest-exact",
+                                   preprocess=preprocess)
     ours = latent_formats.WAN21.process_in(control.control_latent(chosen, 8, 12))
     assert (ours - kept["hint"][:, :, 0]).abs().max() <= 1e-6
 
@@ -159,3 +167,25 @@ def test_a_flux_workflow_with_a_union_controlnet_gives_the_serial_latent(host):
     expected = serial_latent({**fields, "controls": [{**control, "type": 3}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
     assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
+
+
+def sd35_controlnet_state(control_type: int) -> dict:
+    """The smallest state dict ComfyUI's load_controlnet_sd35 builds a ControlNet from (width 64, no blocks; the
+    weights it lacks are left as built), with ``control_type``: for its preprocess_image."""
+    return {"control_type": torch.tensor(float(control_type)),
+            "time_text_embed.text_embedder.linear_1.weight": torch.zeros(64, 2048)}
+
+
+def test_the_node_reads_an_sd35_files_control_type(pack, tmp_path):
+    """xDiT ControlNet's preprocess comes from the file's control_type, as load_controlnet_sd35 reads it."""
+    from safetensors.torch import save_file
+
+    from comfyui_xdit.nodes import control
+
+    for control_type, expected in ((0, None), (1, "canny"), (2, "depth")):
+        path = tmp_path / f"cn{control_type}.safetensors"
+        save_file({"control_type": torch.tensor(float(control_type)), "x": torch.zeros(1)}, str(path))
+        assert control.preprocess(str(path)) == expected
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    assert control.preprocess(str(tmp_path / "other.safetensors")) is None
+    assert control.preprocess("sd3-controlnet-tiny") is None

@@ -1,8 +1,9 @@
 """ControlNets: a control network of the model's own kind that reads the control image's latent and returns a
 residual for the model's blocks. One module per kind, in ``KINDS`` by family: qwen_image_controlnet (InstantX's
-Qwen-Image Union, diffusers' QwenImageControlNetModel) and flux_controlnet (InstantX's and Shakker's Flux.1 Union,
-diffusers' FluxControlNetModel). Files are told apart by their keys, as ComfyUI's ``load_controlnet_state_dict``
-tells them (comfy/controlnet.py, shared snapshot v0.3.64).
+Qwen-Image Union, diffusers' QwenImageControlNetModel), flux_controlnet (InstantX's and Shakker's Flux.1 Union,
+diffusers' FluxControlNetModel) and sd3_controlnet (Stability's SD3.5 Large blur / canny / depth). Files are told
+apart by their keys, as ComfyUI's ``load_controlnet_state_dict`` tells them (comfy/controlnet.py, shared snapshot
+v0.3.64).
 
 What every kind shares, as ComfyUI's ``ControlNet.get_control`` applies it: the control image's VAE latent in model
 space (the kind's latent format; an inpainting variant's mask channels after it), packed like the image; the
@@ -27,9 +28,10 @@ from .patch_embed import pack, pad_to_patch
 
 
 # the ControlNet kind of each family that has one: its module here (imported when first asked for)
-KINDS = {"qwen_image": "qwen_image_controlnet", "flux": "flux_controlnet"}
+KINDS = {"qwen_image": "qwen_image_controlnet", "flux": "flux_controlnet", "sd3": "sd3_controlnet"}
 # built-in ControlNets (random weights, for tests and demos) and the built-in model each fits
-BUILTINS = {"qwen-image-controlnet-tiny": "qwen-image-tiny", "flux-controlnet-tiny": "flux-tiny"}
+BUILTINS = {"qwen-image-controlnet-tiny": "qwen-image-tiny", "flux-controlnet-tiny": "flux-tiny",
+            "sd3-controlnet-tiny": "sd3-tiny"}
 
 
 def kind(family: str) -> ModuleType:
@@ -68,7 +70,7 @@ class AppliedControlNet:
     """A ControlNet as one generation applies it: the network, its hint tokens, strength, σ range and union mode."""
 
     network: object  # the kind's network (a diffusers ControlNet model)
-    hint: torch.Tensor  # [1, N, C·4]: the control latent in model space, packed like the image
+    hint: torch.Tensor  # the control latent in model space: packed like the image [1, N, C·4] (or as the kind takes it)
     strength: float
     sigmas: tuple[float, float]  # active while sigmas[1] ≤ σ ≤ sigmas[0] (ComfyUI's timestep_range)
     mode: int | None = None  # a union ControlNet's control type (SetUnionControlNetType); None: "auto"
@@ -77,14 +79,17 @@ class AppliedControlNet:
         return not (sigma > self.sigmas[0] or sigma < self.sigmas[1])
 
 
-def hint_tokens(latent: torch.Tensor, in_features: int, latent_format, what: str) -> torch.Tensor:
+def model_space(latent: torch.Tensor, channels: int, latent_format, vae: str) -> torch.Tensor:
     """[1, C, h, w] raw VAE latent (the model's latent channels, then an inpainting variant's mask channels) →
-    [1, N, C·4]: the latent channels in model space, padded to 2×2 patches and packed, as get_control and the
-    model's process_img make it."""
-    channels = latent_format.channels
-    if latent.shape[1] * 4 != in_features:
-        raise UserError(f"the control latent has {latent.shape[1]} channels; this ControlNet takes {in_features // 4}",
-                        f"encode the control image with the model's VAE ({what})")
+    float32, its latent channels in model space, as get_control puts it (``latent_format.process_in``)."""
+    if latent.shape[1] != channels:
+        raise UserError(f"the control latent has {latent.shape[1]} channels; this ControlNet takes {channels}",
+                        f"encode the control image with the model's VAE ({vae})")
     latent = latent.to(torch.float32, copy=True)
-    latent[:, :channels] = latent_format.process_in(latent[:, :channels])
+    latent[:, :latent_format.channels] = latent_format.process_in(latent[:, :latent_format.channels])
+    return latent
+
+
+def packed(latent: torch.Tensor) -> torch.Tensor:
+    """[1, C, h, w] → [1, N, C·4]: padded to 2×2 patches and packed like the image's tokens."""
     return pack(pad_to_patch(latent, (1, 2, 2)))

@@ -143,8 +143,13 @@ def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 
 
-def hint_in_features(network) -> int:
-    return network.controlnet_x_embedder.in_features
+def hint_channels(network) -> int:
+    """The control latent's channels (the latent's and an inpainting variant's mask's): 2×2 patches embedded."""
+    return network.controlnet_x_embedder.in_features // 4
+
+
+def hint_of(latent: torch.Tensor) -> torch.Tensor:
+    return controlnet.packed(latent)  # [1, N, C·4], the embedder's input
 
 
 def model_residuals(samples: list[torch.Tensor], blocks: int, single: bool) -> list[torch.Tensor | None]:

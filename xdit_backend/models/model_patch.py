@@ -267,12 +267,12 @@ def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: t
     if spec.mode is not None and embedder is not None and spec.mode >= embedder.num_embeddings:
         raise UserError(f"ControlNet {spec.path}: union type {spec.mode}, but it has {embedder.num_embeddings} types",
                         f"use a type 0 … {embedder.num_embeddings - 1} (SetUnionControlNetType's), or none (auto)")
-    in_features = kind.hint_in_features(made)
+    channels = kind.hint_channels(made)
     if latent is None:
         generator = torch.Generator().manual_seed(seed)
-        latent = torch.randn((1, in_features // 4, *latent_size), generator=generator)
-    weight = made.controlnet_x_embedder.weight
-    hint = controlnet.hint_tokens(latent, in_features, kind.LATENT, kind.VAE).to(weight.device, weight.dtype)
+        latent = torch.randn((1, channels, *latent_size), generator=generator)
+    weight = next(made.controlnet_blocks.parameters())
+    hint = kind.hint_of(controlnet.model_space(latent, channels, kind.LATENT, kind.VAE)).to(weight.device, weight.dtype)
     kind.bind(made, transformer)
     sigmas = (sampling.percent_to_sigma(spec.start), sampling.percent_to_sigma(spec.end))
     return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas, spec.mode)

@@ -10,6 +10,7 @@ shift 3.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -44,6 +45,10 @@ class SD3Spec(FamilySpec):
               Cut("", "encoder_hidden_states", 1, text=True)),  # [B, L, 4096]
         attention=(("attn", JointAttentionProcessor), ("attn2", JointAttentionProcessor)))
     # attn2: SD3.5-medium's extra image-only self-attention in its first blocks
+    takes_controlnets = True  # Stability's SD3.5 Large ControlNets (models/sd3_controlnet.py)
+    # a ControlNet: its image and hint tokens, summed, cut as the model's image; image-only attention; never gathered
+    control_plan = SequencePlan(cuts=(Cut("control_tokens", None, 1),),  # [B, N, D]
+                                attention=(("attn", JointAttentionProcessor),), gather=None)
     stage_plan = StagePlan(block_lists=("transformer_blocks",),
                            attention=(("attn", JointAttentionProcessor, True), ("attn2", JointAttentionProcessor, False)), joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks",),
@@ -63,16 +68,55 @@ class SD3Spec(FamilySpec):
 
 
 class SD3Model(DiffusionModel):
+    def __init__(self, transformer, *args, **kwargs):
+        super().__init__(transformer, *args, **kwargs)
+        self._residuals: list | None = None  # the running call's ControlNet residual per block, summed over them
+        for index, block in enumerate(transformer.transformer_blocks):  # once: a compiled block's hooks never change
+            block.register_forward_hook(partial(self._control_block, index))
+
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
         """The velocity for x [B, 16, h, w] at timestep 1000·σ [B], float32 into the sinusoidal
         embedding as in ComfyUI (not rounded to the weights' dtype)."""
-        return self.transformer(
-            hidden_states=x,
-            encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
-            pooled_projections=cond["pooled"].to(self.device, self.dtype),  # [B, 2048]
-            timestep=timestep.to(self.device, torch.float32),
-            return_dict=False,
-        )[0]
+        pooled = cond["pooled"].to(self.device, self.dtype)  # [B, 2048]
+        self._residuals = self._control_residuals(x, pooled, timestep.to(self.device))
+        try:
+            return self.transformer(
+                hidden_states=x,
+                encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
+                pooled_projections=pooled,
+                timestep=timestep.to(self.device, torch.float32),
+                return_dict=False,
+            )[0]
+        finally:
+            self._residuals = None
+
+    def _control_residuals(self, x, pooled, timestep) -> list | None:
+        """Each block's residual from the ControlNets active at this σ (``timestep`` is 1000·σ), times their
+        strengths and summed in their order (ComfyUI's control_merge), or None."""
+        active = [control for control in self.controlnets if control.active(float(timestep[0]) / 1000)]
+        if not active:
+            return None
+        from .sd3_controlnet import model_residuals
+
+        blocks = len(self.transformer.transformer_blocks)
+        sums: list = [None] * blocks
+        for control in active:
+            samples = control.network(hidden_states=x, controlnet_cond=control.hint.expand(x.shape[0], -1, -1, -1),
+                                      pooled_projections=pooled, timestep=timestep)  # per block: [B, N, D]
+            width = control.network.config.num_attention_heads * control.network.config.attention_head_dim
+            for block, add in enumerate(model_residuals(samples, blocks, width)):
+                if add is not None:
+                    add = add * control.strength
+                    sums[block] = add if sums[block] is None else sums[block] + add
+        return sums
+
+    def _control_block(self, index: int, block, args, out):
+        """After joint block ``index``: the ControlNets' residual added to its image tokens (ComfyUI's mmdit adds
+        ``control["output"][i]`` after every block, the last one's too). Each rank's residual is its own share."""
+        if self._residuals is None or self._residuals[index] is None:
+            return out
+        text, image = out  # [B, L, D] (None after the last block), [B, n, D]
+        return text, image + self._residuals[index]
 
     # PipeFusion stages (base.DiffusionModel): text travels with the step's first patch; the last
     # block (context_pre_only) drops it.
