@@ -34,6 +34,7 @@ class ControlChoice:
     # how the image is mapped before it is encoded (an SD3.5 ControlNet's, by its file's control_type: ComfyUI's
     # load_controlnet_sd35 preprocess_image): "canny" x → 127.5·x + 0.5, "depth" x → 1 − x; None: as it is
     preprocess: str | None = None
+    pixels: bool = False  # the control takes the image's pixels, not its VAE latent (an XLabs ControlNet)
 
 
 @dataclass(frozen=True)

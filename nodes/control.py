@@ -27,18 +27,25 @@ def patch_names() -> list[str]:
     return [*folder_paths.get_filename_list("model_patches"), *(TEST_PREFIX + name for name in BUILTINS)]
 
 
-def chosen_file(name: str, folder: str, what: str, image, vae) -> tuple[str, object]:
-    """A control node's file (a ``[test]`` built-in's name, else its path in ComfyUI's ``folder``) and the control
-    image to encode (its colour channels; None for a built-in given none, whose latent the backend draws). A file
-    needs the image and the model's VAE."""
+def chosen_file(name: str, folder: str, what: str, image, vae) -> tuple[str, object, bool]:
+    """A control node's file (a ``[test]`` built-in's name, else its path in ComfyUI's ``folder``), the control
+    image to send (its colour channels; None for a built-in given none, whose control the backend draws), and whether
+    the file takes the image's pixels itself (an XLabs ControlNet: no VAE). A file needs the image, and the model's
+    VAE unless it takes pixels."""
     import folder_paths
 
+    from xdit_backend.models.model_patch import PatchSpec, takes_pixels
+
     test = name.startswith(TEST_PREFIX)
-    if (image is None or vae is None) and not test:
-        raise ValueError(f"xDiT: the {what} needs the control image and the model's VAE\n"
-                         f"connect image and vae (only [test] {what}s draw their control from the seed)")
     path = name.removeprefix(TEST_PREFIX) if test else folder_paths.get_full_path_or_raise(folder, name)
-    return path, image[:, :, :, :3] if image is not None and vae is not None else None
+    pixels = not test and takes_pixels(PatchSpec(path, 1.0))
+    if (image is None or (vae is None and not pixels)) and not test:
+        needs, inputs = ("the control image", "image") if pixels else ("the control image and the model's VAE",
+                                                                        "image and vae")
+        raise ValueError(f"xDiT: the {what} needs {needs}\nconnect {inputs} (only [test] {what}s draw their control "
+                         "from the seed)")
+    usable = image is not None and (vae is not None or pixels)
+    return path, image[:, :, :, :3] if usable else None, pixels
 
 
 def mask_channels(path: str) -> int:
@@ -80,7 +87,7 @@ class XDiTDiffSynthControlNet(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, model_patch, strength, vae=None, image=None, mask=None) -> io.NodeOutput:
-        path, image = chosen_file(model_patch, "model_patches", "DiffSynth ControlNet", image, vae)
+        path, image, _ = chosen_file(model_patch, "model_patches", "DiffSynth ControlNet", image, vae)
         if mask is not None:  # as QwenImageDiffsynthControlnet: [B, 1, 1, H, W], 1 where the image is kept
             if mask.ndim == 3:
                 mask = mask.unsqueeze(1)
@@ -128,15 +135,15 @@ class XDiTControlNet(io.ComfyNode):
             node_id="XDiTControlNet",
             display_name="xDiT ControlNet",
             category=CATEGORY,
-            description="A Flux.1 or Qwen-Image ControlNet (InstantX's and Shakker-Labs' Union, diffusers' layout; "
-                        "models/controlnet) on an xDiT model, as Load ControlNet Model + Set Union ControlNet Type + "
-                        "Apply ControlNet (with the VAE) apply it: run on the backend under the model's own split, "
-                        "each GPU adding its share of the residuals. Chain several.",
+            description="A Flux.1, SD3.5 or Qwen-Image ControlNet (InstantX's, Shakker-Labs' and XLabs' for Flux, "
+                        "Stability's for SD3.5; models/controlnet) on an xDiT model, as Load ControlNet Model + Set "
+                        "Union ControlNet Type + Apply ControlNet (with the VAE) apply it: run on the backend under "
+                        "the model's own split, each GPU adding its share of the residuals. Chain several.",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Combo.Input("control_net", options=controlnet_names(),
                                tooltip="[test] ControlNets have random weights, for the [test] Qwen-Image"),
-                io.Vae.Input("vae", optional=True, tooltip="the model's VAE; not for [test] ControlNets"),
+                io.Vae.Input("vae", optional=True, tooltip="the model's VAE; not for [test] or XLabs ControlNets"),
                 io.Image.Input("image", optional=True, tooltip="the control image (not for [test] ControlNets)"),
                 io.Float.Input("strength", default=1.0, min=0.0, max=10.0, step=0.01),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.001),
@@ -150,9 +157,10 @@ class XDiTControlNet(io.ComfyNode):
     @classmethod
     def execute(cls, model, control_net, strength, start_percent, end_percent, vae=None, image=None,
                 union_type="auto") -> io.NodeOutput:
-        path, image = chosen_file(control_net, "controlnet", "ControlNet", image, vae)
+        path, image, pixels = chosen_file(control_net, "controlnet", "ControlNet", image, vae)
         control = ControlChoice(path, strength, image, vae, start=start_percent, end=end_percent,
-                                resize="nearest-exact", mode=union_types().get(union_type), preprocess=preprocess(path))
+                                resize="nearest-exact", mode=union_types().get(union_type), preprocess=preprocess(path),
+                                pixels=pixels)
         return io.NodeOutput(model.with_control(control))
 
 
@@ -167,6 +175,10 @@ def control_latent(control: ControlChoice, rows: int, columns: int):
 
     if control.image is None:
         return None
+    if control.pixels:  # an XLabs ControlNet: the image itself at 8× the latent, as get_control hands it without a VAE
+        image = comfy.utils.common_upscale(control.image.movedim(-1, 1), columns * 8, rows * 8, control.resize,
+                                           "center")
+        return image[:1].to("cpu", torch.float32).contiguous()  # [1, 3, 8·rows, 8·columns]
     scale = control.vae.spacial_compression_encode()
     image = control.image
     if (image.shape[1], image.shape[2]) != (rows * scale, columns * scale) or control.resize != "area":

@@ -261,19 +261,29 @@ def sample_tensors(args) -> dict:
     for i, control in enumerate(args.controls or ()):
         image = control.get("image")
         if image is not None:
-            tensors[f"control_{i}"] = control_latent(image)
+            tensors[f"control_{i}"] = control_input(image, control["path"])
     return tensors
 
 
-def control_latent(path: Path):
+def control_input(path: Path, control: str):
     """A --control-image: a latent (a safetensors file with 'samples' or 'latent', or ComfyUI's SaveLatent file), at
-    the generation's latent size."""
+    the generation's latent size; or, for a control that takes pixels (an XLabs ControlNet), an image file at the
+    generation's size, as [1, 3, H, W] in [0, 1]."""
     from safetensors.torch import load_file
 
     if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
-        raise SystemExit(f"--control-image {path}: an image; the controls this version runs take the image's VAE "
-                         "latent, and the backend has no VAE. Encode it at the generation's size (ComfyUI: Load Image, "
-                         "VAE Encode, Save Latent) and give that file")
+        from .models.model_patch import PatchSpec, takes_pixels
+
+        if not takes_pixels(PatchSpec(control, 1.0)):
+            raise SystemExit(f"--control-image {path}: an image; {control} takes the image's VAE latent, and the "
+                             "backend has no VAE. Encode it at the generation's size (ComfyUI: Load Image, VAE Encode, "
+                             "Save Latent) and give that file")
+        import numpy
+        import torch
+        from PIL import Image
+
+        pixels = numpy.asarray(Image.open(path).convert("RGB"), dtype=numpy.float32) / 255.0  # [H, W, 3]
+        return torch.from_numpy(pixels).permute(2, 0, 1)[None].contiguous()  # [1, 3, H, W]
     stored = load_file(path)
     samples = stored.get("samples", stored.get("latent", stored.get("latent_tensor")))
     if samples is None:

@@ -104,8 +104,8 @@ def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
     spec = registry.spec("qwen-image-tiny")
     with pytest.raises(RequestError, match="flux models take no model patch"):
         _request({**QWEN, "model": "flux-tiny", "controls": [CONTROL]}).check_model(registry.spec("flux-tiny"))
-    with pytest.raises(RequestError, match=r"control_0 has shape \[1, 16, 4, 4\]; it must be one image's latent "
-                                           r"\[1, C, 8, 8\]"):
+    with pytest.raises(RequestError, match=r"control_0 has shape \[1, 16, 4, 4\]; it must be one latent "
+                                           r"\[1, C, h, w\] of 8 × 8"):
         _request({**QWEN, "controls": [CONTROL]}, {"control_0": torch.zeros(1, 16, 4, 4)}).check_model(spec)
     with pytest.raises(RequestError, match=r"unknown tensors \['control_1'\]"):
         _request({**QWEN, "controls": [CONTROL]}, {"control_1": torch.zeros(1, 16, 8, 8)})

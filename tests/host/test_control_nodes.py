@@ -189,3 +189,30 @@ def test_the_node_reads_an_sd35_files_control_type(pack, tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     assert control.preprocess(str(tmp_path / "other.safetensors")) is None
     assert control.preprocess("sd3-controlnet-tiny") is None
+
+
+def test_an_xlabs_controlnets_image_is_what_comfyuis_get_control_hands_it(pack):
+    """Without a VAE (an XLabs ControlNet) ComfyUI's get_control resizes the image "nearest-exact" to 8× the latent
+    and hands the pixels over: the node sends those pixels [1, 3, 8·h, 8·w]."""
+    import comfy.controlnet
+    from comfyui_xdit.nodes import choices, control
+
+    kept = {}
+
+    class StandInControlModel:
+        dtype = torch.float32
+
+        def __call__(self, x, hint, timesteps, context, **extra):
+            kept["hint"] = hint
+            return {"input": []}
+
+    image = torch.rand(1, 72, 100, 3, generator=torch.Generator().manual_seed(4))
+    theirs = comfy.controlnet.ControlNet(None, extra_conds=[])  # load_controlnet_flux_xlabs_mistoline's: ratio 8
+    theirs.control_model = StandInControlModel()
+    theirs.set_cond_hint(image.movedim(-1, 1), 0.7, (0.0, 1.0))
+    theirs.model_sampling_current = SimpleNamespace(timestep=lambda t: t, calculate_input=lambda t, x: x)
+    theirs.get_control(torch.zeros(1, 16, 8, 12), torch.tensor([0.5]), {"c_crossattn": torch.zeros(1, 4, 8)}, 1, {})
+    chosen = choices.ControlChoice("flux.safetensors", 0.7, image, None, resize="nearest-exact", pixels=True)
+    ours = control.control_latent(chosen, 8, 12)
+    assert ours.shape == (1, 3, 64, 96)
+    assert torch.equal(ours, kept["hint"])

@@ -143,5 +143,22 @@ def test_control_options_belong_to_the_control_before_them(tmp_path, capsys):
         sample_parser().parse_args([*flags, "--control-strength", "0.5", "--control", "a"])
     assert "--control-strength comes after the --control it belongs to" in capsys.readouterr().err
     args = sample_parser().parse_args([*flags, "--control", "a", "--control-image", "canny.png"])
-    with pytest.raises(SystemExit, match="the backend has no VAE. Encode it"):
+    with pytest.raises(SystemExit, match="a takes the image's VAE latent, and the backend has no VAE. Encode it"):
         cli.sample_tensors(args)
+
+
+def test_an_image_file_goes_to_a_control_that_takes_pixels(tmp_path):
+    """--control-image PNG for an XLabs ControlNet (a file with input_hint_block): the picture as [1, 3, H, W] in
+    [0, 1], its pixels as the file holds them."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    save_file({"input_hint_block.0.weight": torch.zeros(16, 3, 3, 3)}, str(tmp_path / "xlabs.safetensors"))
+    picture = (torch.rand(12, 20, 3, generator=torch.Generator().manual_seed(2)) * 255).to(torch.uint8)
+    Image.fromarray(picture.numpy()).save(tmp_path / "canny.png")
+    args = sample_parser().parse_args(["--model", "flux-tiny", "--out", "o.safetensors", "--control",
+                                       str(tmp_path / "xlabs.safetensors"), "--control-image",
+                                       str(tmp_path / "canny.png")])
+    sent = cli.sample_tensors(args)["control_0"]
+    assert sent.shape == (1, 3, 12, 20)
+    assert torch.equal(sent, picture.permute(2, 0, 1)[None].float() / 255)

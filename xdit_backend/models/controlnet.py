@@ -23,7 +23,6 @@ from types import ModuleType
 
 import torch
 
-from ..errors import UserError
 from .patch_embed import pack, pad_to_patch
 
 
@@ -79,12 +78,12 @@ class AppliedControlNet:
         return not (sigma > self.sigmas[0] or sigma < self.sigmas[1])
 
 
-def model_space(latent: torch.Tensor, channels: int, latent_format, vae: str) -> torch.Tensor:
+PIXEL_HINT = "input_hint_block.0.weight"  # a ControlNet that embeds the control image's pixels itself (XLabs')
+
+
+def model_space(latent: torch.Tensor, latent_format) -> torch.Tensor:
     """[1, C, h, w] raw VAE latent (the model's latent channels, then an inpainting variant's mask channels) →
     float32, its latent channels in model space, as get_control puts it (``latent_format.process_in``)."""
-    if latent.shape[1] != channels:
-        raise UserError(f"the control latent has {latent.shape[1]} channels; this ControlNet takes {channels}",
-                        f"encode the control image with the model's VAE ({vae})")
     latent = latent.to(torch.float32, copy=True)
     latent[:, :latent_format.channels] = latent_format.process_in(latent[:, :latent_format.channels])
     return latent

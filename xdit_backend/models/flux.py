@@ -236,7 +236,8 @@ class FluxModel(DiffusionModel):
             for which, (made, count) in enumerate(zip(samples, blocks)):
                 if not made:
                     continue
-                adds = [add * control.strength for add in model_residuals(made, count, bool(which))]
+                tiled = control.network.input_hint_block is not None  # XLabs' residuals repeat as a list
+                adds = [add * control.strength for add in model_residuals(made, count, bool(which), tiled)]
                 sums[which] = adds if sums[which] is None else [a + b for a, b in zip(sums[which], adds)]
         return sums[0], sums[1]
 

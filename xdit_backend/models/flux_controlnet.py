@@ -30,7 +30,8 @@ from . import controlnet, latent_formats
 
 FAMILY = "flux"
 LATENT = latent_formats.FLUX
-VAE = "Flux.1's: ae.safetensors"
+HINT = ("its VAE latent (Flux.1's VAE, ae.safetensors) at the generation's latent size; an XLabs ControlNet's: the "
+        "image's pixels [1, 3, 8·h, 8·w] in [0, 1]")
 MODEL_DOUBLE, MODEL_SINGLE = 19, 38  # ComfyUI's main_model_double / main_model_single: Flux.1's blocks
 SEED = 12  # the built-in ControlNets' weights
 # the built-in (controlnet.BUILTINS): its model's width, one double and one single block, a union net of 8 control
@@ -46,7 +47,7 @@ class FluxControlNet(FluxControlNetModel):
     def __init__(self, *args, **kwargs):
         with warnings.catch_warnings():  # diffusers 0.42's class builds the FluxPosEmbed it deprecates: not ours to fix
             warnings.simplefilter("ignore", FutureWarning)
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **kwargs)  # its input_hint_block is None: XLabs' nets get theirs (xlabs_hint)
         self.control_text = torch.nn.Identity()
 
     def forward(self, hidden_states, controlnet_cond, encoder_hidden_states, pooled_projections, timestep, img_ids,
@@ -82,10 +83,12 @@ def network_class():
 
 
 def matches(keys: set) -> bool:
-    """A Flux ControlNet in diffusers' layout, as ComfyUI tells it (``controlnet_x_embedder`` beside the blocks'
-    outputs, not Qwen-Image's feed-forward names)."""
-    return ("controlnet_blocks.0.weight" in keys and "controlnet_x_embedder.weight" in keys
-            and "transformer_blocks.0.img_mlp.net.0.proj.weight" not in keys)
+    """A Flux ControlNet as ComfyUI tells it: diffusers' layout (``controlnet_x_embedder`` beside the blocks'
+    outputs, not Qwen-Image's feed-forward names), or XLabs' (BFL's block names)."""
+    if "controlnet_blocks.0.weight" not in keys:
+        return False
+    return "double_blocks.0.img_attn.norm.key_norm.scale" in keys or (
+        "controlnet_x_embedder.weight" in keys and "transformer_blocks.0.img_mlp.net.0.proj.weight" not in keys)
 
 
 def _count(state, prefix: str) -> int:
@@ -95,6 +98,8 @@ def _count(state, prefix: str) -> int:
 def read(path: str, state: dict) -> FluxControlNet:
     """The ControlNet in ``state`` (read from ``path``), its config read off the shapes (on the CPU, in the file's
     precision)."""
+    if "double_blocks.0.img_attn.norm.key_norm.scale" in state:
+        return read_xlabs(path, state)
     width, in_channels = state["x_embedder.weight"].shape
     head = state["transformer_blocks.0.attn.norm_q.weight"].shape[0]
     modes = state.get("controlnet_mode_embedder.weight")
@@ -113,6 +118,50 @@ def read(path: str, state: dict) -> FluxControlNet:
     except RuntimeError as exc:
         raise UserError(f"ControlNet {path}: its tensors do not fit Flux's ControlNet ({str(exc)[:300]})",
                         "use a Flux.1 ControlNet in diffusers' layout (InstantX's, Shakker-Labs')") from None
+    return network
+
+
+def xlabs_hint() -> torch.nn.Sequential:
+    """XLabs' pixel embedding (ComfyUI's ControlNetFlux ``input_hint_block``): eight 3×3 convolutions to 16
+    channels, three of them of stride 2, SiLU between: [B, 3, H, W] → [B, 16, H/8, W/8]."""
+    layers, channels = [], 3
+    for index in range(8):
+        layers.append(torch.nn.Conv2d(channels, 16, 3, padding=1, stride=2 if index in (2, 4, 6) else 1))
+        if index < 7:
+            layers.append(torch.nn.SiLU())
+        channels = 16
+    return torch.nn.Sequential(*layers)
+
+
+def read_xlabs(path: str, state: dict) -> FluxControlNet:
+    """An XLabs ControlNet (BFL's names for its Flux blocks, ``input_hint_block`` and ``pos_embed_input`` beside
+    them, as ComfyUI's load_controlnet_flux_xlabs_mistoline reads it) in diffusers' names, its config off the
+    shapes."""
+    from .checkpoint import count_blocks
+    from .flux_checkpoint import rope_axes, sources
+
+    width, in_channels = state["img_in.weight"].shape
+    head = state["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
+    config = dict(in_channels=in_channels, num_layers=count_blocks(state, "double_blocks"),
+                  num_single_layers=count_blocks(state, "single_blocks"), attention_head_dim=head,
+                  num_attention_heads=width // head, joint_attention_dim=state["txt_in.weight"].shape[1],
+                  pooled_projection_dim=state["vector_in.in_layer.weight"].shape[1],
+                  guidance_embeds="guidance_in.in_layer.weight" in state, axes_dims_rope=rope_axes(head))
+    with torch.device("meta"):
+        network = FluxControlNet(**config)
+        network.input_hint_block = xlabs_hint()
+        network.controlnet_x_embedder = torch.nn.Linear(state["pos_embed_input.weight"].shape[1], width)
+    own = ("controlnet_blocks.", "controlnet_single_blocks.", "input_hint_block.")
+    converted = {key: value for key, value in state.items() if key.startswith(own)}
+    converted.update({f"controlnet_x_embedder.{p}": state[f"pos_embed_input.{p}"] for p in ("weight", "bias")})
+    model_keys = [key for key in network.state_dict() if key not in converted]
+    try:
+        converted.update({key: source.select(state[source.key])
+                          for key, source in sources(model_keys, "", config).items()})
+        network.load_state_dict(converted, strict=True, assign=True)
+    except (KeyError, RuntimeError) as exc:
+        raise UserError(f"ControlNet {path}: its tensors do not fit an XLabs Flux ControlNet ({str(exc)[:300]})",
+                        "use XLabs' flux-canny / depth / hed controlnet v3 files, or InstantX's and Shakker-Labs'")
     return network
 
 
@@ -143,21 +192,30 @@ def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 
 
-def hint_channels(network) -> int:
-    """The control latent's channels (the latent's and an inpainting variant's mask's): 2×2 patches embedded."""
-    return network.controlnet_x_embedder.in_features // 4
+def hint_shape(network, latent_size: tuple[int, int]) -> tuple[int, ...]:
+    """The control input: [C, h, w] a latent's (and an inpainting variant's mask's) channels; an XLabs net's the
+    image's pixels [3, 8·h, 8·w]."""
+    if network.input_hint_block is not None:
+        return (3, 8 * latent_size[0], 8 * latent_size[1])
+    return (network.controlnet_x_embedder.in_features // 4, *latent_size)
 
 
-def hint_of(latent: torch.Tensor) -> torch.Tensor:
-    return controlnet.packed(latent)  # [1, N, C·4], the embedder's input
+def hint(network, control: torch.Tensor) -> torch.Tensor:
+    """[1, N, C·4], the embedder's input: the latent in model space, packed; an XLabs net's pixels mapped to
+    [−1, 1] through its convolutions (÷ 8 in space, 16 channels), packed (ControlNetFlux.forward's, done once per
+    generation: the hint does not change between steps)."""
+    if network.input_hint_block is None:
+        return controlnet.packed(controlnet.model_space(control, LATENT))
+    weight = network.input_hint_block[0].weight
+    return controlnet.packed(network.input_hint_block(control.to(weight.dtype) * 2.0 - 1.0))
 
 
-def model_residuals(samples: list[torch.Tensor], blocks: int, single: bool) -> list[torch.Tensor | None]:
+def model_residuals(samples: list[torch.Tensor], blocks: int, single: bool, tiled: bool) -> list[torch.Tensor]:
     """The residual of each of the model's ``blocks`` double (or ``single``) blocks from the network's ``samples``
-    (one per network block), repeated in place as ComfyUI repeats them to Flux.1's 19 and 38 (None: no residual)."""
-    whole = MODEL_SINGLE if single else MODEL_DOUBLE
-    if not samples:
-        return [None] * blocks
-    repeat = math.ceil(whole / len(samples))
-    return [samples[block // repeat] if block < whole else None for block in range(blocks)]
+    (one per network block), repeated as ComfyUI repeats them to Flux.1's 19 and 38 (Flux.1 has those): each in place
+    (a latent-input net's), or the whole list over and over (``tiled``: XLabs')."""
+    if tiled:
+        return [samples[block % len(samples)] for block in range(blocks)]
+    repeat = math.ceil((MODEL_SINGLE if single else MODEL_DOUBLE) / len(samples))
+    return [samples[block // repeat] for block in range(blocks)]
 

@@ -205,6 +205,19 @@ def is_controlnet(spec: PatchSpec) -> bool:
     return control_family(spec) is not None
 
 
+def takes_pixels(spec: PatchSpec) -> bool:
+    """Whether the control takes the image's pixels (an XLabs ControlNet embeds them itself), not its VAE latent."""
+    if spec.built_in:
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(spec.path, framework="pt") as handle:
+            return controlnet.PIXEL_HINT in handle.keys()
+    except (OSError, ValueError):
+        return False  # unreadable: reading it says so
+
+
 def control_family(spec: PatchSpec) -> str | None:
     """The family a ControlNet is made for (None: a model patch, or a file reading will say what is wrong with)."""
     if spec.built_in:
@@ -267,12 +280,16 @@ def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: t
     if spec.mode is not None and embedder is not None and spec.mode >= embedder.num_embeddings:
         raise UserError(f"ControlNet {spec.path}: union type {spec.mode}, but it has {embedder.num_embeddings} types",
                         f"use a type 0 … {embedder.num_embeddings - 1} (SetUnionControlNetType's), or none (auto)")
-    channels = kind.hint_channels(made)
+    shape = kind.hint_shape(made, latent_size)  # [C, h, w]: a latent's, or (XLabs') the image's pixels
     if latent is None:
         generator = torch.Generator().manual_seed(seed)
-        latent = torch.randn((1, channels, *latent_size), generator=generator)
+        latent = torch.randn((1, *shape), generator=generator)
+    elif tuple(latent.shape[1:]) != shape:
+        raise UserError(f"the control input for {spec.path} has shape {list(latent.shape)}; this ControlNet takes "
+                        f"{[1, *shape]}", f"send the control image as this ControlNet takes it: {kind.HINT}")
     weight = next(made.controlnet_blocks.parameters())
-    hint = kind.hint_of(controlnet.model_space(latent, channels, kind.LATENT, kind.VAE)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        hint = kind.hint(made, latent.to(weight.device)).to(weight.device, weight.dtype)
     kind.bind(made, transformer)
     sigmas = (sampling.percent_to_sigma(spec.start), sampling.percent_to_sigma(spec.end))
     return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas, spec.mode)

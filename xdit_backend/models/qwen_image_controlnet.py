@@ -21,7 +21,7 @@ from . import controlnet, latent_formats
 
 FAMILY = "qwen_image"
 LATENT = latent_formats.WAN21  # the hint's latent (Qwen-Image's VAE is Wan 2.1's)
-VAE = "Qwen-Image's: Wan 2.1's"
+HINT = "its VAE latent (Qwen-Image's VAE: Wan 2.1's) at the generation's latent size"
 MODEL_BLOCKS = 60  # ComfyUI's main_model_double for Qwen-Image: the residuals are repeated to the model's blocks
 SEED = 11  # the built-in ControlNets' weights
 
@@ -102,13 +102,13 @@ def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 
 
-def hint_channels(network) -> int:
-    """The control latent's channels (the latent's and an inpainting variant's mask's): 2×2 patches embedded."""
-    return network.controlnet_x_embedder.in_features // 4
+def hint_shape(network, latent_size: tuple[int, int]) -> tuple[int, ...]:
+    """The control input [C, h, w]: the latent's and an inpainting variant's mask channels (2×2 patches embedded)."""
+    return (network.controlnet_x_embedder.in_features // 4, *latent_size)
 
 
-def hint_of(latent: torch.Tensor) -> torch.Tensor:
-    return controlnet.packed(latent)  # [1, N, C·4], the embedder's input
+def hint(network, latent: torch.Tensor) -> torch.Tensor:
+    return controlnet.packed(controlnet.model_space(latent, LATENT))  # [1, N, C·4], the embedder's input
 
 
 def model_residuals(samples: list[torch.Tensor], blocks: int) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from . import controlnet, latent_formats
 
 FAMILY = "sd3"
 LATENT = latent_formats.SD3
-VAE = "SD3.5's"
+HINT = "its VAE latent (SD3.5's VAE) at the generation's latent size"
 HEAD_DIM = 64  # ComfyUI's loader: heads = width / 64
 PREPROCESS = {1: "canny", 2: "depth"}  # the file's control_type → how the control image is mapped before encoding
 # the file's block names (ComfyUI's DismantledBlock) → diffusers' SD3SingleTransformerBlock's
@@ -162,12 +162,12 @@ def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 
 
-def hint_channels(network) -> int:
-    return network.pos_embed_input.proj.in_channels
+def hint_shape(network, latent_size: tuple[int, int]) -> tuple[int, ...]:
+    return (network.pos_embed_input.proj.in_channels, *latent_size)
 
 
-def hint_of(latent: torch.Tensor) -> torch.Tensor:
-    return latent  # [1, C, h, w]: the network's own patch convolution embeds it
+def hint(network, latent: torch.Tensor) -> torch.Tensor:
+    return controlnet.model_space(latent, LATENT)  # [1, C, h, w]: the network's own patch convolution embeds it
 
 
 def model_residuals(samples: list[torch.Tensor], blocks: int, width: int) -> list[torch.Tensor | None]:

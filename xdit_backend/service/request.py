@@ -195,10 +195,15 @@ class SampleRequest:
                                        "send the control image's VAE latent (the xDiT node encodes it; on the "
                                        "command line --control-image FILE)")
                 continue
-            if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != (rows, columns):
-                raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one image's latent "
-                                   f"[1, C, {rows}, {columns}], the generation's latent size",
-                                   "encode the control image at the generation's width and height")
+            if model_patch.takes_pixels(entry):  # XLabs': the image itself, at the generation's size
+                size, what = (rows * spec.vae_factor, columns * spec.vae_factor), "image [1, 3, H, W]"
+            else:
+                size, what = (rows, columns), "latent [1, C, h, w]"
+            if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != size:
+                raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one {what} of "
+                                   f"{size[0]} × {size[1]}, the generation's size",
+                                   "encode (or, for an XLabs ControlNet, resize) the control image at the "
+                                   "generation's width and height")
 
     def _check_noise_mask(self, spec) -> None:
         """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
