@@ -258,3 +258,35 @@ def test_an_xlabs_controlnet_equals_comfyuis_own(xlabs_file):
                                                    (6, 8), model.transformer, model.spec.model_sampling(None))]
         ours = model.output(x, sigma, cond, guidance)
     assert (ours - expected).abs().max() <= 1e-5
+
+
+def test_a_float8_controlnet_stays_float8_and_runs_sharded(backend2, tmp_path):
+    """A ControlNet file with float8 Linear weights keeps them so on the device (StoredLinear, upcast a layer at a
+    time), and the fit check counts them so: the same generation as its weights upcast in a float32 file, and under
+    ulysses=2 with sharded weights as serial."""
+    from xdit_backend.models.storage import StoredLinear
+
+    network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
+    linear = {f"{name}.weight" for name, module in network.named_modules() if isinstance(module, torch.nn.Linear)}
+    stored = {k: v.to(torch.float8_e4m3fn) if k in linear else v.to(torch.bfloat16)
+              for k, v in network.state_dict().items()}
+    save_file(stored, str(tmp_path / "union-fp8.safetensors"))
+    save_file({k: v.float() for k, v in stored.items()}, str(tmp_path / "union-upcast.safetensors"))
+    fp8 = model_patch.network(model_patch.PatchSpec(str(tmp_path / "union-fp8.safetensors"), 1.0),
+                              torch.device("cpu"), torch.float32)
+    assert all(isinstance(module, StoredLinear) and module.weight.dtype == torch.float8_e4m3fn
+               for module in fp8.modules() if isinstance(module, torch.nn.Linear))
+    from xdit_backend.parallel.shard import resident_bytes  # the fit check counts what the network will hold
+
+    assert model_patch.nbytes(model_patch.PatchSpec(str(tmp_path / "union-fp8.safetensors"), 1.0),
+                              torch.float32) == resident_bytes(fp8)
+    tensors = {"control_0": torch.randn(1, 16, 6, 8, generator=torch.Generator().manual_seed(3))}
+    fields = {**FLUX, "batch": 1}
+    controls = [{**CONTROL, "path": str(tmp_path / "union-fp8.safetensors")}]
+    expected = serial_latent({**fields, "controls": controls}, tensors)
+    upcast = serial_latent({**fields, "controls": [{**CONTROL, "path": str(tmp_path / "union-upcast.safetensors")}]},
+                           tensors)
+    assert (expected - upcast).abs().max() <= bound(expected)
+    result, _ = backend2.sample({**fields, "controls": controls, "parallel": {"ulysses": 2, "shard_weights": True}},
+                                tensors)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)

@@ -26,6 +26,7 @@ from ..errors import UserError
 from . import controlnet, latent_formats
 from .file_kind import file_entries
 from .patch_embed import pack, pad_to_patch
+from .storage import FLOAT8, place
 
 LATENT_CHANNELS = 16  # the model-space channels of the hint (Wan 2.1's latent); the rest are mask channels
 SEED = 7  # the built-in patches' weights
@@ -188,8 +189,21 @@ def network(spec: PatchSpec, device: torch.device, dtype: torch.dtype):
         made = built_in(config["num_layers"], config["num_attention_heads"] * config["attention_head_dim"])
     else:
         made = read(spec.path)
-    # nn.Module's own: diffusers' ModelMixin.to warns about modules kept in float32, which this one has none of
-    return nn.Module.to(made, device, dtype).requires_grad_(False)
+    return placed(made, device, dtype).requires_grad_(False)
+
+
+def placed(network: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``network`` on ``device``: its Linear weights kept in a float8 file's precision (upcast a layer at a time
+    at compute, as the model's: storage.StoredLinear), every other floating tensor in ``dtype``."""
+    for module in network.modules():
+        for leaf, tensor in list(module._parameters.items()):
+            if tensor is not None:
+                module._parameters[leaf] = nn.Parameter(place(module, leaf, tensor.detach(), device, dtype, None, True),
+                                                        requires_grad=False)
+        for leaf, tensor in list(module._buffers.items()):
+            if tensor is not None:
+                module._buffers[leaf] = tensor.to(device, dtype if tensor.is_floating_point() else None)
+    return network
 
 
 def blocks_of(network) -> list[nn.Module]:
@@ -234,14 +248,16 @@ def control_family(spec: PatchSpec) -> str | None:
 
 def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
     """The bytes the patch's network holds in ``dtype``, from the file's header (nothing is read) or the built-in's
-    size: the fit check counts them before loading."""
+    size: the fit check counts them before loading. A float8 tensor stays so (``placed``: a Linear weight; counted
+    at one byte, the rare float8 bias or norm with it)."""
     if spec.built_in:
         return sum(p.numel() for p in network(spec, torch.device("meta"), dtype).parameters()) * dtype.itemsize
     from safetensors import safe_open
 
     with safe_open(spec.path, framework="pt") as handle:
-        values = sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
-    return values * dtype.itemsize
+        slices = [handle.get_slice(key) for key in handle.keys()]
+        return sum(math.prod(part.get_shape()) * (1 if part.get_dtype().startswith("F8") else dtype.itemsize)
+                   for part in slices)
 
 
 def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, latent_size: tuple[int, int], transformer,
@@ -287,9 +303,9 @@ def _applied_controlnet(spec: PatchSpec, made, latent, seed: int, latent_size: t
     elif tuple(latent.shape[1:]) != shape:
         raise UserError(f"the control input for {spec.path} has shape {list(latent.shape)}; this ControlNet takes "
                         f"{[1, *shape]}", f"send the control image as this ControlNet takes it: {kind.HINT}")
-    weight = next(made.controlnet_blocks.parameters())
+    computes = next(p for p in made.parameters() if p.dtype not in FLOAT8)  # a bias: the compute dtype
     with torch.no_grad():
-        hint = kind.hint(made, latent.to(weight.device)).to(weight.device, weight.dtype)
+        hint = kind.hint(made, latent.to(computes.device)).to(computes.device, computes.dtype)
     kind.bind(made, transformer)
     sigmas = (sampling.percent_to_sigma(spec.start), sampling.percent_to_sigma(spec.end))
     return controlnet.AppliedControlNet(made, hint, spec.strength, sigmas, spec.mode)
