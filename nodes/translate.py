@@ -110,7 +110,7 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
     for option, (attribute, key) in family_options.items():
         if options.get(option) is not None:
             value = getattr(options[option], attribute) if attribute else options[option]
-            side.tensors[key] = _to_batch(value, batch, key, which)
+            side.tensors[key] = _to_batch(_one_entry(value, option, which), batch, key, which)
     if spec.takes_references and options.get("reference_latents"):
         side.tensors.update(references(options["reference_latents"], spec, batch, which))
     for key, shape in shapes.items():
@@ -154,6 +154,17 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
         latent = pad_to_patch(latent.detach().to("cpu", torch.float32), spec.patch)
         out[f"reference_{i}"] = _to_batch(latent, batch, f"reference latent {i}", which)
     return out
+
+
+def _one_entry(value, option: str, which: str) -> torch.Tensor:
+    """An option as a tensor: ComfyUI's list-valued ones (WanVaceToVideo's vace_frames, vace_mask, vace_strength:
+    an entry per control video) by their one entry, a number as [1]."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise TranslationError(f"the {which} conditioning carries {len(value)} {option} entries (WanVaceToVideo "
+                                   "chained); the xDiT sampler takes one control video", "use one WanVaceToVideo")
+        value = value[0]
+    return torch.tensor([float(value)]) if isinstance(value, (int, float)) else value
 
 
 def _to_batch(tensor: torch.Tensor, batch: int, name: str, which: str) -> torch.Tensor:

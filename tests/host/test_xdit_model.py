@@ -911,3 +911,60 @@ def test_wan_fun_control_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pac
                "cfg": 4.0, "sampler": "euler", "scheduler": "simple", "parallel": {"ulysses": 2}}
     result, _ = backend2.sample(request, sampler_tensors(path, positive, negative))
     assert_same(theirs, result["samples"])
+
+
+# ----------------------------------------------------------------------------------------------- Wan VACE
+# A tiny Wan 2.1 VACE file in the original layout against ComfyUI's own WAN21_Vace model, with the conditioning
+# WanVaceToVideo makes from a control video and its masks (comfy_extras/nodes_wan.py) through a stand-in video VAE.
+
+
+class StandInVideoVAE:
+    """A video VAE as WanVaceToVideo uses one: frames [F, H, W, 3] → [1, 16, 1 + (F − 1)/4, H/8, W/8] (every fourth
+    frame's 8 × 8 pixel means through a fixed map)."""
+
+    def __init__(self):
+        import torch
+
+        self.mix = torch.randn(16, 3, generator=torch.Generator().manual_seed(12))
+
+    def encode(self, frames):
+        import torch
+
+        pooled = torch.nn.functional.avg_pool2d(frames.movedim(-1, 1).float(), 8)[::4]  # [T', 3, h, w]
+        return torch.einsum("oc,tchw->othw", self.mix, pooled)[None]
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses", "ring"])
+def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """WanVaceToVideo (a 9-frame control video, its masks, strength 0.8) before the xDiT Sampler: its translation of
+    vace_frames, vace_mask and vace_strength, and the backend's VACE blocks run split, against KSampler on ComfyUI's
+    own VACE model."""
+    import comfy.sample
+    import torch
+    from comfy_extras.nodes_wan import WanVaceToVideo
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_wan_vace import original_vace_state_dict
+    from xdit_backend.models import registry
+
+    translate = pack_module("translate")
+    path = str(tmp_path / "tiny-wan-vace.safetensors")
+    save_file(original_vace_state_dict(registry.build("wan-vace-tiny", torch.device("cpu")).transformer), path)
+    own = comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+    g = torch.Generator().manual_seed(21)
+    prompts_ = [[[torch.randn(1, 8, 64, generator=g), {}]] for _ in range(2)]
+    video, masks = torch.rand(9, 64, 64, 3, generator=g), torch.rand(9, 64, 64, generator=g)
+    positive, negative, latent, _ = WanVaceToVideo.execute(*prompts_, StandInVideoVAE(), 64, 64, 9, 1, 0.8,
+                                                           control_video=video, control_masks=masks).result
+    samples = latent["samples"]
+    noise = comfy.sample.prepare_noise(samples, 7)
+    theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, samples, seed=7)
+    spec = registry.spec(path)
+    geometry, _ = translate.latent(latent, spec)
+    tensors = sampler_tensors(path, positive, negative, geometry.batch)
+    assert {"vace_frames", "vace_mask", "vace_strength"} <= set(tensors)
+    request = {"model": path, "dtype": "float32", "width": geometry.width, "height": geometry.height,
+               "frames": geometry.frames, "steps": 3, "seed": 7, "cfg": 4.0, "sampler": "euler",
+               "scheduler": "simple", "parallel": layout}
+    result, _ = backend2.sample(request, tensors)
+    assert_same(theirs, translate.to_comfyui(result["samples"], spec))

@@ -157,6 +157,13 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Wan 2.1 T2V architecture, 2 blocks, width 64, random weights (a test model)",
     ),
+    "wan-vace-tiny": BuiltinModel(
+        family="wan_vace",
+        # wan-tiny with a VACE block after each of its 2 blocks, taking WanVaceToVideo's 32 + 64 channels
+        config={**WAN_TINY, "vace_layers": [0, 1], "vace_in_channels": 96},
+        text_tokens=8,
+        description="Wan 2.1 VACE architecture (wan-tiny with 2 VACE blocks), random weights (a test model)",
+    ),
     "wan-i2v-tiny": BuiltinModel(
         family="wan",
         # the latent's 16 channels, then the mask's 4 and the start image's 16 (WanImageToVideo); CLIP-H's hidden

@@ -30,6 +30,7 @@ from . import (
     sd3_checkpoint,
     storage,
     wan_checkpoint,
+    wan_vace_checkpoint,
     weights,
     z_image_checkpoint,
 )
@@ -45,6 +46,7 @@ from .pixart import PixArtModel, PixArtSpec
 from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
+from .wan_vace import WanVaceModel, WanVaceSpec
 from .z_image import ZImageModel, ZImageSpec
 
 
@@ -72,12 +74,13 @@ class Family:
         return self.spec_class.from_config(config)
 
 
-# in detection order: a Flux.2 file also holds every key that marks a Flux.1 one
+# in detection order: a Flux.2 file also holds every key that marks a Flux.1 one, a Wan VACE file a Wan one's
 FAMILIES = {family.name: family for family in (
     Family(Flux2Spec, Flux2Model, flux2_checkpoint, "Flux2Transformer2DModel", "Flux.2 (dev, klein 4B and 9B)"),
     Family(FluxSpec, FluxModel, flux_checkpoint, "FluxTransformer2DModel", "Flux.1 (dev, schnell)"),
     Family(SD3Spec, SD3Model, sd3_checkpoint, "SD3Transformer2DModel", "SD3 (medium), SD3.5 (medium, large)"),
     Family(PixArtSpec, PixArtModel, pixart_checkpoint, "PixArtTransformer2DModel", "PixArt-α, PixArt-Σ"),
+    Family(WanVaceSpec, WanVaceModel, wan_vace_checkpoint, "WanVACETransformer3DModel", "Wan 2.1 VACE (1.3B, 14B)"),
     Family(WanSpec, WanModel, wan_checkpoint, "WanTransformer3DModel",
            "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
     Family(HunyuanVideo15Spec, HunyuanVideo15Model, hunyuan_video15_checkpoint, "HunyuanVideo15Transformer3DModel",

@@ -208,9 +208,14 @@ class WanModel(DiffusionModel):
                 timestep=timestep.to(self.device, torch.float32),  # [B] or [B, N]
                 encoder_hidden_states=cond["context"].to(self.device, self.dtype),  # [B, L, 4096]
                 return_dict=False,
+                **self.extra_inputs(x, cond),
             )[0]
         finally:
             self.images.tokens = None
+
+    def extra_inputs(self, x, cond) -> dict:
+        """More keyword inputs of the transformer's forward (a variant's: VACE's control video)."""
+        return {}
 
     def frame_timesteps(self, timestep: torch.Tensor, cond: dict) -> torch.Tensor | None:
         """The timesteps per latent frame [B, T] ComfyUI's WAN22 gives its model under a noise mask

@@ -60,7 +60,7 @@ _BLOCK = {
 }
 
 
-def _original(key: str) -> str:
+def original_key(key: str) -> str:
     """The original key (without prefix) of one diffusers key; KeyError if it has none."""
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
     base, table, rest = (f"blocks.{match.group(1)}.", _BLOCK, match.group(2)) if match else ("", _GLOBAL, key)
@@ -74,7 +74,7 @@ def _original(key: str) -> str:
 
 def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key (``config`` is unused: Wan fuses no tensors)."""
-    return {key: TensorSource(prefix + _original(key)) for key in diffusers_keys}
+    return {key: TensorSource(prefix + original_key(key)) for key in diffusers_keys}
 
 
 def head_dim(width: int) -> int | None:

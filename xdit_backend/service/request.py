@@ -133,6 +133,10 @@ class SampleRequest:
             spec.check_size(self.width, self.height, self.frames)
         except UserError as exc:
             raise RequestError(exc.message, exc.hint) from None
+        if self.cache != "none" and spec.step_cache_refusal:
+            raise RequestError(f"the step cache ({self.cache}) on a {spec.family} model: {spec.step_cache_refusal}, "
+                               "and on the steps the cache reuses, the blocks' cached output already holds them",
+                               "use cache none with this model")
         custom = self.tensors.get("sigmas")
         if custom is not None and (custom.dim() != 1 or len(custom) < 2 or bool((custom[1:] > custom[:-1]).any())
                                    or float(custom.min()) < 0):
