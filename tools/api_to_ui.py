@@ -66,10 +66,11 @@ def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
                 origin, slot = value
                 links.append([link_id, int(origin), slot, int(node_id), None, entry["type"]])
                 entry["link"] = link_id
-                if kind(spec) in WIDGET_TYPES:  # a widget fed by a link
+                if kind(spec) in WIDGET_TYPES:  # a widget fed by a link: the page keeps the widget's own value
                     entry["widget"] = {"name": name}
                     widgets.append(entry)
-                    values.append(None)
+                    options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                    values.append(options.get("default"))
                 else:
                     linked.append(entry)
             elif kind(spec) in WIDGET_TYPES:
@@ -101,8 +102,6 @@ def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
         outputs[origin]["outputs"][slot]["links"].append(link[0])
         target_node = outputs[target]
         link[4] = next(i for i, entry in enumerate(target_node["inputs"]) if entry.get("link") == link[0])
-    for node in nodes:  # a widget fed by a link keeps no value of its own
-        node["widgets_values"] = [v for v in node["widgets_values"] if v is not None]
     last = max(int(n) for n in api)
     for i, (title, text) in enumerate(notes):
         nodes.append({"id": last + 1 + i, "type": "Note", "pos": [30 + 420 * i, 30 + 300 * (max(rows.values()) + 1)],

@@ -223,7 +223,9 @@ needs_comfyui = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI chec
 
 PROBE = "xdit-probe-{}.safetensors"
 INPUT_PROBE = "xdit-probe-input.png"  # in ComfyUI's input folder, which LoadImage lists
+VIDEO_PROBE = "xdit-probe-input.mp4"  # and LoadVideo
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +239,7 @@ def comfy(host):
         (directory / PROBE.format(folder)).touch()
     (host.base / "input").mkdir(exist_ok=True)
     (host.base / "input" / INPUT_PROBE).touch()
+    (host.base / "input" / VIDEO_PROBE).touch()
     return host.get("/object_info"), folders
 
 
@@ -295,9 +298,12 @@ def problems(api: dict, ui: dict, info: dict, folders: list[str]) -> list[str]:
                 # provided the UI file's Note says to put it in one of the folders that combo reads.
                 reads = [folder for folder in folders if any(str(option).endswith(PROBE.format(folder))
                                                              for option in listed)]
-                if INPUT_PROBE in listed:  # an input image (LoadImage): the Note says where it goes
-                    if not value.lower().endswith(IMAGE_EXTENSIONS):
-                        found.append(f"{where}: not an image file name (the combo lists ComfyUI's input folder)")
+                inputs = [(probe, kinds) for probe, kinds in ((INPUT_PROBE, IMAGE_EXTENSIONS),
+                                                              (VIDEO_PROBE, VIDEO_EXTENSIONS)) if probe in listed]
+                if inputs:  # an input image or video (LoadImage, LoadVideo): the Note says where it goes
+                    if not value.lower().endswith(tuple(e for _, kinds in inputs for e in kinds)):
+                        found.append(f"{where}: not a file name of the kind the combo lists from ComfyUI's input "
+                                     "folder")
                     elif f"ComfyUI/input/{value}" not in notes(ui):
                         found.append(f"{where}: the Note does not put it in ComfyUI/input/")
                 elif not reads:
