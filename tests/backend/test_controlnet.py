@@ -1,9 +1,12 @@
-"""Qwen-Image's ControlNet (InstantX's layout: diffusers' QwenImageControlNetModel) on the backend: under the
-sequence-parallel, CFG and data-parallel layouts, sharded or not, it equals the serial generation with the same
-ControlNet, running split as the model (its residuals never gathered); strength 0 is no ControlNet exactly; its
-percent range and a second ControlNet act as ComfyUI's; and it equals ComfyUI's own QwenImageControlNetModel with
-its residuals added as comfy/ldm/qwen_image/model.py adds them."""
+"""ControlNets on the backend, every kind (models/controlnet.py's table: Qwen-Image's InstantX layout, Flux.1's with
+a union type, SD3.5's Stability layout): under the sequence-parallel, CFG and data-parallel layouts, sharded or not,
+each equals the serial generation with the same ControlNet, running split as the model (its residuals never
+gathered); strength 0 is no ControlNet exactly. Then Qwen-Image's: its percent range and a second ControlNet act as
+ComfyUI's, and it equals ComfyUI's own QwenImageControlNetModel with its residuals added as
+comfy/ldm/qwen_image/model.py adds them (the other kinds' own checks: test_flux_controlnet.py,
+test_sd3_controlnet.py)."""
 
+import functools
 import os
 import sys
 
@@ -17,30 +20,46 @@ from xdit_backend.service.reference import serial_latent
 from xdit_backend.service.request import RequestError, SampleRequest
 from xdit_backend.wire.protocol import Message
 
-TINY = "qwen-image-controlnet-tiny"
-QWEN = {"model": "qwen-image-tiny", "width": 64, "height": 64, "steps": 3, "seed": 13, "cfg": 2.5, "batch": 2,
-        "dtype": "float32"}
-CONTROL = {"path": TINY, "strength": 0.7}
+REQUEST = {"steps": 3, "seed": 13, "cfg": 2.5, "batch": 2, "dtype": "float32"}
+# each kind's built-in ControlNet on its built-in model: the request and the control (Flux's with a union type: one
+# more text token, cut with the text)
+KINDS = {
+    "qwen-image": ({**REQUEST, "model": "qwen-image-tiny", "width": 64, "height": 64},
+                   {"path": "qwen-image-controlnet-tiny", "strength": 0.7}),
+    "flux": ({**REQUEST, "model": "flux-tiny", "width": 64, "height": 48},
+             {"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}),
+    "sd3": ({**REQUEST, "model": "sd3-tiny", "width": 64, "height": 48},
+            {"path": "sd3-controlnet-tiny", "strength": 0.7}),
+}
+QWEN, CONTROL = KINDS["qwen-image"]
+TINY = CONTROL["path"]
 LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}),
            (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
 
 
-@pytest.fixture(scope="module")
-def serial_with_control():
-    return serial_latent({**QWEN, "controls": [CONTROL]})
+@functools.cache
+def serial_with_control(kind: str) -> torch.Tensor:
+    fields, control = KINDS[kind]
+    return serial_latent({**fields, "controls": [control]})
 
 
 @pytest.mark.parametrize("world, degrees", LAYOUTS, ids=lambda v: str(v))
-def test_every_layout_equals_serial_with_the_controlnet(shared_backends, serial_with_control, world, degrees):
-    result, _ = shared_backends.get(world).sample({**QWEN, "controls": [CONTROL], "parallel": degrees})
-    assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_layout_equals_serial_with_the_controlnet(shared_backends, kind, world, degrees):
+    fields, control = KINDS[kind]
+    result, _ = shared_backends.get(world).sample({**fields, "controls": [control], "parallel": degrees})
+    expected = serial_with_control(kind)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)
 
 
-def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, serial_with_control):
-    plain, _ = backend2.sample({**QWEN, "parallel": {"ulysses": 2}})
-    off, _ = backend2.sample({**QWEN, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ulysses": 2}})
+@pytest.mark.parametrize("kind", KINDS)
+def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, kind):
+    fields, control = KINDS[kind]
+    plain, _ = backend2.sample({**fields, "parallel": {"ulysses": 2}})
+    off, _ = backend2.sample({**fields, "controls": [{**control, "strength": 0.0}], "parallel": {"ulysses": 2}})
     assert torch.equal(off["samples"], plain["samples"])
-    assert (serial_with_control - plain["samples"]).abs().max() > 100 * bound(serial_with_control)
+    expected = serial_with_control(kind)
+    assert (expected - plain["samples"]).abs().max() > 100 * bound(expected)
 
 
 def test_a_range_and_a_chained_controlnet_under_ring(backend2):

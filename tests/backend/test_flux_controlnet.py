@@ -1,8 +1,8 @@
-"""Flux.1's ControlNets (InstantX's and Shakker-Labs' layout: diffusers' FluxControlNetModel) on the backend: under
-the sequence-parallel, CFG and data-parallel layouts, sharded or not, with a union type (one more text token, cut
-with the text) or without, it equals the serial generation with the same ControlNet, running split as the model (its
-residuals never gathered); strength 0 is no ControlNet exactly; and it equals ComfyUI's own ControlNetFlux with its
-residuals added as comfy/ldm/flux/model.py adds them."""
+"""Flux.1's ControlNets (InstantX's and Shakker-Labs' layout: diffusers' FluxControlNetModel; XLabs' BFL layout,
+pixel input) on the backend, beside test_controlnet.py's layouts for every kind: a union type or none, a range
+and a chained ControlNet act as ComfyUI's; a file loads as the built-in; XLabs' files take the pixels; float8 files
+stay float8; and each equals ComfyUI's own ControlNetFlux with its residuals added as comfy/ldm/flux/model.py adds
+them."""
 
 import os
 import sys
@@ -12,35 +12,14 @@ import torch
 from parity import bound
 from safetensors.torch import save_file
 
+from backend.test_controlnet import KINDS
 from xdit_backend.models import model_patch, registry
 from xdit_backend.service.reference import serial_latent
 from xdit_backend.service.request import RequestError, SampleRequest
 from xdit_backend.wire.protocol import Message
 
-TINY = "flux-controlnet-tiny"
-FLUX = {"model": "flux-tiny", "width": 64, "height": 48, "steps": 3, "seed": 13, "cfg": 2.5, "batch": 2,
-        "dtype": "float32"}
-CONTROL = {"path": TINY, "strength": 0.7, "type": 3}  # canny: the union's token joins the 8 text tokens
-LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}),
-           (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
-
-
-@pytest.fixture(scope="module")
-def serial_with_control():
-    return serial_latent({**FLUX, "controls": [CONTROL]})
-
-
-@pytest.mark.parametrize("world, degrees", LAYOUTS, ids=lambda v: str(v))
-def test_every_layout_equals_serial_with_the_controlnet(shared_backends, serial_with_control, world, degrees):
-    result, _ = shared_backends.get(world).sample({**FLUX, "controls": [CONTROL], "parallel": degrees})
-    assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
-
-
-def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, serial_with_control):
-    plain, _ = backend2.sample({**FLUX, "parallel": {"ulysses": 2}})
-    off, _ = backend2.sample({**FLUX, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ulysses": 2}})
-    assert torch.equal(off["samples"], plain["samples"])
-    assert (serial_with_control - plain["samples"]).abs().max() > 100 * bound(serial_with_control)
+FLUX, CONTROL = KINDS["flux"]
+TINY = CONTROL["path"]
 
 
 def test_auto_type_a_range_and_a_chained_controlnet_under_ring(backend2):

@@ -27,16 +27,20 @@ def common(lora: str) -> dict:
 
 @pytest.fixture
 def requests(tmp_path) -> list[dict]:
-    """Flux (guidance, ulysses), Wan (frames, cfg parallel) and Qwen-Image (a model patch, ring; not compiled: the
-    others compile): together, every field away from its default."""
+    """Flux (guidance, ulysses), Wan (frames, cfg parallel) and Qwen-Image (a model patch and a ControlNet, ring; not
+    compiled: the others compile): together, every field away from its default."""
     lora = tmp_path / "empty-lora.safetensors"
     save_file({}, str(lora))  # a LoRA file that matches nothing: merged as zero modules
     path = str(lora.resolve())
     flux = {"model": "flux-tiny", **common(path), "guidance": 4.25, "parallel": ParallelConfig(ulysses=2).to_json()}
     wan = {"model": "wan-tiny", **common(path), "frames": 5, "weight_dtype": "fp8_e4m3fn",
            "parallel": ParallelConfig(cfg=2).to_json()}
-    qwen = {"model": "qwen-image-tiny", **common(path), "compile": False, "parallel": ParallelConfig(ring=2).to_json(),
-            "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.5}]}
+    # controls refuse the step cache; a ControlNet's range and union type (ignored by a net without types, as
+    # ComfyUI ignores it) reach every rank
+    qwen = {"model": "qwen-image-tiny", **common(path), "compile": False, "cache": "none",
+            "parallel": ParallelConfig(ring=2).to_json(),
+            "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.5},
+                         {"path": "qwen-image-controlnet-tiny", "strength": 0.3, "start": 0.1, "end": 0.9, "type": 2}]}
     return [flux, wan, qwen]
 
 

@@ -1,44 +1,21 @@
-"""SD3.5's ControlNets (Stability's layout: blur, canny, depth) on the backend: under the sequence-parallel, CFG and
-data-parallel layouts, sharded or not, they equal the serial generation with the same ControlNet, running split as
-the model (image-only attention over each rank's share, residuals never gathered); strength 0 is no ControlNet
-exactly; and the network and the model with its residuals equal ComfyUI's own ControlNetEmbedder and MMDiT."""
+"""SD3.5's ControlNets (Stability's layout: blur, canny, depth) on the backend, beside test_controlnet.py's layouts for
+every kind: a file in Stability's layout loads as the built-in, and the network and the model with its residuals
+equal ComfyUI's own ControlNetEmbedder and MMDiT."""
 
 import os
 import sys
 
 import pytest
 import torch
-from parity import bound
 from safetensors.torch import save_file
 
+from backend.test_controlnet import KINDS
 from xdit_backend.models import model_patch
 from xdit_backend.models.resolved import resolve_model
 from xdit_backend.service.reference import serial_latent
 
-TINY = "sd3-controlnet-tiny"
-SD3 = {"model": "sd3-tiny", "width": 64, "height": 48, "steps": 3, "seed": 13, "cfg": 2.5, "batch": 2,
-       "dtype": "float32"}
-CONTROL = {"path": TINY, "strength": 0.7}
-LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}),
-           (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
-
-
-@pytest.fixture(scope="module")
-def serial_with_control():
-    return serial_latent({**SD3, "controls": [CONTROL]})
-
-
-@pytest.mark.parametrize("world, degrees", LAYOUTS, ids=lambda v: str(v))
-def test_every_layout_equals_serial_with_the_controlnet(shared_backends, serial_with_control, world, degrees):
-    result, _ = shared_backends.get(world).sample({**SD3, "controls": [CONTROL], "parallel": degrees})
-    assert (result["samples"] - serial_with_control).abs().max() <= bound(serial_with_control)
-
-
-def test_it_moves_the_result_and_strength_0_is_no_controlnet_exactly(backend2, serial_with_control):
-    plain, _ = backend2.sample({**SD3, "parallel": {"ring": 2}})
-    off, _ = backend2.sample({**SD3, "controls": [{**CONTROL, "strength": 0.0}], "parallel": {"ring": 2}})
-    assert torch.equal(off["samples"], plain["samples"])
-    assert (serial_with_control - plain["samples"]).abs().max() > 100 * bound(serial_with_control)
+SD3, CONTROL = KINDS["sd3"]
+TINY = CONTROL["path"]
 
 
 def stability_layout(network) -> dict[str, torch.Tensor]:

@@ -18,6 +18,17 @@ pytestmark = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
                                        "ComfyUI's requirements) to test the node in ComfyUI")
 
 
+class StandInControlModel:
+    """A control model as ControlNet.get_control calls one: it keeps the hint it is given."""
+
+    dtype = torch.float32
+    hint = None
+
+    def __call__(self, x, hint, timesteps, context, **extra):
+        self.hint = hint
+        return {"input": []}
+
+
 class StandInVAE:
     """A VAE as the patch uses one (encode, spacial_compression_encode): 8×8 pixel means through a fixed map to 16
     channels, [B, 16, 1, h, w] like Qwen-Image's (Wan 2.1's) VAE."""
@@ -112,15 +123,6 @@ def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack, prepro
 
     from xdit_backend.models import latent_formats
 
-    kept = {}
-
-    class StandInControlModel:
-        dtype = torch.float32
-
-        def __call__(self, x, hint, timesteps, context, **extra):
-            kept["hint"] = hint
-            return {"input": []}
-
     image = torch.rand(1, 72, 100, 3, generator=torch.Generator().manual_seed(3))
     vae = StandInVAE()
     mapping = {None: lambda a: a}
@@ -129,7 +131,7 @@ def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack, prepro
         mapping[preprocess] = sd35.preprocess_image
     theirs = comfy.controlnet.ControlNet(None, compression_ratio=1, latent_format=comfy.latent_formats.Wan21(),
                                          extra_conds=[], preprocess_image=mapping[preprocess])
-    theirs.control_model = StandInControlModel()
+    theirs.control_model = kept = StandInControlModel()
     theirs.set_cond_hint(image.movedim(-1, 1), 0.7, (0.0, 1.0), vae=vae)
     theirs.model_sampling_current = SimpleNamespace(timestep=lambda t: t, calculate_input=lambda t, x: x)
     x = torch.zeros(1, 16, 1, 8, 12)  # the latent: 64 × 96 pixels
@@ -138,7 +140,7 @@ def test_the_controlnet_latent_is_what_comfyuis_get_control_encodes(pack, prepro
     chosen = choices.ControlChoice("qwen-image-controlnet-tiny", 0.7, image, vae, resize="nearest-exact",
                                    preprocess=preprocess)
     ours = latent_formats.WAN21.process_in(control.control_latent(chosen, 8, 12))
-    assert (ours - kept["hint"][:, :, 0]).abs().max() <= 1e-6
+    assert (ours - kept.hint[:, :, 0]).abs().max() <= 1e-6
 
 
 def test_a_workflow_with_the_controlnet_node_gives_the_serial_latent(host):
@@ -197,22 +199,13 @@ def test_an_xlabs_controlnets_image_is_what_comfyuis_get_control_hands_it(pack):
     import comfy.controlnet
     from comfyui_xdit.nodes import choices, control
 
-    kept = {}
-
-    class StandInControlModel:
-        dtype = torch.float32
-
-        def __call__(self, x, hint, timesteps, context, **extra):
-            kept["hint"] = hint
-            return {"input": []}
-
     image = torch.rand(1, 72, 100, 3, generator=torch.Generator().manual_seed(4))
     theirs = comfy.controlnet.ControlNet(None, extra_conds=[])  # load_controlnet_flux_xlabs_mistoline's: ratio 8
-    theirs.control_model = StandInControlModel()
+    theirs.control_model = kept = StandInControlModel()
     theirs.set_cond_hint(image.movedim(-1, 1), 0.7, (0.0, 1.0))
     theirs.model_sampling_current = SimpleNamespace(timestep=lambda t: t, calculate_input=lambda t, x: x)
     theirs.get_control(torch.zeros(1, 16, 8, 12), torch.tensor([0.5]), {"c_crossattn": torch.zeros(1, 4, 8)}, 1, {})
     chosen = choices.ControlChoice("flux.safetensors", 0.7, image, None, resize="nearest-exact", pixels=True)
     ours = control.control_latent(chosen, 8, 12)
     assert ours.shape == (1, 3, 64, 96)
-    assert torch.equal(ours, kept["hint"])
+    assert torch.equal(ours, kept.hint)
