@@ -91,7 +91,8 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
                 "use xDiT ControlNet (or xDiT DiffSynth ControlNet for a model patch) between the xDiT loader and "
                 "the sampler instead: the control then runs on the backend's GPUs" if runs else
                 f"remove Apply ControlNet from the prompt's path: ControlNets for {spec.family} models do not run "
-                "on the backend yet (Flux.1's, SD3.5's and Qwen-Image's do), or use KSampler for this workflow")
+                "on the backend yet (Flux.1's, SD3.5's, HunyuanDiT's and Qwen-Image's do), or use KSampler for this "
+                "workflow")
         if key == "reference_latents":
             raise TranslationError(f"the {which} conditioning carries {what}, which a {spec.family} model does "
                                    "not take",

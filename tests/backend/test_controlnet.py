@@ -1,10 +1,10 @@
 """ControlNets on the backend, every kind (models/controlnet.py's table: Qwen-Image's InstantX layout, Flux.1's with
-a union type, SD3.5's Stability layout): under the sequence-parallel, CFG and data-parallel layouts, sharded or not,
+a union type, SD3.5's Stability layout, HunyuanDiT 1.2's): under the sequence-parallel, CFG and data-parallel layouts, sharded or not,
 each equals the serial generation with the same ControlNet, running split as the model (its residuals never
 gathered); strength 0 is no ControlNet exactly. Then Qwen-Image's: its percent range and a second ControlNet act as
 ComfyUI's, and it equals ComfyUI's own QwenImageControlNetModel with its residuals added as
 comfy/ldm/qwen_image/model.py adds them (the other kinds' own checks: test_flux_controlnet.py,
-test_sd3_controlnet.py)."""
+test_sd3_controlnet.py, test_hunyuan_dit_controlnet.py)."""
 
 import functools
 import os
@@ -30,6 +30,8 @@ KINDS = {
              {"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}),
     "sd3": ({**REQUEST, "model": "sd3-tiny", "width": 64, "height": 48},
             {"path": "sd3-controlnet-tiny", "strength": 0.7}),
+    "hunyuan-dit": ({**REQUEST, "model": "hunyuan-dit-tiny", "width": 64, "height": 48},
+                    {"path": "hunyuan-dit-controlnet-tiny", "strength": 0.7}),
 }
 QWEN, CONTROL = KINDS["qwen-image"]
 TINY = CONTROL["path"]

@@ -1,9 +1,9 @@
 """ControlNets: a control network of the model's own kind that reads the control image's latent and returns a
 residual for the model's blocks. One module per kind, in ``KINDS`` by family: qwen_image_controlnet (InstantX's
 Qwen-Image Union, diffusers' QwenImageControlNetModel), flux_controlnet (InstantX's and Shakker's Flux.1 Union,
-diffusers' FluxControlNetModel) and sd3_controlnet (Stability's SD3.5 Large blur / canny / depth). Files are told
-apart by their keys, as ComfyUI's ``load_controlnet_state_dict`` tells them (comfy/controlnet.py, shared snapshot
-v0.3.64).
+diffusers' FluxControlNetModel), sd3_controlnet (Stability's SD3.5 Large blur / canny / depth) and
+hunyuan_dit_controlnet (Tencent's HunyuanDiT 1.2 ones). Files are told apart by their keys, as ComfyUI's
+``load_controlnet_state_dict`` tells them (comfy/controlnet.py, shared snapshot v0.3.64).
 
 What every kind shares, as ComfyUI's ``ControlNet.get_control`` applies it: the control image's VAE latent in model
 space (the kind's latent format; an inpainting variant's mask channels after it), packed like the image; the
@@ -27,10 +27,11 @@ from .patch_embed import pack, pad_to_patch
 
 
 # the ControlNet kind of each family that has one: its module here (imported when first asked for)
-KINDS = {"qwen_image": "qwen_image_controlnet", "flux": "flux_controlnet", "sd3": "sd3_controlnet"}
+KINDS = {"qwen_image": "qwen_image_controlnet", "flux": "flux_controlnet", "sd3": "sd3_controlnet",
+         "hunyuan_dit": "hunyuan_dit_controlnet"}
 # built-in ControlNets (random weights, for tests and demos) and the built-in model each fits
 BUILTINS = {"qwen-image-controlnet-tiny": "qwen-image-tiny", "flux-controlnet-tiny": "flux-tiny",
-            "sd3-controlnet-tiny": "sd3-tiny"}
+            "sd3-controlnet-tiny": "sd3-tiny", "hunyuan-dit-controlnet-tiny": "hunyuan-dit-tiny"}
 
 
 def kind(family: str) -> ModuleType:

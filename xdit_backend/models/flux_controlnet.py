@@ -188,6 +188,11 @@ def bind(network: FluxControlNet, transformer) -> None:
     network.pos_embed = transformer.pos_embed
 
 
+def blocks(network) -> list:
+    """The blocks weight sharding splits."""
+    return [*network.transformer_blocks, *network.single_transformer_blocks]
+
+
 def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 

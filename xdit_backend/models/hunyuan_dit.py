@@ -127,6 +127,10 @@ class HunyuanDiTSpec(FamilySpec):
         cuts=(Cut("pos_embed", None, 1),  # the patch tokens [B, N, D]
               Cut("rotary_table", None, 0)),  # RoPE (cos, sin) [N, head_dim] each
         attention=(("attn1", HunyuanDiTProcessor),))  # cross-attention (attn2) reads the whole text
+    takes_controlnets = True  # Tencent's 1.2 ControlNets (models/hunyuan_dit_controlnet.py)
+    # a ControlNet: its patch embedding's outputs (the latent's, the hint's) and its RoPE cut as the model's
+    control_plan = SequencePlan(cuts=(Cut("pos_embed", None, 1), Cut("rotary_table", None, 0)),
+                                attention=(("attn1", HunyuanDiTProcessor),), gather=None)
     stage_plan = StagePlan(block_lists=("blocks",), attention=(("attn1", HunyuanDiTProcessor, False),),
                            carries=True)  # the long skips travel with the patch
     cache_plan = CachePlan(blocks=("blocks",),
@@ -164,9 +168,10 @@ class HunyuanDiTModel(DiffusionModel):
         b, c, h, w = x.shape
         text = self._text(cond)  # [B, L1 + L2, 1024]
         temb = self._embedding(timestep, cond, b, h, w)  # [B, D]
+        controls = self._control_residuals(x, timestep, cond)  # [B, N/P, D] per skip, or None
         rope = t.rotary_table(h, w, device=self.device)  # (cos, sin) [N, head_dim]; cut to N/P
         hidden = t.pos_embed(x.to(self.device, self.dtype))  # [B, N, D]; cut to [B, N/P, D]
-        kwargs = {"text": text, "temb": temb, "rope": rope, "carry": []}
+        kwargs = {"text": text, "temb": temb, "rope": rope, "carry": [], "controls": controls}
         for block in t.blocks:
             hidden, _ = self.run_block(block, hidden, None, kwargs)
         hidden = t.proj_out(t.norm_out(hidden, temb.to(torch.float32)))  # [B, N, p·p·2C]; gathered
@@ -192,6 +197,8 @@ class HunyuanDiTModel(DiffusionModel):
         and a first-half block's output pushed for its partner (``kwargs["carry"]``: the patch's skips)."""
         layer, depth, skips = self.layers[block], self.spec.blocks, kwargs["carry"]
         skip = skips.pop() if layer > depth // 2 else None
+        if skip is not None and kwargs.get("controls"):  # ComfyUI: skips.pop() + controls.pop(), last first
+            skip = skip + kwargs["controls"].pop()
         image = block(image, encoder_hidden_states=kwargs["text"], temb=kwargs["temb"],
                       image_rotary_emb=kwargs["rope"], skip=skip)
         if layer < depth // 2 - 1:
@@ -214,10 +221,32 @@ class HunyuanDiTModel(DiffusionModel):
         patches = tokens.reshape(b, h // p, w // p, p, p, -1)  # [B, rows, columns, p, p, 2C]
         return torch.einsum("nhwpqc->nchpwq", patches).reshape(b, -1, h, w)[:, :c]  # [B, C, h, w]
 
-    def _text(self, cond: dict) -> torch.Tensor:
+    def _control_residuals(self, x, timestep, cond) -> list | None:
+        """The residual of each skip from the ControlNets active at this timestep, times their strengths and summed
+        in their order (ComfyUI's control_merge), or None. Each ControlNet computes its text and time from its own
+        modules; it must have a block per skip, as ComfyUI's model requires."""
+        sigma = float(self.spec.model_sampling(None).sigma(timestep[:1].float().cpu())[0])
+        active = [control for control in self.controlnets if control.active(sigma)]
+        if not active:
+            return None
+        skips, b, (h, w) = self.spec.blocks // 2 - 1, x.shape[0], x.shape[-2:]
+        sums = None
+        for control in active:
+            network = control.network
+            if len(network.blocks) != skips:
+                raise UserError(f"a HunyuanDiT ControlNet of {len(network.blocks)} blocks for a model with {skips} "
+                                "long skips", "use a ControlNet made for this model (HunyuanDiT 1.2's: 19 blocks)")
+            samples = network(x.to(self.device, self.dtype), control.hint.expand(b, -1, -1, -1),
+                              self._text(cond, network), self._embedding(timestep, cond, b, h, w, network))
+            adds = [sample * control.strength for sample in samples]  # StrengthType.CONSTANT
+            sums = adds if sums is None else [a + s for a, s in zip(sums, adds)]
+        return sums
+
+    def _text(self, cond: dict, network=None) -> torch.Tensor:
         """[CLIP; projected mT5] tokens [B, L1 + L2, 1024], the last 77 (256) padded tokens of each
-        replaced by the padding table's rows, as ComfyUI's HunYuanDiT.forward does."""
-        t, spec = self.transformer, self.spec
+        replaced by the padding table's rows, as ComfyUI's HunYuanDiT.forward does (by ``network``'s modules: the
+        model's, or a ControlNet's own)."""
+        t, spec = network or self.transformer, self.spec
         clip = cond["context"].to(self.device, self.dtype)  # [B, L1, 1024]
         mt5 = cond["context_mt5"].to(self.device, self.dtype)  # [B, L2, 2048]
         for name, tokens, least in (("context", clip, spec.text_len), ("context_mt5", mt5, spec.mt5_len)):
@@ -238,10 +267,10 @@ class HunyuanDiTModel(DiffusionModel):
             sides.append(tokens)
         return torch.cat(sides, dim=1)
 
-    def _embedding(self, timestep: torch.Tensor, cond: dict, b: int, h: int, w: int) -> torch.Tensor:
+    def _embedding(self, timestep: torch.Tensor, cond: dict, b: int, h: int, w: int, network=None) -> torch.Tensor:
         """The time embedding (from float32 timesteps, as ComfyUI's t_embedder) plus the pooled mT5
-        (its first 256 tokens) and, for 1.0 / 1.1, the image size and style: [B, D]."""
-        embed = self.transformer.time_extra_emb
+        (its first 256 tokens) and, for 1.0 / 1.1, the image size and style: [B, D] (by ``network``'s modules)."""
+        embed = (network or self.transformer).time_extra_emb
         mt5 = cond["context_mt5"][:, :self.spec.mt5_len].to(self.device, self.dtype)  # [B, 256, 2048]
         # comfy/model_base.py HunyuanDiT.extra_conds: [height, width, target height, target width,
         # crop top, crop left] in pixels, the latent's size when no option sets them

@@ -56,7 +56,7 @@ _FUSED = {"attn1.to_q": ("attn1.Wqkv", 0, 3), "attn1.to_k": ("attn1.Wqkv", 1, 3)
           "attn2.to_k": ("attn2.kv_proj", 0, 2), "attn2.to_v": ("attn2.kv_proj", 1, 2)}  # (original, band, of)
 
 
-def _source(key: str, prefix: str, width: int) -> TensorSource:
+def source(key: str, prefix: str, width: int) -> TensorSource:
     """The original source of one diffusers key; KeyError if it has none."""
     if key in ("norm_out.linear.weight", "norm_out.linear.bias"):
         return TensorSource(prefix + "final_layer.adaLN_modulation.1." + key.rpartition(".")[2], swap_halves=True)
@@ -77,7 +77,7 @@ def _source(key: str, prefix: str, width: int) -> TensorSource:
 def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource]:
     """The original source of every diffusers key."""
     width = config["num_attention_heads"] * config["attention_head_dim"]
-    return {key: _source(key, prefix, width) for key in diffusers_keys}
+    return {key: source(key, prefix, width) for key in diffusers_keys}
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:

@@ -210,7 +210,7 @@ def blocks_of(network) -> list[nn.Module]:
     """The blocks weight sharding splits: a ControlNet's own transformer blocks, a patch's control blocks (those a
     PipeFusion stage kept)."""
     if not isinstance(network, BlockwiseControlNet):
-        return [*network.transformer_blocks, *getattr(network, "single_transformer_blocks", ())]
+        return controlnet.kind_of(network).blocks(network)
     return [block for block in network.controlnet_blocks if not isinstance(block, nn.Identity)]
 
 

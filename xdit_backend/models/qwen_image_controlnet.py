@@ -98,6 +98,11 @@ def bind(network, transformer) -> None:
     """Nothing to take from the model: its tables come in each call (qwen_image.rope_and_time)."""
 
 
+def blocks(network) -> list:
+    """The blocks weight sharding splits."""
+    return list(network.transformer_blocks)
+
+
 def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 

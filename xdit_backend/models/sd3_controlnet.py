@@ -158,6 +158,11 @@ def bind(network: SD35ControlNet, transformer) -> None:
     network.x_embedder = transformer.pos_embed.proj
 
 
+def blocks(network) -> list:
+    """The blocks weight sharding splits."""
+    return list(network.transformer_blocks)
+
+
 def width(network) -> int:
     return network.config.num_attention_heads * network.config.attention_head_dim
 

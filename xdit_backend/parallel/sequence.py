@@ -195,12 +195,16 @@ class Attached:
 
     def __init__(self, transformer, hooks: list, shard: Shard):
         self.transformer, self.hooks, self.shard = transformer, hooks, shard
-        self.saved = transformer.attn_processors  # taken before any processor is replaced
+        # every attention module's processor, taken before any is replaced (by the modules themselves: diffusers
+        # 0.42's HunyuanDiT2DControlNetModel.attn_processors reports None for each)
+        self.saved = {module: module.processor for module in transformer.modules()
+                      if hasattr(module, "set_processor") and hasattr(module, "processor")}
 
     def detach(self) -> None:
         for hook in self.hooks:
             hook.remove()
-        self.transformer.set_attn_processor(self.saved)
+        for module, processor in self.saved.items():
+            module.set_processor(processor)
 
 
 def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) -> Attached:
