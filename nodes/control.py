@@ -136,9 +136,10 @@ class XDiTControlNet(io.ComfyNode):
             display_name="xDiT ControlNet",
             category=CATEGORY,
             description="A Flux.1, SD3.5, HunyuanDiT or Qwen-Image ControlNet (InstantX's, Shakker-Labs' and XLabs' "
-                        "for Flux, Stability's for SD3.5, Tencent's for HunyuanDiT; models/controlnet) on an xDiT model, as Load ControlNet Model + Set "
-                        "Union ControlNet Type + Apply ControlNet (with the VAE) apply it: run on the backend under "
-                        "the model's own split, each GPU adding its share of the residuals. Chain several.",
+                        "for Flux, Stability's for SD3.5, Tencent's for HunyuanDiT; models/controlnet) on an xDiT "
+                        "model, as Load ControlNet Model + Set Union ControlNet Type + Apply ControlNet (with the VAE) "
+                        "apply it: run on the backend under the model's own split, each GPU adding its share of the "
+                        "residuals. Chain several.",
             inputs=[
                 XDiTModel.Input("model"),
                 io.Combo.Input("control_net", options=controlnet_names(),
