@@ -31,7 +31,10 @@ MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video wit
 # controls its own tokens) in every layout, and a ControlNet (its own transformer, split as the model's) in every
 # layout but PipeFusion's (refused with one): (model, request fields, whether it runs under PipeFusion)
 CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}, True),
-              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False))
+              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False),
+              # a union type: one more text token, cut with the text
+              ("flux-tiny", {"controls": [{"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}]}, False),
+              ("wan-vace-tiny", {}, False))  # its control video drawn from the seed
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
