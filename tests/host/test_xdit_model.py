@@ -968,3 +968,26 @@ def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_
                "scheduler": "simple", "parallel": layout}
     result, _ = backend2.sample(request, tensors)
     assert_same(theirs, translate.to_comfyui(result["samples"], spec))
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}], ids=["ulysses", "cfg"])
+def test_wan_vace_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """ComfyUI's WAN21_Vace makes vace_context and vace_strength from WanVaceToVideo's conditioning and passes them
+    to the model: the xDiT Model sends them on (one control video), and KSampler's latent is ComfyUI's own."""
+    import torch
+    from comfy_extras.nodes_wan import WanVaceToVideo
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_wan_vace import original_vace_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-wan-vace.safetensors")
+    save_file(original_vace_state_dict(registry.build("wan-vace-tiny", torch.device("cpu")).transformer), path)
+    own = comfyuis_model(load_file(path), num_heads=2, text_dim=64, freq_dim=32)
+    g = torch.Generator().manual_seed(22)
+    prompts_ = [[[torch.randn(1, 8, 64, generator=g), {}]] for _ in range(2)]
+    video = torch.rand(9, 64, 64, 3, generator=g)
+    positive, negative, latent, _ = WanVaceToVideo.execute(*prompts_, StandInVideoVAE(), 64, 64, 9, 1, 0.6,
+                                                           control_video=video).result
+    sample_both(own, xdit_model(pack, path, backend2, layout), latent["samples"], 6, 3, 4.0, "euler", positive,
+                negative)

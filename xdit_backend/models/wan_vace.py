@@ -36,6 +36,10 @@ class WanVaceSpec(WanSpec):
     # the VACE inputs as WanVaceToVideo puts them on the conditioning (one control video: lists of one); a VACE
     # model is text to video: an image-to-video node's inputs are refused by name
     comfy_conditioning = {"vace_frames": "vace_frames", "vace_mask": "vace_mask", "vace_strength": "vace_strength"}
+    # the xDiT MODEL's calls: ComfyUI's WAN21_Vace has made vace_context (in model space, one control video) and
+    # vace_strength from them (comfy/model_base.py extra_conds)
+    comfy_model_inputs = {**WanSpec.comfy_model_inputs, "vace_context": "vace_context",
+                          "vace_strength": "vace_strength"}
     # the VACE blocks add their hints between the model's blocks, inside one transformer call: no PipeFusion yet
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     # Wan's cuts, and the first VACE block's inputs: the embedded latent (its arg 0) and the control tokens (arg 2)
@@ -53,13 +57,15 @@ class WanVaceSpec(WanSpec):
 
     @property
     def optional_conditioning(self) -> tuple[str, ...]:
-        return (*super().optional_conditioning, "vace_frames", "vace_mask", "vace_strength")
+        return (*super().optional_conditioning, "vace_frames", "vace_mask", "vace_strength", "vace_context")
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         return {**super().conditioning_shapes(batch, text_tokens),
                 "vace_frames": (batch, FRAME_CHANNELS, None, None, None),  # raw latents, the latent's size
                 "vace_mask": (batch, MASK_CHANNELS, None, None, None),
-                "vace_strength": (batch,)}
+                "vace_strength": (batch,),
+                # or both as ComfyUI's model call brings them: the frames in model space and the mask, concatenated
+                "vace_context": (batch, FRAME_CHANNELS + MASK_CHANNELS, None, None, None)}
 
 
 class WanVaceModel(WanModel):
@@ -80,7 +86,11 @@ class WanVaceModel(WanModel):
 
     def vace_context(self, shape, cond) -> torch.Tensor:
         """WAN21_Vace.extra_conds' vace_context for a latent of ``shape``: each 16 channels of the frames in model
-        space (zeros without them), then the mask (ones without it): [B, 96, T, h, w] in the model's dtype."""
+        space (zeros without them), then the mask (ones without it): [B, 96, T, h, w] in the model's dtype; as it
+        is when a model call brings it made."""
+        made = cond.get("vace_context")
+        if made is not None:
+            return made.to(self.device, self.dtype)
         b, _, frames, h, w = shape
         video = cond.get("vace_frames")
         video = (torch.zeros(b, FRAME_CHANNELS, frames, h, w, device=self.device) if video is None
