@@ -16,7 +16,7 @@ from comfy_api.latest import io
 from xdit_backend import schema
 from xdit_backend.schema import FIELDS, MAX_STEPS, SEED_RANGE
 
-from . import translate
+from . import comfy_controls, translate
 from .choices import ParallelChoice
 from .control import control_latent
 from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
@@ -71,6 +71,7 @@ class XDiTSampler(io.ComfyNode):
                 XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
             ],
             outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],  # Apply ControlNet's files: comfy_controls
         )
 
     @classmethod
@@ -78,7 +79,8 @@ class XDiTSampler(io.ComfyNode):
                 positive=None, negative=None, parallel=None) -> io.NodeOutput:
         fields = schema.fields(seed=seed, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler,
                                denoise=denoise)
-        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields))
+        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields,
+                                 graph=(cls.hidden.prompt, cls.hidden.unique_id)))
 
 
 class XDiTSamplerAdvanced(io.ComfyNode):
@@ -106,6 +108,7 @@ class XDiTSamplerAdvanced(io.ComfyNode):
                 XDiTParallel.Input("parallel", optional=True, tooltip="default: all GPUs, layout chosen automatically"),
             ],
             outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.prompt, io.Hidden.unique_id],  # Apply ControlNet's files: comfy_controls
         )
 
     @classmethod
@@ -120,12 +123,14 @@ class XDiTSamplerAdvanced(io.ComfyNode):
         if sigmas is not None:
             extra["sigmas"] = sigmas.detach().to("cpu").float().contiguous()
             fields["steps"] = len(sigmas) - 1
-        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields, extra))
+        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields, extra,
+                                 graph=(cls.hidden.prompt, cls.hidden.unique_id)))
 
 
 def run(model, parallel: ParallelChoice | None, positive, negative, latent_image: dict, fields: dict,
-        extra: dict | None = None) -> dict:
-    """One backend request for a sampler node; returns ComfyUI's LATENT."""
+        extra: dict | None = None, graph: tuple = (None, None)) -> dict:
+    """One backend request for a sampler node; returns ComfyUI's LATENT. ``graph``: the prompt and the node's id,
+    where Apply ControlNet's files are found (comfy_controls)."""
     import comfy.model_management as mm
     import comfy.utils
 
@@ -142,6 +147,8 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         if mask is not None:
             tensors["noise_mask"] = mask
         rows, columns = spec.latent_shape(geometry.batch, geometry.width, geometry.height, geometry.frames)[-2:]
+        for control in comfy_controls.choices(positive, negative, *graph) if spec.takes_controlnets else ():
+            model = model.with_control(control)  # after the xDiT ControlNet nodes' (the model's) ones
         for index, control in enumerate(model.controls):
             latent = control_latent(control, rows, columns)
             if latent is not None:

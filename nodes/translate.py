@@ -83,13 +83,15 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
                         "ComfyUI's own model leaves it out (load an image-to-video / Fill file to use it)",
                         which, what, spec.family)
             continue
+        if key == "control" and spec.takes_controlnets:
+            continue  # Apply ControlNet's: the sampler sends it (comfy_controls.choices, with the prompt graph)
         if key == "control":
-            runs = spec.takes_controlnets or spec.takes_model_patches  # these run on the backend
+            runs = spec.takes_model_patches  # Qwen-Image's patches run on the backend
             raise TranslationError(
                 f"the {which} conditioning carries {what}: Apply ControlNet attaches it in ComfyUI's process, where "
                 "the xDiT sampler cannot run it",
-                "use xDiT ControlNet (or xDiT DiffSynth ControlNet for a model patch) between the xDiT loader and "
-                "the sampler instead: the control then runs on the backend's GPUs" if runs else
+                "use xDiT DiffSynth ControlNet between the xDiT loader and the sampler instead: the control then "
+                "runs on the backend's GPUs" if runs else
                 f"remove Apply ControlNet from the prompt's path: ControlNets for {spec.family} models do not run "
                 "on the backend yet (Flux.1's, SD3.5's, HunyuanDiT's and Qwen-Image's do), or use KSampler for this "
                 "workflow")

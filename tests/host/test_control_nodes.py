@@ -209,3 +209,80 @@ def test_an_xlabs_controlnets_image_is_what_comfyuis_get_control_hands_it(pack):
     ours = control.control_latent(chosen, 8, 12)
     assert ours.shape == (1, 3, 64, 96)
     assert torch.equal(ours, kept.hint)
+
+
+# ----------------------------------------------------------------------------------------------- Apply ControlNet
+# ComfyUI's own Load ControlNet Model / Set Union ControlNet Type / Apply ControlNet (Advanced) before an xDiT
+# sampler: the sampler finds each ControlNet's file in the prompt graph and sends what xDiT ControlNet would.
+
+
+def applied_graph(strength: float = 0.6, end: float = 0.8):
+    """A prompt graph with Load ControlNet Model → Set Union ControlNet Type → Apply ControlNet (Advanced) → (Flux
+    Guidance on the positive side) → the xDiT Sampler, node 9."""
+    return {
+        "1": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": "flux-union.safetensors"}},
+        "2": {"class_type": "SetUnionControlNetType", "inputs": {"control_net": ["1", 0],
+                                                                  "type": "canny/lineart/anime_lineart/mlsd"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "a", "clip": ["0", 0]}},
+        "4": {"class_type": "ControlNetApplyAdvanced", "inputs": {
+            "positive": ["3", 0], "negative": ["3", 0], "control_net": ["2", 0], "image": ["5", 0], "vae": ["6", 0],
+            "strength": strength, "start_percent": 0.0, "end_percent": end}},
+        "7": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
+        "9": {"class_type": "XDiTSampler", "inputs": {"positive": ["7", 0], "negative": ["4", 1]}},
+    }
+
+
+def test_apply_controlnet_before_the_sampler_sends_what_xdit_controlnet_would(pack, tmp_path):
+    """The ControlNet ComfyUI's own nodes attach (its image, VAE, strength, range, union type) and the file the
+    graph's loader names: the same control as xDiT ControlNet given that file and those inputs."""
+    import comfy.controlnet
+    import folder_paths
+    import nodes as comfy_nodes
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
+    from safetensors.torch import save_file
+
+    from comfyui_xdit.nodes import choices, comfy_controls, control
+    from xdit_backend.models import model_patch
+
+    network = model_patch.network(model_patch.PatchSpec("flux-controlnet-tiny", 1.0), torch.device("cpu"),
+                                  torch.float32)
+    save_file(network.state_dict(), str(tmp_path / "flux-union.safetensors"))
+    folder_paths.add_model_folder_path("controlnet", str(tmp_path))
+    import comfy.latent_formats
+
+    # as load_controlnet_flux_instantx makes it, without the network (the file is what is sent)
+    loaded = comfy.controlnet.ControlNet(None, compression_ratio=1, latent_format=comfy.latent_formats.Flux())
+    loaded.control_model_wrapped = None  # what copy() reads of a loaded one
+    typed = SetUnionControlNetType().set_controlnet_type(loaded, "canny/lineart/anime_lineart/mlsd")[0]
+    image, vae = torch.rand(1, 48, 64, 3, generator=torch.Generator().manual_seed(2)), StandInVAE()
+    prompt = [[torch.zeros(1, 8, 64), {}]]
+    positive, negative = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(prompt, prompt, typed, image, 0.6,
+                                                                                 0.0, 0.8, vae=vae)
+    positive = [[positive[0][0], {**positive[0][1], "guidance": 3.5}]]  # FluxGuidance keeps the control
+    sent = comfy_controls.choices(positive, negative, applied_graph(), "9")
+    node = control.XDiTControlNet.execute(choices.ModelChoice("flux-tiny"), "flux-union.safetensors", 0.6, 0.0, 0.8,
+                                          vae=vae, image=image, union_type="canny/lineart/anime_lineart/mlsd")
+    assert sent == list(node.result[0].controls)  # path, strength, range, type, resize, preprocess, pixels
+    assert torch.equal(sent[0].image, image) and sent[0].vae is vae
+
+
+def test_controls_the_sampler_cannot_send_as_comfyui_runs_them_are_refused(pack, tmp_path):
+    """The old Apply ControlNet controls the positive side only: refused (the backend controls every row); at
+    strength 0 ComfyUI attaches nothing and neither does the graph walk."""
+    import comfy.controlnet
+    import nodes as comfy_nodes
+
+    from comfyui_xdit.nodes import comfy_controls
+    from comfyui_xdit.nodes.translate import TranslationError
+
+    prompt = [[torch.zeros(1, 8, 64), {}]]
+    image = torch.rand(1, 48, 64, 3)
+    loaded = comfy.controlnet.ControlNet(None)
+    loaded.control_model_wrapped = None
+    positive = comfy_nodes.ControlNetApply().apply_controlnet(prompt, loaded, image, 0.5)[0]
+    graph = {"4": {"class_type": "ControlNetApply", "inputs": {"conditioning": ["3", 0], "control_net": ["1", 0],
+                                                               "image": ["5", 0], "strength": 0.5}},
+             "9": {"class_type": "XDiTSampler", "inputs": {"positive": ["4", 0], "negative": ["3", 0]}}}
+    with pytest.raises(TranslationError, match="the positive and negative prompts carry different ControlNets"):
+        comfy_controls.choices(positive, prompt, graph, "9")
+    assert comfy_controls.apply_nodes(applied_graph(strength=0), "9", "positive") == []

@@ -38,7 +38,6 @@ def test_guidance_is_dropped_for_a_model_without_a_guidance_embedding():
 @pytest.mark.parametrize(("options", "named"), [
     ({"area": (8, 8, 0, 0)}, "an area"),
     ({"mask": torch.ones(1, 8, 8)}, "a mask"),
-    ({"control": object()}, "a ControlNet"),
     ({"start_percent": 0.2}, "a timestep range"),
     ({"end_percent": 0.5}, "a timestep range"),
     ({"something_new": 1}, "the option 'something_new'"),
@@ -48,16 +47,13 @@ def test_conditioning_the_backend_cannot_honour_is_refused_by_name(options, name
         translate.conditioning([entry(pooled_output=torch.randn(1, 32), **options)], FLUX, 1, "negative")
 
 
-def test_a_comfyui_controlnet_on_the_prompt_points_to_the_xdit_control_nodes():
-    """Apply ControlNet's control lives in ComfyUI's process: refused, with the node that runs it on the backend for
-    a family that has one (Qwen-Image, Flux), and said plainly for a family that has none yet (Wan 2.1)."""
+def test_a_comfyui_controlnet_on_the_prompt_is_left_to_the_sampler_where_the_family_runs_one():
+    """Apply ControlNet's control: for a family whose ControlNets run on the backend (Flux, Qwen-Image) the
+    sampler sends it (comfy_controls, with the prompt graph), so the conditioning's translation takes it; for one
+    whose do not (Wan 2.1) it is refused, saying so."""
     qwen = registry.spec("qwen-image-tiny")
-    with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
-        translate.conditioning([entry(dim=qwen.context_dim, control=object())], qwen, 1, "positive")
-    assert "use xDiT ControlNet" in refused.value.hint
-    with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
-        translate.conditioning([entry(pooled_output=torch.randn(1, 32), control=object())], FLUX, 1, "positive")
-    assert "use xDiT ControlNet" in refused.value.hint
+    translate.conditioning([entry(dim=qwen.context_dim, control=object())], qwen, 1, "positive")
+    translate.conditioning([entry(pooled_output=torch.randn(1, 32), control=object())], FLUX, 1, "positive")
     with pytest.raises(translate.TranslationError, match="a ControlNet") as refused:
         translate.conditioning([entry(control=object())], WAN, 1, "positive")
     assert "ControlNets for wan models do not run on the backend yet" in refused.value.hint
