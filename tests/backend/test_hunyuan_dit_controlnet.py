@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend.test_controlnet import KINDS
-from unit.test_hunyuan_dit_checkpoint import V12, comfy_hydit, conditioning
+from unit.test_hunyuan_dit_checkpoint import V12, comfy_hydit, conditioning, filled_randomly
 from xdit_backend.errors import UserError
 from xdit_backend.models import model_patch, registry
 from xdit_backend.service.reference import serial_latent
@@ -33,11 +33,7 @@ def comfy_controlnet(config, seed=1):
         depth=config["num_layers"], num_heads=config["num_attention_heads"], mlp_ratio=config["mlp_ratio"],
         text_states_dim=config["cross_attention_dim"], text_states_dim_t5=config["cross_attention_dim_t5"],
         text_len=config["text_len"], text_len_t5=config["text_len_t5"], operations=comfy.ops.disable_weight_init)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in network.parameters():
-            param.copy_(0.1 * torch.randn(param.shape, generator=g))
-    return network.eval()
+    return filled_randomly(network, seed)
 
 
 @needs_comfyui

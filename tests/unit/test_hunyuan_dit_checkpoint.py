@@ -206,11 +206,16 @@ def comfy_hydit(config, seed=0):
         text_states_dim=config["cross_attention_dim"], text_states_dim_t5=config["cross_attention_dim_t5"],
         text_len=config["text_len"], text_len_t5=config["text_len_t5"], size_cond=size, use_style_cond=size,
         operations=comfy.ops.disable_weight_init)
+    return filled_randomly(model, seed)
+
+
+def filled_randomly(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``module`` with every parameter drawn from ``seed`` (ComfyUI's modules are built uninitialised)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
+        for param in module.parameters():
             param.copy_(0.1 * torch.randn(param.shape, generator=g))
-    return model.eval()
+    return module.eval()
 
 
 @needs_comfyui
