@@ -115,6 +115,12 @@ def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora_like))
     with pytest.raises(Exception, match="is no model patch ComfyUI knows"):
         model_patch.read(str(lora_like))
+    z_image_fun = tmp_path / "Z-Image-Turbo-Fun-Controlnet-Union.safetensors"
+    save_file({"control_all_x_embedder.2-1.weight": torch.zeros(2, 2)}, str(z_image_fun))
+    with pytest.raises(Exception, match="is Z-Image's Fun ControlNet patch, which does not run on the backend yet"):
+        model_patch.read(str(z_image_fun))
+    with pytest.raises(RequestError, match="z_image models take no model patch here .* Z-Image's Fun ControlNet not"):
+        _request({**QWEN, "model": "z-image-tiny", "controls": [CONTROL]}).check_model(registry.spec("z-image-tiny"))
     path = tmp_path / "patch.safetensors"
     save_file(model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32).state_dict(),
               str(path))

@@ -154,6 +154,8 @@ def read(path: str) -> BlockwiseControlNet:
         return controlnet.read(path, state)
     if "controlnet_blocks.0.y_rms.weight" not in state:
         kind = ("a SigLIP style projector (USO)" if "feature_embedder.mid_layer_norm.bias" in state
+                else "Z-Image's Fun ControlNet patch, which does not run on the backend yet"
+                if "control_all_x_embedder.2-1.weight" in state
                 else f"no model patch ComfyUI knows (keys {sorted(state)[:3]}…)")
         raise UserError(f"model patch {path} is {kind}; this version runs DiffSynth's block-wise ControlNet for "
                         "Qwen-Image", "use a Qwen-Image DiffSynth ControlNet patch (e.g. "
