@@ -31,10 +31,11 @@ MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video wit
 # controls its own tokens) in every layout, and a ControlNet (its own transformer, split as the model's) in every
 # layout but PipeFusion's (refused with one): (model, request fields, whether it runs under PipeFusion)
 CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}, True),
-              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False),
-              # a union type: one more text token, cut with the text
-              ("flux-tiny", {"controls": [{"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}]}, False),
-              ("wan-vace-tiny", {}, False))  # its control video drawn from the seed
+              ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False))
+# more controls, on the GPU under each world's first layout only (the section must stay within one device call):
+# a Flux union ControlNet (its type token cut with the text) and Wan VACE (its control video drawn from the seed)
+CONTROLLED_ONCE = (("flux-tiny", {"controls": [{"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}]}),
+                   ("wan-vace-tiny", {}))
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),
@@ -121,14 +122,17 @@ def ranks(ctx: Context, checks: Checks) -> None:
 def _plan(ctx: Context) -> dict[int, list[tuple]]:
     """(model, dtype, side, layout, more request fields) of every run, by world size: the dry run's few (a control
     among them), or the GPU's all."""
+    once = [(controlled, control) for controlled, control, _ in CONTROLLED] + list(CONTROLLED_ONCE)
     if ctx.quick:
         return {world: [("flux-tiny", torch.float32, 64, layout, {}) for layout in layouts]
-                + [(controlled, torch.float32, 64, layouts[0], control) for controlled, control, _ in CONTROLLED]
+                + [(controlled, torch.float32, 64, layouts[0], control) for controlled, control in once]
                 for world, layouts in QUICK_LAYOUTS.items()}
     name, side, wide = FULL_WIDTH
     both = (torch.float32, torch.bfloat16)
     return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
             + [(controlled, dtype, 128, layout, control) for controlled, control, pipefusion in CONTROLLED
                for dtype in both for layout in layouts if pipefusion or "pipefusion" not in layout]
+            + [(controlled, dtype, 128, layouts[0], control) for controlled, control in CONTROLLED_ONCE
+               for dtype in both]
             + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
             for world, layouts in LAYOUTS.items()}
