@@ -65,6 +65,18 @@ def built_in(name: str):
     return kind(family_of_builtin(name)).built_in(name)
 
 
+def drawn(seed: int, make, outputs) -> torch.nn.Module:
+    """A built-in ControlNet: ``make()`` under a fixed seed, then the modules ``outputs(network)`` names drawn too
+    (diffusers zero-initialises a ControlNet's input and output projections: a new one adds nothing)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        network = make()
+        with torch.no_grad():
+            for module in outputs(network):
+                torch.nn.init.normal_(module.weight, std=0.05)
+    return network
+
+
 @dataclass
 class AppliedControlNet:
     """A ControlNet as one generation applies it: the network, its hint tokens, strength, σ range and union mode."""

@@ -172,15 +172,10 @@ def built_in(name: str) -> FluxControlNet:
     config = MODELS[controlnet.BUILTINS[name]].config
     keep = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim",
             "guidance_embeds", "axes_dims_rope")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        network = FluxControlNet(**{k: config[k] for k in keep}, num_layers=1, num_single_layers=1,
-                                 num_mode=TINY_MODES)
-        with torch.no_grad():  # diffusers zero-initialises the control outputs (a new ControlNet adds nothing)
-            for module in (*network.controlnet_blocks, *network.controlnet_single_blocks,
-                           network.controlnet_x_embedder):
-                torch.nn.init.normal_(module.weight, std=0.05)
-    return network
+    return controlnet.drawn(
+        SEED, lambda: FluxControlNet(**{k: config[k] for k in keep}, num_layers=1, num_single_layers=1,
+                                     num_mode=TINY_MODES),
+        lambda made: (*made.controlnet_blocks, *made.controlnet_single_blocks, made.controlnet_x_embedder))
 
 
 def bind(network: FluxControlNet, transformer) -> None:

@@ -225,6 +225,8 @@ class HunyuanDiTModel(DiffusionModel):
         """The residual of each skip from the ControlNets active at this timestep, times their strengths and summed
         in their order (ComfyUI's control_merge), or None. Each ControlNet computes its text and time from its own
         modules; it must have a block per skip, as ComfyUI's model requires."""
+        if not self.controlnets:
+            return None  # before reading σ on the host: every step of every generation passes here
         sigma = float(self.spec.model_sampling(None).sigma(timestep[:1].float().cpu())[0])
         active = [control for control in self.controlnets if control.active(sigma)]
         if not active:

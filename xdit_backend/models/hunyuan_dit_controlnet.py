@@ -114,17 +114,12 @@ def built_in(name: str) -> HunyuanDiTControlNet:
 
     config = MODELS[controlnet.BUILTINS[name]].config
     width = config["hidden_size"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        network = HunyuanDiTControlNet(**_config(
-            width, config["num_attention_heads"], config["num_layers"] // 2 - 1, config["in_channels"],
-            config["patch_size"], int(width * config["mlp_ratio"]), config["cross_attention_dim"],
-            config["cross_attention_dim_t5"], config["pooled_projection_dim"], config["text_len"],
-            config["text_len_t5"]))
-        with torch.no_grad():  # diffusers zero-initialises the control in- and outputs (a new one adds nothing)
-            for module in (*network.controlnet_blocks, network.input_block):
-                torch.nn.init.normal_(module.weight, std=0.05)
-    return network
+    made = _config(width, config["num_attention_heads"], config["num_layers"] // 2 - 1, config["in_channels"],
+                   config["patch_size"], int(width * config["mlp_ratio"]), config["cross_attention_dim"],
+                   config["cross_attention_dim_t5"], config["pooled_projection_dim"], config["text_len"],
+                   config["text_len_t5"])
+    return controlnet.drawn(SEED, lambda: HunyuanDiTControlNet(**made),
+                            lambda network: (*network.controlnet_blocks, network.input_block))
 
 
 def bind(network, transformer) -> None:

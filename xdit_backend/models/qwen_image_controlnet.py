@@ -74,15 +74,11 @@ def built_in(name: str):
     from .builtins import BUILTINS as MODELS
 
     config = MODELS[controlnet.BUILTINS[name]].config
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        network = QwenImageControlNetModel(
-            num_layers=1, attention_head_dim=config["attention_head_dim"],
-            num_attention_heads=config["num_attention_heads"], in_channels=config.get("in_channels", 64),
-            joint_attention_dim=config["joint_attention_dim"], axes_dims_rope=tuple(config["axes_dims_rope"]))
-        with torch.no_grad():  # diffusers zero-initialises the control outputs (a new ControlNet adds nothing)
-            for module in (*network.controlnet_blocks, network.controlnet_x_embedder):
-                torch.nn.init.normal_(module.weight, std=0.05)
+    network = controlnet.drawn(SEED, lambda: QwenImageControlNetModel(
+        num_layers=1, attention_head_dim=config["attention_head_dim"],
+        num_attention_heads=config["num_attention_heads"], in_channels=config.get("in_channels", 64),
+        joint_attention_dim=config["joint_attention_dim"], axes_dims_rope=tuple(config["axes_dims_rope"])),
+        lambda made: (*made.controlnet_blocks, made.controlnet_x_embedder))
     return _with_model_tables(network)
 
 

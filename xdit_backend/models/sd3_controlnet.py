@@ -144,13 +144,8 @@ def built_in(name: str) -> SD35ControlNet:
 
     config = MODELS[controlnet.BUILTINS[name]].config
     width = config["num_attention_heads"] * config["attention_head_dim"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        network = SD35ControlNet(**_config(width, 2, config["pooled_projection_dim"], 16))
-        with torch.no_grad():  # diffusers zero-initialises the control outputs (a new ControlNet adds nothing)
-            for module in (*network.controlnet_blocks, network.pos_embed_input.proj):
-                torch.nn.init.normal_(module.weight, std=0.05)
-    return network
+    return controlnet.drawn(SEED, lambda: SD35ControlNet(**_config(width, 2, config["pooled_projection_dim"], 16)),
+                            lambda made: (*made.controlnet_blocks, made.pos_embed_input.proj))
 
 
 def bind(network: SD35ControlNet, transformer) -> None:
