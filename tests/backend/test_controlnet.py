@@ -119,7 +119,7 @@ def test_the_controlnet_equals_comfyuis_own():
     strength into ComfyUI's QwenImage forward as ``control``: our velocity with the ControlNet within 1e-5."""
     sys.path.insert(0, os.environ["COMFYUI_DIR"])
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ranks"))
-    from test_qwen_image import TINY as QWEN_TINY, comfyui, inputs, tiny_file, velocity
+    from test_qwen_image import TINY as QWEN_TINY, comfy_and_ours, comfyui, inputs, velocity
 
     comfy = comfyui()
     import comfy.ldm.qwen_image.controlnet as comfy_controlnet
@@ -130,12 +130,7 @@ def test_the_controlnet_equals_comfyuis_own():
     theirs_control.load_state_dict(network.state_dict(), strict=False)
     missing = set(theirs_control.state_dict()) - set(network.state_dict())
     assert not missing, missing
-    state = tiny_file()
-    theirs = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(**QWEN_TINY,
-                                                                    operations=comfy.ops.disable_weight_init)
-    theirs.load_state_dict(state, strict=True)
-    model = registry.build("qwen-image-tiny", torch.device("cpu"))
-    model.transformer.load_state_dict(state, strict=True)
+    theirs, model = comfy_and_ours(comfy)
 
     x, sigma, cond = inputs(4, 8, 12)
     control = torch.randn(1, 16, 8, 12, generator=torch.Generator().manual_seed(6))

@@ -149,7 +149,7 @@ def test_the_patch_equals_comfyuis_own(tmp_path, mask_channels):
     noisy one: the same velocity within 1e-5, and the patch moved it."""
     sys.path.insert(0, os.environ["COMFYUI_DIR"])
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "ranks"))
-    from test_qwen_image import TINY as QWEN_TINY, comfyui, inputs, tiny_file, velocity
+    from test_qwen_image import TINY as QWEN_TINY, comfy_and_ours, comfyui, inputs, velocity
 
     comfy = comfyui()
     import comfy_extras.nodes_model_patch as nodes_model_patch
@@ -169,12 +169,7 @@ def test_the_patch_equals_comfyuis_own(tmp_path, mask_channels):
     from safetensors.torch import load_file
 
     theirs_network.load_state_dict(load_file(str(path)))
-    state = tiny_file()
-    theirs = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(**QWEN_TINY,
-                                                                    operations=comfy.ops.disable_weight_init)
-    theirs.load_state_dict(state, strict=True)
-    model = registry.build("qwen-image-tiny", torch.device("cpu"))
-    model.transformer.load_state_dict(state, strict=True)
+    theirs, model = comfy_and_ours(comfy)
 
     x, sigma, cond = inputs(4, 8, 12)
     g = torch.Generator().manual_seed(6)

@@ -185,6 +185,16 @@ def test_a_reference_latent_changes_the_result_and_comfyui_5d_latents_are_the_sa
     assert torch.equal(edited, as_comfyui)
 
 
+def comfy_and_ours(comfy):
+    """ComfyUI's QwenImageTransformer2DModel and our qwen-image-tiny, both with ``tiny_file``'s weights."""
+    state = tiny_file()
+    theirs = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(**TINY, operations=comfy.ops.disable_weight_init)
+    theirs.load_state_dict(state, strict=True)
+    model = registry.build("qwen-image-tiny", torch.device("cpu"))
+    model.transformer.load_state_dict(state, strict=True)
+    return theirs, model
+
+
 def comfyui():
     sys.path.insert(0, os.environ["COMFYUI_DIR"])
     from comfy.cli_args import args
@@ -205,11 +215,7 @@ def test_the_forward_equals_comfyuis_own_qwen_image_model(size):
     reference latents of other sizes (one odd, padded to the patch) and odd token counts (positions
     centred as ComfyUI centres them)."""
     comfy = comfyui()
-    state = tiny_file()
-    theirs = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(**TINY, operations=comfy.ops.disable_weight_init)
-    theirs.load_state_dict(state, strict=True)
-    model = registry.build("qwen-image-tiny", torch.device("cpu"))
-    model.transformer.load_state_dict(state, strict=True)
+    theirs, model = comfy_and_ours(comfy)
     x, sigma, cond = inputs(4, *size)
     g = torch.Generator().manual_seed(5)
     references = [torch.randn(1, 16, 1, 6, 8, generator=g), torch.randn(1, 16, 1, 5, 7, generator=g)]
