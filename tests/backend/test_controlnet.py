@@ -98,7 +98,7 @@ def test_a_controlnet_file_loads_as_the_built_in(tmp_path):
     network = model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32)
     path = tmp_path / "controlnet.safetensors"
     save_file({k: v for k, v in network.state_dict().items()}, str(path))
-    assert model_patch.is_controlnet(model_patch.PatchSpec(str(path), 1.0))
+    assert model_patch.control_family(model_patch.PatchSpec(str(path), 1.0)) is not None  # a ControlNet
     g = torch.Generator().manual_seed(5)
     tensors = {"control_0": torch.randn(1, 16, 8, 8, generator=g)}
     fields = {**QWEN, "batch": 1}

@@ -216,11 +216,6 @@ def blocks_of(network) -> list[nn.Module]:
     return [block for block in network.controlnet_blocks if not isinstance(block, nn.Identity)]
 
 
-def is_controlnet(spec: PatchSpec) -> bool:
-    """Whether the control is a ControlNet (not a model patch), from the built-in's name or the file's keys."""
-    return control_family(spec) is not None
-
-
 def takes_pixels(spec: PatchSpec) -> bool:
     """Whether the control takes the image's pixels (an XLabs ControlNet embeds them itself), not its VAE latent."""
     if spec.built_in:
