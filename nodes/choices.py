@@ -35,6 +35,9 @@ class ControlChoice:
     # load_controlnet_sd35 preprocess_image): "canny" x → 127.5·x + 0.5, "depth" x → 1 − x; None: as it is
     preprocess: str | None = None
     pixels: bool = False  # the control takes the image's pixels, not its VAE latent (an XLabs ControlNet)
+    # a Z-Image Fun ControlNet's inpainting image (ComfyUI's IMAGE), encoded after the mask for a 33-channel file
+    inpaint_image: object = field(default=None, compare=False, repr=False)
+    fun: bool = False  # a Z-Image Fun ControlNet: its control latent made as ZImageControlPatch makes it
 
 
 @dataclass(frozen=True)

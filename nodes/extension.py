@@ -3,14 +3,15 @@
 from comfy_api.latest import ComfyExtension, io
 
 from .backend_node import XDiTBackend
-from .control import XDiTControlNet, XDiTDiffSynthControlNet
+from .control import XDiTControlNet, XDiTDiffSynthControlNet, XDiTZImageFunControlNet
 from .loader import XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTStandInConditioning
 from .parallel_config import XDiTParallelConfig
 from .remote_model import XDiTModelNode
 from .sampler import XDiTSampler, XDiTSamplerAdvanced
 from .step_cache import XDiTStepCache
 
-NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTControlNet, XDiTDiffSynthControlNet, XDiTStepCache,
+NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTControlNet, XDiTDiffSynthControlNet, XDiTZImageFunControlNet,
+         XDiTStepCache,
          XDiTParallelConfig,
          XDiTSampler, XDiTSamplerAdvanced, XDiTModelNode, XDiTBackend, XDiTStandInConditioning]
 

@@ -95,9 +95,10 @@ SAMPLE: tuple[Field, ...] = (
     Field("controls", list, "controls", [], flag="--control",
           help="controls that steer the image by a control latent, in order: a ControlNet file (ComfyUI's "
                "models/controlnet: Flux.1's InstantX / Shakker-Labs Union and XLabs', Stability's SD3.5 Large ones, "
-               "HunyuanDiT 1.2's, Qwen-Image's InstantX Union), a Qwen-Image DiffSynth ControlNet patch "
-               "(models/model_patches), or a built-in (flux-controlnet-tiny, sd3-controlnet-tiny, "
-               "hunyuan-dit-controlnet-tiny, qwen-image-controlnet-tiny, qwen-image-diffsynth-tiny): "
+               "HunyuanDiT 1.2's, Qwen-Image's InstantX Union), a Qwen-Image DiffSynth ControlNet patch or a Z-Image "
+               "Fun ControlNet (models/model_patches), or a built-in (flux-controlnet-tiny, sd3-controlnet-tiny, "
+               "hunyuan-dit-controlnet-tiny, qwen-image-controlnet-tiny, qwen-image-diffsynth-tiny, "
+               "z-image-fun-controlnet-tiny): "
                "[{path, strength[, start, end, type]}, ...] "
                "(start, end: a ControlNet's percent range, as ControlNetApplyAdvanced's; type: a union ControlNet's "
                "control type, SetUnionControlNetType's number), the i-th's control latent sent as tensor control_<i>; "

@@ -1,10 +1,10 @@
 """ControlNets on the backend, every kind (models/controlnet.py's table: Qwen-Image's InstantX layout, Flux.1's with
-a union type, SD3.5's Stability layout, HunyuanDiT 1.2's): under the sequence-parallel, CFG and data-parallel layouts, sharded or not,
-each equals the serial generation with the same ControlNet, running split as the model (its residuals never
-gathered); strength 0 is no ControlNet exactly. Then Qwen-Image's: its percent range and a second ControlNet act as
-ComfyUI's, and it equals ComfyUI's own QwenImageControlNetModel with its residuals added as
-comfy/ldm/qwen_image/model.py adds them (the other kinds' own checks: test_flux_controlnet.py,
-test_sd3_controlnet.py, test_hunyuan_dit_controlnet.py)."""
+a union type, SD3.5's Stability layout, HunyuanDiT 1.2's, Z-Image's Fun ControlNet): under the sequence-parallel,
+CFG and data-parallel layouts, sharded or not, each equals the serial generation with the same ControlNet, running
+split as the model (its residuals never gathered); strength 0 is no ControlNet exactly. Then Qwen-Image's: its
+percent range and a second ControlNet act as ComfyUI's, and it equals ComfyUI's own QwenImageControlNetModel with its
+residuals added as comfy/ldm/qwen_image/model.py adds them (the other kinds' own checks: test_flux_controlnet.py,
+test_sd3_controlnet.py, test_hunyuan_dit_controlnet.py, test_z_image_controlnet.py)."""
 
 import functools
 import os
@@ -32,6 +32,10 @@ KINDS = {
             {"path": "sd3-controlnet-tiny", "strength": 0.7}),
     "hunyuan-dit": ({**REQUEST, "model": "hunyuan-dit-tiny", "width": 64, "height": 48},
                     {"path": "hunyuan-dit-controlnet-tiny", "strength": 0.7}),
+    # Z-Image's Fun ControlNet (2.x layout): 80 × 48 px is 5 × 3 = 15 image tokens, so 2 and 4 ranks hold padded
+    # shares of the image, of the rest (17 image pads and the caption) and of the control tokens
+    "z-image": ({**REQUEST, "model": "z-image-tiny", "width": 80, "height": 48},
+                {"path": "z-image-fun-controlnet-tiny", "strength": 0.7}),
 }
 QWEN, CONTROL = KINDS["qwen-image"]
 TINY = CONTROL["path"]
@@ -142,7 +146,7 @@ def test_the_controlnet_equals_comfyuis_own():
                           control={"input": [r * 0.7 for r in residuals]})[:, :, 0]
         plain = theirs(x[:, :, None], sigma, cond["context"])[:, :, 0]
     spec = model_patch.PatchSpec(TINY, 0.7)
-    model.model_patches = [model_patch.applied(spec, network, control, 0, (8, 12), model.transformer,
+    model.model_patches = [model_patch.applied(spec, network, control, 0, (8, 12), model,
                                                model.spec.model_sampling(None))]
     ours = velocity(model, x, sigma, cond)
     assert (ours - expected).abs().max() <= 1e-5

@@ -46,7 +46,7 @@ def test_requests_a_flux_controlnet_cannot_serve_are_refused_with_the_reason(tmp
         check({"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 1.0}]})
     with pytest.raises(RequestError, match="is a flux ControlNet, but qwen-image-tiny is a qwen_image model"):
         check({"model": "qwen-image-tiny", "controls": [CONTROL]}, "qwen-image-tiny")
-    with pytest.raises(RequestError, match="flux models take no model patch"):
+    with pytest.raises(RequestError, match="flux models take no DiffSynth model patch"):
         check({"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 1.0}]})
     with pytest.raises(RequestError, match="with pipefusion=2"):
         check({"controls": [CONTROL], "parallel": {"pipefusion": 2}})
@@ -145,7 +145,7 @@ def test_the_controlnet_equals_comfyuis_own(mode):
         expected = theirs(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance, control=scaled)
         plain = theirs(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance)
         spec = model_patch.PatchSpec(TINY, 0.7, mode=mode)
-        model.model_patches = [model_patch.applied(spec, network, control, 0, (6, 8), model.transformer,
+        model.model_patches = [model_patch.applied(spec, network, control, 0, (6, 8), model,
                                                    model.spec.model_sampling(None))]
         ours = model.output(x, sigma, cond, guidance)
     assert (ours - expected).abs().max() <= 1e-5
@@ -234,7 +234,7 @@ def test_an_xlabs_controlnet_equals_comfyuis_own(xlabs_file):
         scaled = {"input": [], "middle": [], "output": [], **{k: [r * 0.8 for r in v] for k, v in residuals.items()}}
         expected = theirs(x, sigma, cond["context"], y=cond["pooled"], guidance=guidance, control=scaled)
         model.model_patches = [model_patch.applied(model_patch.PatchSpec(xlabs_file, 0.8), network, image, 0,
-                                                   (6, 8), model.transformer, model.spec.model_sampling(None))]
+                                                   (6, 8), model, model.spec.model_sampling(None))]
         ours = model.output(x, sigma, cond, guidance)
     assert (ours - expected).abs().max() <= 1e-5
 

@@ -66,7 +66,7 @@ def test_comfyuis_controlnet_file_loads_and_the_model_with_it_equals_comfyuis(tm
                        cond["context_mt5_mask"])
         model = registry.build(str(model_path), torch.device("cpu"))
         network = model_patch.network(spec, torch.device("cpu"), torch.float32)
-        model.model_patches = [model_patch.applied(spec, network, hint, 0, (8, 12), model.transformer,
+        model.model_patches = [model_patch.applied(spec, network, hint, 0, (8, 12), model,
                                                    model.spec.model_sampling(None))]
         ours = model.output(x, t, cond, None)
     assert (ours - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
@@ -82,7 +82,7 @@ def test_a_controlnet_of_the_wrong_depth_is_refused():
     config = hunyuan_dit_controlnet.built_in("hunyuan-dit-controlnet-tiny").config
     deeper = hunyuan_dit_controlnet.HunyuanDiTControlNet(**{**config, "transformer_num_layers": 40})
     spec = model_patch.PatchSpec("hunyuan-dit-controlnet-tiny", 1.0)
-    model.model_patches = [model_patch.applied(spec, deeper, None, 0, (6, 8), model.transformer,
+    model.model_patches = [model_patch.applied(spec, deeper, None, 0, (6, 8), model,
                                                model.spec.model_sampling(None))]
     fields = {**HUNYUAN, "batch": 1}
     with pytest.raises(UserError, match="ControlNet of 19 blocks for a model with 1 long skips"):

@@ -102,7 +102,7 @@ def _request(fields: dict, tensors: dict | None = None) -> SampleRequest:
 
 def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
     spec = registry.spec("qwen-image-tiny")
-    with pytest.raises(RequestError, match="flux models take no model patch"):
+    with pytest.raises(RequestError, match="flux models take no DiffSynth model patch"):
         _request({**QWEN, "model": "flux-tiny", "controls": [CONTROL]}).check_model(registry.spec("flux-tiny"))
     with pytest.raises(RequestError, match=r"control_0 has shape \[1, 16, 4, 4\]; it must be one latent "
                                            r"\[1, C, h, w\] of 8 × 8"):
@@ -117,9 +117,9 @@ def test_requests_the_patch_cannot_serve_are_refused_with_the_reason(tmp_path):
         model_patch.read(str(lora_like))
     z_image_fun = tmp_path / "Z-Image-Turbo-Fun-Controlnet-Union.safetensors"
     save_file({"control_all_x_embedder.2-1.weight": torch.zeros(2, 2)}, str(z_image_fun))
-    with pytest.raises(Exception, match="is Z-Image's Fun ControlNet patch, which does not run on the backend yet"):
-        model_patch.read(str(z_image_fun))
-    with pytest.raises(RequestError, match="z_image models take no model patch here .* Z-Image's Fun ControlNet not"):
+    with pytest.raises(Exception, match="its tensors do not fit Z-Image's Fun ControlNet"):
+        model_patch.read(str(z_image_fun))  # told by its keys, refused for what is missing
+    with pytest.raises(RequestError, match="z_image models take no DiffSynth model patch"):
         _request({**QWEN, "model": "z-image-tiny", "controls": [CONTROL]}).check_model(registry.spec("z-image-tiny"))
     path = tmp_path / "patch.safetensors"
     save_file(model_patch.network(model_patch.PatchSpec(TINY, 1.0), torch.device("cpu"), torch.float32).state_dict(),
@@ -188,7 +188,7 @@ def test_the_patch_equals_comfyuis_own(tmp_path, mask_channels):
                           transformer_options={"patches": {"double_block": [patch]}})[:, :, 0]
         unpatched = theirs(x[:, :, None], sigma, cond["context"], ref_latents=[wan21.process_in(reference)])[:, :, 0]
     spec = model_patch.PatchSpec(str(path), 0.7)
-    model.model_patches = [model_patch.applied(spec, read, control, 0, (8, 12), model.transformer,
+    model.model_patches = [model_patch.applied(spec, read, control, 0, (8, 12), model,
                                                model.spec.model_sampling(None))]
     ours = velocity(model, x, sigma, {**cond, "reference_0": reference})
     assert (ours - expected).abs().max() <= 1e-5

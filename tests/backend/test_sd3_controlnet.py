@@ -112,7 +112,7 @@ def test_the_controlnet_and_its_residuals_equal_comfyuis_own(tmp_path):
         expected = theirs_model(x, timestep, cond["context"], y=cond["pooled"], control=scaled)
         plain = theirs_model(x, timestep, cond["context"], y=cond["pooled"])
         spec = model_patch.PatchSpec(TINY, 0.7)
-        model.model_patches = [model_patch.applied(spec, network, control, 0, (6, 8), model.transformer,
+        model.model_patches = [model_patch.applied(spec, network, control, 0, (6, 8), model,
                                                    model.spec.model_sampling(None))]
         ours = model.output(x, timestep, cond, None)
     assert (ours - expected).abs().max() <= 1e-5

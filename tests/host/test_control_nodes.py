@@ -1,7 +1,8 @@
-"""The xDiT DiffSynth ControlNet and xDiT ControlNet nodes in the real ComfyUI: the control latent the sampler sends
-is what ComfyUI's own DiffSynthCnetPatch and ControlNet.get_control encode (resized to the latent, with an inpainting
-patch's mask), and a workflow with each node runs through ComfyUI's HTTP API to the latent the backend's serial
-reference gives with the same control."""
+"""The xDiT DiffSynth ControlNet, xDiT Z-Image Fun ControlNet and xDiT ControlNet nodes in the real ComfyUI: the
+control latent the sampler sends is what ComfyUI's own DiffSynthCnetPatch and ControlNet.get_control encode (and
+ZImageControlPatch, restated from ComfyUI's current source: the snapshot predates it), resized to the latent, with an
+inpainting patch's mask; and a workflow with each node runs through ComfyUI's HTTP API to the latent the backend's
+serial reference gives with the same control."""
 
 import json
 import os
@@ -86,6 +87,7 @@ def run_with_control(host, node: dict, prefix: str, workflow: str = "qwen-image-
     kind = {node["class_type"]: key for key, node in prompt.items()}
     prompt["control"] = {"class_type": node["class_type"],
                          "inputs": {"model": [kind["XDiTLoadDiffusionModel"], 0], **node["inputs"]}}
+    prompt[kind["XDiTLoadDiffusionModel"]]["inputs"]["model_name"] = f"[test] {model}"
     sampling = prompt[kind["XDiTSampler"]]["inputs"]
     sampling.update(model=["control", 0], steps=3)
     prompt[kind["SaveLatent"]]["inputs"]["filename_prefix"] = f"latents/{prefix}"
@@ -169,6 +171,69 @@ def test_a_flux_workflow_with_a_union_controlnet_gives_the_serial_latent(host):
     expected = serial_latent({**fields, "controls": [{**control, "type": 3}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
     assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
+
+
+def test_a_workflow_with_the_z_image_fun_node_gives_the_serial_latent(host):
+    """The tiny workflow on [test] z-image-tiny with xDiT Z-Image Fun ControlNet ([test] patch, strength 0.7): the
+    backend's serial reference with that control, not the one without it."""
+    from xdit_backend.service.reference import serial_latent
+
+    latent, fields = run_with_control(host, {"class_type": "XDiTZImageFunControlNet", "inputs": {
+        "model_patch": "[test] z-image-fun-controlnet-tiny", "strength": 0.7}}, "z-image-fun", model="z-image-tiny")
+    expected = serial_latent({**fields, "controls": [{"path": "z-image-fun-controlnet-tiny", "strength": 0.7}]})
+    assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+    assert (latent - serial_latent(fields)).abs().max() > 1e-2
+
+
+class FluxStandInVAE(StandInVAE):
+    """As StandInVAE, with a 4-D latent [B, 16, h, w] like Z-Image's (Flux's) VAE."""
+
+    def encode(self, image: torch.Tensor) -> torch.Tensor:
+        return super().encode(image)[:, :, 0]
+
+
+@pytest.mark.parametrize("given", ["image", "image-inpaint-mask", "inpaint-mask", "image-16-channels"])
+def test_the_fun_control_latent_is_what_comfyuis_patch_encodes(pack, given):
+    """ZImageControlPatch's encode_latent_cond, step by step as ComfyUI's source has it (the shared snapshot predates
+    it): images resized "area" / "center" to the latent's pixels; a 33-channel file's input is the control latent
+    (a 0.5 grey image's without one), the inverted mask resized "nearest" (zeros without one) and the inpainting
+    image's latent, grey where the mask says to inpaint. The backend's model-space step comes after
+    (z_image_controlnet.hint)."""
+    import comfy.utils
+    from comfyui_xdit.nodes import choices, control
+
+    g = torch.Generator().manual_seed(6)
+    image = torch.rand(1, 72, 100, 3, generator=g)  # not the latent's 64 × 96 pixels
+    inpaint = torch.rand(1, 72, 100, 3, generator=g)
+    mask = torch.rand(1, 72, 100, generator=g)
+    vae = FluxStandInVAE()
+    channels = 16 if given == "image-16-channels" else 33
+    use_image = image if given.startswith("image") else None
+    use_inpaint = inpaint if "inpaint" in given else None
+    use_mask = 1.0 - mask.unsqueeze(1).unsqueeze(2) if "mask" in given else None  # as the node inverts it
+    chosen = choices.ControlChoice("fun.safetensors", 0.7, use_image, vae, use_mask, channels - 16,
+                                   inpaint_image=use_inpaint, fun=True)
+    ours = control.control_latent(chosen, 8, 12)
+
+    def fitted(picture):
+        return comfy.utils.common_upscale(picture.movedim(-1, 1), 96, 64, "area", "center").movedim(1, -1)
+
+    if channels == 16:
+        expected = vae.encode(fitted(image))
+    else:
+        grey_inpaint = fitted(inpaint) if use_inpaint is not None else torch.ones(1, 64, 96, 3) * 0.5
+        kept = None
+        if use_mask is not None:
+            kept = use_mask.view(1, -1, 72, 100).mean(dim=1, keepdim=True)
+            scaled = comfy.utils.common_upscale(kept, 96, 64, "bilinear", "center")
+            grey_inpaint = (grey_inpaint - 0.5) * scaled.movedim(1, -1).round() + 0.5
+        inpaint_latent = vae.encode(grey_inpaint)
+        mask_channel = (torch.zeros(1, 1, 8, 12) if kept is None
+                        else comfy.utils.common_upscale(kept, 12, 8, "nearest", "center"))
+        control_image = fitted(image) if use_image is not None else torch.ones(1, 64, 96, 3) * 0.5
+        expected = torch.cat([vae.encode(control_image), mask_channel, inpaint_latent], dim=1)
+    assert ours.shape == (1, channels, 8, 12)
+    assert (ours - expected).abs().max() <= 1e-6
 
 
 def sd35_controlnet_state(control_type: int) -> dict:

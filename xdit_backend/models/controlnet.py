@@ -2,8 +2,10 @@
 residual for the model's blocks. One module per kind, in ``KINDS`` by family: qwen_image_controlnet (InstantX's
 Qwen-Image Union, diffusers' QwenImageControlNetModel), flux_controlnet (InstantX's and Shakker's Flux.1 Union,
 diffusers' FluxControlNetModel), sd3_controlnet (Stability's SD3.5 Large blur / canny / depth) and
-hunyuan_dit_controlnet (Tencent's HunyuanDiT 1.2 ones). Files are told apart by their keys, as ComfyUI's
-``load_controlnet_state_dict`` tells them (comfy/controlnet.py, shared snapshot v0.3.64).
+hunyuan_dit_controlnet (Tencent's HunyuanDiT 1.2 ones) and z_image_controlnet (alibaba-pai's Z-Image Fun ControlNet,
+a model patch in ComfyUI, run between the model's blocks). Files are told apart by their keys, as ComfyUI's
+``load_controlnet_state_dict`` tells them (comfy/controlnet.py, shared snapshot v0.3.64; the Fun ControlNet as
+``ModelPatchLoader`` does).
 
 What every kind shares, as ComfyUI's ``ControlNet.get_control`` applies it: the control image's VAE latent in model
 space (the kind's latent format; an inpainting variant's mask channels after it), packed like the image; the
@@ -28,10 +30,13 @@ from .patch_embed import pack, pad_to_patch
 
 # the ControlNet kind of each family that has one: its module here (imported when first asked for)
 KINDS = {"qwen_image": "qwen_image_controlnet", "flux": "flux_controlnet", "sd3": "sd3_controlnet",
-         "hunyuan_dit": "hunyuan_dit_controlnet"}
+         "hunyuan_dit": "hunyuan_dit_controlnet", "z_image": "z_image_controlnet"}
 # built-in ControlNets (random weights, for tests and demos) and the built-in model each fits
 BUILTINS = {"qwen-image-controlnet-tiny": "qwen-image-tiny", "flux-controlnet-tiny": "flux-tiny",
-            "sd3-controlnet-tiny": "sd3-tiny", "hunyuan-dit-controlnet-tiny": "hunyuan-dit-tiny"}
+            "sd3-controlnet-tiny": "sd3-tiny", "hunyuan-dit-controlnet-tiny": "hunyuan-dit-tiny",
+            "z-image-fun-controlnet-tiny": "z-image-tiny"}
+# the kinds ComfyUI loads as model patches (models/model_patches, ModelPatchLoader), not as ControlNets
+MODEL_PATCH_KINDS = frozenset({"z_image"})
 
 
 def kind(family: str) -> ModuleType:

@@ -154,12 +154,10 @@ def read(path: str) -> BlockwiseControlNet:
         return controlnet.read(path, state)
     if "controlnet_blocks.0.y_rms.weight" not in state:
         kind = ("a SigLIP style projector (USO)" if "feature_embedder.mid_layer_norm.bias" in state
-                else "Z-Image's Fun ControlNet patch, which does not run on the backend yet"
-                if "control_all_x_embedder.2-1.weight" in state
                 else f"no model patch ComfyUI knows (keys {sorted(state)[:3]}…)")
         raise UserError(f"model patch {path} is {kind}; this version runs DiffSynth's block-wise ControlNet for "
-                        "Qwen-Image", "use a Qwen-Image DiffSynth ControlNet patch (e.g. "
-                        "qwen_image_canny_diffsynth_controlnet.safetensors)")
+                        "Qwen-Image and Z-Image's Fun ControlNet", "use a Qwen-Image DiffSynth ControlNet patch (e.g. "
+                        "qwen_image_canny_diffsynth_controlnet.safetensors) or a Z-Image Fun ControlNet Union file")
     blocks = 1 + max(int(key.split(".")[1]) for key in state if key.startswith("controlnet_blocks."))
     dim, in_features = state["img_in.weight"].shape
     network = BlockwiseControlNet(blocks, dim, 64, in_features - 64)
@@ -257,15 +255,14 @@ def nbytes(spec: PatchSpec, dtype: torch.dtype) -> int:
                    for part in slices)
 
 
-def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, latent_size: tuple[int, int], transformer,
+def applied(spec: PatchSpec, made, latent: torch.Tensor | None, seed: int, latent_size: tuple[int, int], model,
             sampling):
     """The control as a generation applies it: its hint from the control ``latent`` [1, C, h, w] (a built-in's drawn
-    from ``seed`` when none is sent), checked against the model it patches (the whole model's blocks: a PipeFusion
+    from ``seed`` when none is sent), checked against the ``model`` it patches (the whole model's blocks: a PipeFusion
     stage holds some of them); a ControlNet's σ range from ``sampling`` (the model's: percent_to_sigma)."""
-    blocks = transformer.config.num_layers
-    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     if not isinstance(made, BlockwiseControlNet):
-        return _applied_controlnet(spec, made, latent, seed, latent_size, transformer, width, sampling)
+        return _applied_controlnet(spec, made, latent, seed, latent_size, model.transformer, model.width, sampling)
+    blocks, width = model.transformer.config.num_layers, model.width
     have = (len(made.controlnet_blocks), made.img_in.out_features)
     if have != (blocks, width):
         raise UserError(f"model patch {spec.path} has {have[0]} blocks of width {have[1]}, but the model has {blocks} "

@@ -8,11 +8,17 @@ one unified sequence through the main blocks, with 3-D RoPE over (caption index 
 row, column). The pad tokens are real tokens: neither ComfyUI nor diffusers masks them (a batch's
 sequences all have the same length), so attention over the unified sequence is plain, unmasked.
 
-Sequence parallelism cuts the unified sequence where it enters the main blocks (``layers.0``)
-and each block's RoPE table alongside it, as one segment (text_tokens 0: caption and image are
-the same kind of token here), and gathers after the final layer. Both halves are padded to 32
-tokens, so every ring × ulysses that divides 32 divides the unified sequence. The refiners run
-whole on every rank (2 + 2 of Z-Image's 34 blocks, the noise refiner over the image tokens only).
+The model runs from ZImageModel's own loop over diffusers' modules (``output``: the same modules and
+arithmetic as diffusers' forward), so that a control network can run between its blocks. The main
+blocks' sequence is two segments, each with its RoPE table: the image's real tokens, and the rest
+(the image's pad tokens and the padded caption), laid out [rest; image]. Sequence parallelism cuts
+both where they enter the main blocks (``image_tokens``, ``text_tokens``: pass-through modules),
+each rank taking its share of each (a share padded where ring × ulysses does not divide a segment:
+parallel/sequence.py leaves its padding out of attention), and gathers the image after the final
+layer. A Fun ControlNet's tokens (one per real image token: z_image_controlnet.py) are cut as the
+image's, so each rank controls its own tokens. Attention over the main sequence is plain and
+unmasked, so the order of the tokens does not change it. The refiners run whole on every rank
+(2 + 2 of Z-Image's 34 blocks, the noise refiner over the image tokens only).
 
 PipeFusion runs the three block lists in order as one pipeline. The padded caption is the joint
 text that travels with each step's first patch: the context refiners (caption alone) run on it
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
-from . import latent_formats
+from . import latent_formats, z_image_controlnet
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
 
 # comfy/supported_models.py, class ZImage(Lumina2): sampling_settings {"multiplier": 1.0, "shift": 3.0}
@@ -125,6 +131,7 @@ class ZImageSpec(FamilySpec):
     family = "z_image"
     latent_format = latent_formats.FLUX  # comfy/supported_models.py: Lumina2.latent_format = latent_formats.Flux
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses", "pipefusion"})
+    takes_controlnets = True  # alibaba-pai's Fun ControlNet (models/z_image_controlnet.py), run between the blocks
     # the context refiners' attention (caption alone, whole on the first stage that holds them) keeps diffusers'
     stage_plan = StagePlan(block_lists=("noise_refiner", "context_refiner", "layers"),
                            attention=(("noise_refiner.attention", ZImagePatchAttention, False),
@@ -133,14 +140,13 @@ class ZImageSpec(FamilySpec):
                            returns={"layers": ("x",)},
                            probe="adaln_input", teacache=TEACACHE, image="x")
 
-    @property
-    def sequence_plan(self) -> SequencePlan:
-        """The unified sequence [image (padded); caption (padded)] [B, S, D] where it enters the main
-        blocks, and the RoPE table [B, S, D/2] each main block is given (diffusers passes the same
-        whole table to every block, so each block's input is cut)."""
-        table_cuts = tuple(Cut(f"layers.{i}", 2, 1) for i in range(self.layers))  # freqs_cis, positional
-        return SequencePlan(cuts=(Cut("layers.0", 0, 1), *table_cuts), attention=(("attention", ZImageAttention),),
-                            gather=FINAL_LAYER)
+    # the main blocks' two segments as they enter them (ZImageModel.output), each (tokens [B, S, D], RoPE [B, S, D/2])
+    sequence_plan = SequencePlan(cuts=(Cut("image_tokens", None, 1), Cut("text_tokens", None, 1, text=True)),
+                                 attention=(("attention", ZImageAttention),), gather=FINAL_LAYER)
+    # a Fun ControlNet: its tokens cut as the image's real tokens after its refiner stage (the model's gives it the
+    # image's tokens and positions already cut); its control layers attend through the same kernel
+    control_plan = SequencePlan(cuts=(Cut("control_tokens", None, 1),), attention=(("attention", ZImageAttention),),
+                                gather=None)
 
     @classmethod
     def from_config(cls, config) -> ZImageSpec:
@@ -172,6 +178,8 @@ class ZImageModel(DiffusionModel):
     def __init__(self, transformer, *args, **kwargs):
         super().__init__(transformer, *args, **kwargs)
         transformer.__class__ = with_processor_access(type(transformer))  # same object, same parameters
+        # where sequence parallelism cuts the main blocks' two segments (output; the sequence plan)
+        transformer.image_tokens, transformer.text_tokens = torch.nn.Identity(), torch.nn.Identity()
         for name in REFINERS:
             for block in getattr(transformer, name):
                 setattr(block.attention, REFINER_MARK, True)
@@ -183,15 +191,48 @@ class ZImageModel(DiffusionModel):
         return self.transformer.config.dim
 
     def output(self, x, timestep, cond, guidance) -> torch.Tensor:
-        """The model's output for x [B, 16, h, w] at timestep σ [B], as ComfyUI's NextDiT returns it:
-        the transformer at time t = 1 − σ (its embedder multiplies by 1000, in float32) and the
-        result negated (diffusers' pipeline negates it too)."""
-        t = 1.0 - timestep.to(self.device, torch.float32)  # [B]
-        images = list(x.unsqueeze(2).unbind(0))  # B × [16, 1, h, w]: diffusers takes frames
-        captions = list(cond["context"].to(self.device, self.dtype).unbind(0))  # B × [L, 2560]
-        with time_embedded_in(self.transformer.t_embedder, self.dtype):
-            out = self.transformer(images, t, captions, return_dict=False)[0]  # B × [16, 1, h, w]
-        return -torch.stack(out).squeeze(2)  # [B, 16, h, w]
+        """The model's output for x [B, 16, h, w] at timestep σ [B], as ComfyUI's NextDiT returns it: the
+        transformer at time t = 1 − σ (its embedder multiplies by 1000, in float32), run block by block as
+        diffusers' forward runs it (the module docstring says why here), and the result negated."""
+        t = self.transformer
+        b, _, h, w = x.shape
+        inputs = self.step_inputs(x.shape, timestep, cond, guidance)
+        adaln = inputs["adaln"]  # [B, 256]
+        image = self.embed(x, None, inputs, None)  # [B, n, D]
+        n = image.shape[1]
+        pad = t.x_pad_token.to(image.dtype).expand(b, -n % SEQUENCE_MULTIPLE, -1)  # [B, pads, D]
+        image = torch.cat([image, pad], dim=1)  # [B, N, D], N = n + pads
+        freqs = inputs["image_freqs"].expand(b, -1, -1)  # [B, N, D/2] complex (the pads' at position 0)
+        controls = [c for c in self.controlnets if c.active(float(timestep[0]))]  # Fun ControlNets, in order
+        states = [c.network(c.hint.expand(b, -1, -1), freqs[:, :n], adaln) for c in controls]  # [B, n, D] each
+        embedded = image[:, :n]  # what the control refiners take
+        for index, block in enumerate(t.noise_refiner):
+            image = block(image, None, freqs, adaln)  # [B, N, D]
+            for at, control in enumerate(controls):  # ComfyUI's noise_refiner patches, in order
+                residual, states[at] = control.network.refiner_step(index, states[at], embedded, freqs[:, :n], adaln)
+                if residual is not None:
+                    image = torch.cat([image[:, :n] + residual * control.strength, image[:, n:]], dim=1)
+        text = self.embed_text(inputs)  # [B, L, D]
+        for block in t.context_refiner:
+            text = block(text, None, inputs["caption_freqs"].expand(b, -1, -1))  # [B, L, D]
+        # the two segments: the image's real tokens, and the rest (its pads, the caption); each cut here under SP
+        real, real_freqs = t.image_tokens((image[:, :n], freqs[:, :n]))  # [B, n/P, D], [B, n/P, D/2]
+        rest, rest_freqs = t.text_tokens((torch.cat([image[:, n:], text], dim=1),
+                                          torch.cat([freqs[:, n:], inputs["caption_freqs"].expand(b, -1, -1)], dim=1)))
+        rest_tokens = rest.shape[1]
+        states = [control.network.control_tokens(state) for control, state in zip(controls, states)]  # [B, n/P, D]
+        unified, unified_freqs = torch.cat([rest, real], dim=1), torch.cat([rest_freqs, real_freqs], dim=1)
+        for index, block in enumerate(t.layers):
+            unified = block(unified, None, unified_freqs, adaln)  # [B, S/P, D]
+            for at, control in enumerate(controls):  # ComfyUI's double_block patches, in order
+                layer = control.network.layer_at(index)
+                if layer is not None:
+                    residual, states[at] = z_image_controlnet.step(control.network.control_layers[layer], states[at],
+                                                                   real, real_freqs, adaln)  # [B, n/P, D] each
+                    controlled = unified[:, rest_tokens:] + residual * control.strength  # [B, n/P, D]
+                    unified = torch.cat([unified[:, :rest_tokens], controlled], dim=1)
+        out = t.all_final_layer["2-1"](unified[:, rest_tokens:], c=adaln)  # [B, n, 2·2·16], gathered under SP
+        return self.unpatchify(out, x.shape)  # [B, 16, h, w], negated
 
     # PipeFusion's stage methods (base.DiffusionModel): the unified sequence as [caption (joint text); image]
 

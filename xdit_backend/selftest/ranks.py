@@ -33,9 +33,11 @@ MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video wit
 CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}, True),
               ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False))
 # more controls, on the GPU under each world's first layout only (the section must stay within one device call):
-# a Flux union ControlNet (its type token cut with the text) and Wan VACE (its control video drawn from the seed)
+# a Flux union ControlNet (its type token cut with the text), Wan VACE (its control video drawn from the seed) and
+# Z-Image's Fun ControlNet (run between the model's blocks, its tokens cut as the image's real tokens)
 CONTROLLED_ONCE = (("flux-tiny", {"controls": [{"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}]}),
-                   ("wan-vace-tiny", {}))
+                   ("wan-vace-tiny", {}),
+                   ("z-image-tiny", {"controls": [{"path": "z-image-fun-controlnet-tiny", "strength": 0.7}]}))
 # Flux.1-dev's width (24 heads of 128) at 1024² in bf16: the kernels at the shard shapes of a real generation
 # (4608 tokens; Ulysses 12 or 6 heads a rank, Ring chunks of 2304 or 1152 keys)
 FULL_WIDTH = ("flux-dev-two-blocks", 1024, {2: ("ulysses=2", "ring=2", "ulysses=2,shard"),

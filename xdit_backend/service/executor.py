@@ -208,7 +208,7 @@ class Executor:
         self.patch_networks = kept
         size, sampling = request.latent_shape(spec)[-2:], spec.model_sampling(request.shift)
         return [model_patch.applied(entry, kept[self._patch_key(entry, key)], request.control_latent(index),
-                                    request.seed + index, size, self.computing.transformer, sampling)
+                                    request.seed + index, size, self.computing, sampling)
                 for index, entry in enumerate(request.controls)]
 
     def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int,

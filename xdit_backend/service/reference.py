@@ -38,7 +38,7 @@ def serial_latent(fields: dict, tensors: dict | None = None, model=None,
         model.model_patches = [  # the executor's, each network made anew here
             model_patch.applied(entry, model_patch.network(entry, model.device, model.dtype),
                                 request.control_latent(index), request.seed + index,
-                                request.latent_shape(model.spec)[-2:], model.transformer,
+                                request.latent_shape(model.spec)[-2:], model,
                                 model.spec.model_sampling(request.shift))
             for index, entry in enumerate(request.controls)]
         try:

@@ -175,10 +175,8 @@ class SampleRequest:
         families = [model_patch.control_family(entry) for entry in self.controls]  # None: a model patch
         for entry, family in zip(self.controls, families):
             if family is None and not spec.takes_model_patches:
-                raise RequestError(f"control {entry.path}: {spec.family} models take no model patch here (the "
-                                   "backend runs Qwen-Image's DiffSynth ControlNet patches; Z-Image's Fun ControlNet "
-                                   "not yet)", "leave it out, use a Qwen-Image model, or use KSampler with ComfyUI's "
-                                   "ModelPatchLoader for this workflow")
+                raise RequestError(f"control {entry.path}: {spec.family} models take no DiffSynth model patch (it is "
+                                   "made for Qwen-Image)", "leave it out, or use a Qwen-Image model")
             if family is not None and family != spec.family:
                 raise RequestError(f"control {entry.path} is a {family} ControlNet, but {self.model} is a "
                                    f"{spec.family} model", f"use a ControlNet made for {spec.family} models")
