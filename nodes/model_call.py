@@ -129,7 +129,7 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
         if key == "guidance":
             tensors["guidance"] = host(value).reshape(-1).expand(rows).contiguous()  # [N]
         elif key.startswith("vace_"):  # WAN21_Vace's: a context [N, entries, 96, T, h, w], a strength per entry
-            inputs[key] = one_control_video(value, name, rows)
+            inputs[key] = control_videos(value, rows)
         elif key == "references":
             inputs.update(references(value, spec, latent_out))
         else:
@@ -137,16 +137,12 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
     return tensors, inputs
 
 
-def one_control_video(value, name: str, rows: int) -> torch.Tensor:
-    """WAN21_Vace's vace_context [N, 1, 96, T, h, w] → [N, 96, T, h, w], or its vace_strength [s] → [N]: one control
-    video (WanVaceToVideo once)."""
-    entries = len(value) if isinstance(value, (list, tuple)) else value.shape[1]
-    if entries != 1:
-        raise ModelCallError(f"the model call carries {entries} control videos ({name}: WanVaceToVideo chained); the "
-                             "backend's VACE takes one", "use one WanVaceToVideo")
+def control_videos(value, rows: int) -> torch.Tensor:
+    """WAN21_Vace's vace_context [N, E, 96, T, h, w] → [N, 96·E, T, h, w] (the control videos side by side in the
+    channels, as the backend takes them), or its vace_strength [s_1, …, s_E] → [N, E]."""
     if isinstance(value, (list, tuple)):
-        return torch.full((rows,), float(value[0]))
-    return value[:, 0].detach().to("cpu", torch.float32).contiguous()
+        return torch.tensor([float(strength) for strength in value]).expand(rows, -1).contiguous()
+    return value.detach().to("cpu", torch.float32).flatten(1, 2).contiguous()
 
 
 def references(latents: list, spec, latent_out: Callable | None) -> dict[str, torch.Tensor]:

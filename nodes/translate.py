@@ -113,7 +113,7 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
     for option, (attribute, key) in family_options.items():
         if options.get(option) is not None:
             value = getattr(options[option], attribute) if attribute else options[option]
-            side.tensors[key] = _to_batch(_one_entry(value, option, which), batch, key, which)
+            side.tensors[key] = _to_batch(_entries(value), batch, key, which)
     if spec.takes_references and options.get("reference_latents"):
         side.tensors.update(references(options["reference_latents"], spec, batch, which))
     for key, shape in shapes.items():
@@ -159,14 +159,14 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
     return out
 
 
-def _one_entry(value, option: str, which: str) -> torch.Tensor:
+def _entries(value) -> torch.Tensor:
     """An option as a tensor: ComfyUI's list-valued ones (WanVaceToVideo's vace_frames, vace_mask, vace_strength:
-    an entry per control video) by their one entry, a number as [1]."""
+    an entry per control video, several when it is chained) side by side, tensors in their channels [1, C·E, …],
+    numbers as [1, E]; a number as [1]."""
     if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise TranslationError(f"the {which} conditioning carries {len(value)} {option} entries (WanVaceToVideo "
-                                   "chained); the xDiT sampler takes one control video", "use one WanVaceToVideo")
-        value = value[0]
+        if all(isinstance(entry, (int, float)) for entry in value):
+            return torch.tensor([[float(entry) for entry in value]])  # [1, E]
+        return torch.cat([entry.detach().to("cpu", torch.float32) for entry in value], dim=1)  # [B, C·E, …]
     return torch.tensor([float(value)]) if isinstance(value, (int, float)) else value
 
 

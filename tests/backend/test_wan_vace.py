@@ -1,7 +1,8 @@
 """Wan 2.1 VACE (diffusers' WanVACETransformer3DModel) on the backend: WanVaceToVideo's inputs (the control video's
 latents, its mask, the strength) under the sequence-parallel, CFG and data-parallel layouts, sharded or not, equal
-the serial generation (the control tokens cut as the image's, the hints never gathered); a file in the original
-layout loads as the built-in it was written from; and the model equals ComfyUI's own VaceWanModel."""
+the serial generation (the control tokens cut as the image's, the hints never gathered), and so do two control
+videos (WanVaceToVideo chained); a file in the original layout loads as the built-in it was written from; and the
+model equals ComfyUI's own VaceWanModel, with one control video and with two."""
 
 import os
 import sys
@@ -12,6 +13,7 @@ import torch
 from parity import bound
 from safetensors.torch import save_file
 
+from xdit_backend.errors import UserError
 from xdit_backend.models import registry
 from xdit_backend.service.reference import serial_latent
 from xdit_backend.service.request import RequestError, SampleRequest
@@ -23,12 +25,15 @@ LAYOUTS = [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (2, {"dp": 2}
            (2, {"ulysses": 2, "shard_weights": True}), (4, {"ulysses": 2, "ring": 2})]
 
 
-def vace_inputs(seed: int, batch: int = 2) -> dict:
-    """WanVaceToVideo's conditioning for a 5-frame 48 × 64 video, on both sides (its strength 0.8)."""
+def vace_inputs(seed: int, batch: int = 2, strengths: tuple[float, ...] = (0.8,)) -> dict:
+    """WanVaceToVideo's conditioning for a 5-frame 48 × 64 video, on both sides: a control video per strength (several:
+    WanVaceToVideo chained, side by side in the channels)."""
     g = torch.Generator().manual_seed(seed)
-    frames, mask = torch.randn(batch, 32, 2, 6, 8, generator=g), torch.rand(batch, 64, 2, 6, 8, generator=g)
+    entries = len(strengths)
+    frames = torch.randn(batch, 32 * entries, 2, 6, 8, generator=g)
+    mask = torch.rand(batch, 64 * entries, 2, 6, 8, generator=g)
     context = torch.randn(batch, 8, 64, generator=g)
-    side = {"vace_frames": frames, "vace_mask": mask, "vace_strength": torch.full((batch,), 0.8)}
+    side = {"vace_frames": frames, "vace_mask": mask, "vace_strength": torch.tensor([strengths]).repeat(batch, 1)}
     return {"context": context, "negative_context": torch.randn(batch, 8, 64, generator=g), **side,
             **{f"negative_{k}": v for k, v in side.items()}}
 
@@ -50,8 +55,22 @@ def test_the_control_video_and_its_strength_move_the_result(serial_vace):
     tensors = vace_inputs(3)
     plain = {k: v for k, v in tensors.items() if "vace" not in k}
     assert (serial_latent(VACE, plain) - serial_vace).abs().max() > 1e-2
-    zero = {**tensors, "vace_strength": torch.zeros(2), "negative_vace_strength": torch.zeros(2)}
+    zero = {**tensors, "vace_strength": torch.zeros(2, 1), "negative_vace_strength": torch.zeros(2, 1)}
     assert (serial_latent(VACE, zero) - serial_vace).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("world, degrees", [(2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2})],
+                         ids=lambda v: str(v))
+def test_two_control_videos_run_split_as_serial(shared_backends, world, degrees):
+    """WanVaceToVideo chained: two control videos (strengths 0.8 and −0.5) folded into the VACE blocks' rows, split
+    as serial; the second moved the result."""
+    tensors = vace_inputs(9, strengths=(0.8, -0.5))
+    expected = serial_latent(VACE, tensors)
+    result, _ = shared_backends.get(world).sample({**VACE, "parallel": degrees}, tensors)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)
+    first = {k: v[:, :32] if k.endswith("frames") else v[:, :64] if k.endswith("mask") else v[:, :1] if "vace" in k
+             else v for k, v in tensors.items()}
+    assert (serial_latent(VACE, first) - expected).abs().max() > 1e-2
 
 
 def test_what_vace_cannot_run_with_is_refused_with_the_reason():
@@ -59,6 +78,12 @@ def test_what_vace_cannot_run_with_is_refused_with_the_reason():
     with pytest.raises(RequestError, match="the step cache .* on a wan_vace model: VACE adds its hints"):
         SampleRequest.parse(Message("sample", {**VACE, "cache": "fbcache"})).check_model(spec)
     assert "pipefusion" not in spec.parallel_methods
+    tensors = vace_inputs(3)
+    tensors["vace_mask"] = tensors["vace_mask"][:, :48]  # not a whole entry's 64 channels
+    request = SampleRequest.parse(Message("sample", VACE, tensors))
+    with pytest.raises(UserError, match=r"VACE inputs of disagreeing control videos: vace_frames \[2, 32, 2, 6, 8\], "
+                                        r"vace_mask \[2, 48, 2, 6, 8\]"):
+        request.generation(spec, *request.sides(spec))
 
 
 def original_vace_state_dict(transformer) -> dict[str, torch.Tensor]:
@@ -141,3 +166,18 @@ def test_the_model_equals_comfyuis_vace_wan_model(vace_file):
         ours = model.output(x, timestep, cond, None)
     assert (ours - expected).abs().max() <= 1e-5
     assert (expected - plain).abs().max() > 1e-2
+
+    # two control videos (WanVaceToVideo chained): ComfyUI stacks their contexts [B, 2, 96, …], a strength each
+    two = vace_inputs(7, strengths=(0.8, -0.5))
+    frames = two["vace_frames"].clone()
+    for start in range(0, 64, 16):
+        frames[:, start:start + 16] = wan21.process_in(frames[:, start:start + 16])
+    contexts = torch.stack([torch.cat([frames[:, 32 * e:32 * e + 32], two["vace_mask"][:, 64 * e:64 * e + 64]], dim=1)
+                            for e in range(2)], dim=1)  # [B, 2, 96, T, h, w]
+    cond = {"context": two["context"], **{k: two[k] for k in ("vace_frames", "vace_mask", "vace_strength")}}
+    with torch.no_grad():
+        expected = theirs(x, timestep, two["context"], vace_context=contexts, vace_strength=[0.8, -0.5])
+        first = theirs(x, timestep, two["context"], vace_context=contexts[:, :1], vace_strength=[0.8])
+        ours = model.output(x, timestep, cond, None)
+    assert (ours - expected).abs().max() <= 1e-5
+    assert (expected - first).abs().max() > 1e-2

@@ -934,11 +934,12 @@ class StandInVideoVAE:
         return torch.einsum("oc,tchw->othw", self.mix, pooled)[None]
 
 
-@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses", "ring"])
-def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
-    """WanVaceToVideo (a 9-frame control video, its masks, strength 0.8) before the xDiT Sampler: its translation of
-    vace_frames, vace_mask and vace_strength, and the backend's VACE blocks run split, against KSampler on ComfyUI's
-    own VACE model."""
+@pytest.mark.parametrize("layout, chained", [({"ulysses": 2}, False), ({"ring": 2}, False), ({"ulysses": 2}, True)],
+                         ids=["ulysses", "ring", "chained-ulysses"])
+def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path, layout, chained):
+    """WanVaceToVideo (a 9-frame control video, its masks, strength 0.8; chained: a second one after it, another
+    video at strength −0.4) before the xDiT Sampler: its translation of vace_frames, vace_mask and vace_strength, and
+    the backend's VACE blocks run split, against KSampler on ComfyUI's own VACE model."""
     import comfy.sample
     import torch
     from comfy_extras.nodes_wan import WanVaceToVideo
@@ -956,6 +957,10 @@ def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_
     video, masks = torch.rand(9, 64, 64, 3, generator=g), torch.rand(9, 64, 64, generator=g)
     positive, negative, latent, _ = WanVaceToVideo.execute(*prompts_, StandInVideoVAE(), 64, 64, 9, 1, 0.8,
                                                            control_video=video, control_masks=masks).result
+    if chained:
+        positive, negative, latent, _ = WanVaceToVideo.execute(positive, negative, StandInVideoVAE(), 64, 64, 9, 1,
+                                                               -0.4, control_video=torch.rand(9, 64, 64, 3,
+                                                                                              generator=g)).result
     samples = latent["samples"]
     noise = comfy.sample.prepare_noise(samples, 7)
     theirs = comfy.sample.sample(own, noise, 3, 4.0, "euler", "simple", positive, negative, samples, seed=7)
@@ -970,10 +975,12 @@ def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_
     assert_same(theirs, translate.to_comfyui(result["samples"], spec))
 
 
-@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}], ids=["ulysses", "cfg"])
-def test_wan_vace_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+@pytest.mark.parametrize("layout, chained", [({"ulysses": 2}, False), ({"cfg": 2}, False), ({"ring": 2}, True)],
+                         ids=["ulysses", "cfg", "chained-ring"])
+def test_wan_vace_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, layout, chained):
     """ComfyUI's WAN21_Vace makes vace_context and vace_strength from WanVaceToVideo's conditioning and passes them
-    to the model: the xDiT Model sends them on (one control video), and KSampler's latent is ComfyUI's own."""
+    to the model: the xDiT Model sends them on (one control video; chained: two), and KSampler's latent is ComfyUI's
+    own."""
     import torch
     from comfy_extras.nodes_wan import WanVaceToVideo
     from safetensors.torch import load_file, save_file
@@ -989,5 +996,8 @@ def test_wan_vace_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_pa
     video = torch.rand(9, 64, 64, 3, generator=g)
     positive, negative, latent, _ = WanVaceToVideo.execute(*prompts_, StandInVideoVAE(), 64, 64, 9, 1, 0.6,
                                                            control_video=video).result
+    if chained:
+        positive, negative, latent, _ = WanVaceToVideo.execute(positive, negative, StandInVideoVAE(), 64, 64, 9, 1,
+                                                               1.2, control_video=1 - video).result
     sample_both(own, xdit_model(pack, path, backend2, layout), latent["samples"], 6, 3, 4.0, "euler", positive,
                 negative)
