@@ -87,9 +87,10 @@ def call_tensors(spec, x: torch.Tensor, timestep: torch.Tensor, context: torch.T
         raise ModelCallError(f"the xDiT MODEL does not run {spec.family} models yet",
                              "use the xDiT Sampler for this model (the whole sampling loop on the backend)")
     if control is not None:
-        raise ModelCallError(f"the model call carries {INSIDE_THE_MODEL['control']}, which the backend does not "
-                             "run yet", "remove the ControlNet from the conditioning, or use ComfyUI's own model "
-                             "loader")
+        raise ModelCallError(f"the model call carries {INSIDE_THE_MODEL['control']}, whose residuals ComfyUI computed "
+                             "in its own process; the xDiT Model does not send them to the backend", "sample with the "
+                             "xDiT Sampler instead: it takes Apply ControlNet's ControlNets and runs them on the "
+                             "backend under the model's split (or use ComfyUI's own model loader)")
     check_transformer_options(transformer_options or {})
     if context is None:
         raise ModelCallError("the model call carries no text conditioning (context)", "connect a text encoder's output")

@@ -176,3 +176,19 @@ def test_the_built_in_written_to_a_file_is_the_built_in(tmp_path):
     from_file = serial_latent({**REQUEST, "controls": [{"path": str(path), "strength": 0.7}]}, tensors)
     built_in = serial_latent({**REQUEST, "controls": [{"path": TINY, "strength": 0.7}]}, tensors)
     assert torch.equal(from_file, built_in)
+
+
+def test_requests_the_fun_controlnet_cannot_serve_are_refused_with_the_reason():
+    """Under PipeFusion (its control layers take the whole image's tokens at the main blocks' input), and on another
+    family's model."""
+    from xdit_backend.models import registry
+    from xdit_backend.service.request import RequestError, SampleRequest
+    from xdit_backend.wire.protocol import Message
+
+    controls = [{"path": TINY, "strength": 0.7}]
+    request = SampleRequest.parse(Message("sample", {**REQUEST, "controls": controls, "parallel": {"pipefusion": 2}}))
+    with pytest.raises(RequestError, match="with pipefusion=2: a ControlNet runs a transformer of its own"):
+        request.check_model(registry.spec("z-image-tiny"))
+    flux = SampleRequest.parse(Message("sample", {**REQUEST, "model": "flux-tiny", "controls": controls}))
+    with pytest.raises(RequestError, match="is a z_image ControlNet, but flux-tiny is a flux model"):
+        flux.check_model(registry.spec("flux-tiny"))

@@ -73,6 +73,8 @@ class FamilySpec(ABC):
                       it: Flux.2 pads its text to 512 tokens). SampleRequest.generation applies it once
                       per generation to both sides, so every layout (serial, ulysses/ring, cfg, dp,
                       PipeFusion's buffers) sees them so; the leader applies it to choose the layout.
+    drawn_shapes(batch, text_tokens): the shapes a built-in's stand-in conditioning is drawn in (the
+                      conditioning's, but where another length may vary: Wan VACE's control videos, one).
     """
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "latent_format", "parallel_methods", "sequence_plan",
@@ -117,6 +119,11 @@ class FamilySpec(ABC):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """The tensors a request carries for one side (positive or negative) of the guidance, by key;
         a dimension None: any length."""
+
+    def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
+        """The shapes a built-in's stand-in conditioning is drawn in (registry.random_conditioning): the
+        conditioning's, unless a length other than the text's or the latent's may vary (Wan VACE's entries)."""
+        return self.conditioning_shapes(batch, text_tokens)
 
     def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One side's tensors as the model takes them; the identity unless the family reshapes them."""

@@ -375,7 +375,7 @@ def random_conditioning(name: str, batch: int, seed: int, spec, references: tupl
         return tuple((latent[i] if like_latent and i >= 2 else tokens) if d is None else d
                      for i, d in enumerate(shape))
 
-    shapes = {key: filled(shape) for key, shape in spec.conditioning_shapes(batch, tokens).items()
+    shapes = {key: filled(shape) for key, shape in spec.drawn_shapes(batch, tokens).items()
               if latent is not None or len(shape) < 5 or key not in spec.optional_conditioning}
     positive = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     negative = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}

@@ -77,6 +77,13 @@ class WanVaceSpec(WanSpec):
                 # or both as ComfyUI's model call brings them: the frames in model space and the mask, concatenated
                 "vace_context": (batch, None, None, None, None)}  # [B, 96·E, T, h, w]
 
+    def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
+        """One control video."""
+        return {**super().conditioning_shapes(batch, text_tokens),
+                "vace_frames": (batch, FRAME_CHANNELS, None, None, None),
+                "vace_mask": (batch, MASK_CHANNELS, None, None, None), "vace_strength": (batch, 1),
+                "vace_context": (batch, FRAME_CHANNELS + MASK_CHANNELS, None, None, None)}
+
     def prepare_conditioning(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One side's VACE inputs, checked: each a whole number of entries (32, 64 or 96 channels each), the same
         number in all."""
