@@ -39,6 +39,13 @@ class ControlChoice:
     inpaint_image: object = field(default=None, compare=False, repr=False)
     fun: bool = False  # a Z-Image Fun ControlNet: its control latent made as ZImageControlPatch makes it
 
+    def request_entry(self, ranged: bool = True) -> dict:
+        """The request's entry (schema's ``controls``); ``ranged`` False: without the percent range (applied before
+        the request: the xDiT Model's calls)."""
+        return {"path": self.path, "strength": self.strength,
+                **({"start": self.start, "end": self.end} if ranged and (self.start, self.end) != (0.0, 1.0) else {}),
+                **({"type": self.mode} if self.mode is not None else {})}
+
 
 @dataclass(frozen=True)
 class ModelChoice:
@@ -70,10 +77,7 @@ class ModelChoice:
                              loras=[{"path": path, "strength": strength} for path, strength in self.loras],
                              cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
                              cache_end=self.cache_end,
-                             controls=[{"path": c.path, "strength": c.strength,
-                                        **({"start": c.start, "end": c.end} if (c.start, c.end) != (0.0, 1.0) else {}),
-                                        **({"type": c.mode} if c.mode is not None else {})}
-                                       for c in self.controls] or None)
+                             controls=[c.request_entry() for c in self.controls] or None)
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what

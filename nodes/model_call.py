@@ -210,17 +210,48 @@ class RemoteDiffusionModel(torch.nn.Module):
     float32: ComfyUI casts x and the conditioning to it, and the backend casts them to its compute dtype, rounding
     once as ComfyUI's own model would."""
 
-    def __init__(self, spec, send: Callable[[dict, dict, dict], torch.Tensor], run_position: bool = False):
+    def __init__(self, spec, send: Callable[[dict, dict, dict], torch.Tensor], run_position: bool = False,
+                 model_controls: tuple = ()):
         super().__init__()
         self.spec = spec
         self.send = send
         self.dtype = torch.float32
         self.position = RunPosition() if run_position else None
         self.latent_out = None  # ComfyUI's model's process_latent_out (remote_model.comfy_model sets it)
+        # controls (model_controls.py): the xDiT control nodes' on the model (choices.ControlChoice), and for the
+        # calls of one calc_cond_batch every control with its σ range (high, low); Apply ControlNet's files found
+        # per ControlNet chain; each control's latent per latent size
+        self.model_controls = list(model_controls)
+        self.controls: tuple = ()
+        self.found_controls: dict = {}
+        self.control_latents: dict = {}
+
+    @staticmethod
+    def ranged(choices: list, model_sampling) -> tuple:
+        """Each control with its σ range, its percents through ComfyUI's model sampling (ControlBase.pre_run's)."""
+        return tuple((choice, float(model_sampling.percent_to_sigma(choice.start)),
+                      float(model_sampling.percent_to_sigma(choice.end))) for choice in choices)
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
         tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra,
                                        self.latent_out)
         fields = {} if self.position is None else self.position.fields(transformer_options or {}, x.shape[0])
+        sigma = (transformer_options or {}).get("sigmas")
+        active = [choice for choice, high, low in self.controls
+                  if sigma is None or low <= float(sigma.reshape(-1)[0]) <= high]  # ComfyUI's get_control test
+        if active:
+            fields["controls"] = [choice.request_entry(ranged=False) for choice in active]
+            latents = {f"control_{i}": self.control_latent(choice, *x.shape[-2:]) for i, choice in enumerate(active)}
+            inputs.update({name: latent for name, latent in latents.items() if latent is not None})  # None: drawn
         out = self.send(tensors, inputs, fields)
         return (out[:, :, None] if one_frame(self.spec, x) else out).to(x.device)
+
+    def control_latent(self, choice, rows: int, columns: int) -> torch.Tensor:
+        """A control's latent at a latent of rows × columns, encoded the first time (nodes/control.py, as the xDiT
+        Sampler encodes it)."""
+        from .control import control_latent
+
+        key = (id(choice), rows, columns)
+        if key not in self.control_latents:
+            self.control_latents[key] = control_latent(choice, rows, columns)
+        return self.control_latents[key]

@@ -18,6 +18,7 @@ from comfy_api.latest import io
 
 from .choices import ModelChoice, ParallelChoice
 from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
+from . import model_controls
 from .model_call import RemoteDiffusionModel
 
 
@@ -70,8 +71,10 @@ def comfy_model(path: str, diffusion_model: torch.nn.Module):
     model.diffusion_model = diffusion_model
     diffusion_model.latent_out = model.process_latent_out  # reference latents back to raw latent space
     model.memory_usage_factor = 0.0  # the activations live on the backend's GPUs, not in ComfyUI's process
-    return remote_patcher(comfy.model_patcher.ModelPatcher)(model, load_device=mm.get_torch_device(),
-                                                           offload_device=mm.unet_offload_device())
+    patcher = remote_patcher(comfy.model_patcher.ModelPatcher)(model, load_device=mm.get_torch_device(),
+                                                              offload_device=mm.unet_offload_device())
+    model_controls.install(patcher)  # Apply ControlNet's ControlNets run on the backend, not in ComfyUI's process
+    return patcher
 
 
 def remote_patcher(model_patcher: type) -> type:
@@ -160,5 +163,5 @@ class XDiTModelNode(io.ComfyNode):
         spec = registry.spec(model.ref)
         pipelined = bool(parallel and parallel.degrees and parallel.degrees.get("pipefusion", 1) > 1)
         stand_in = RemoteDiffusionModel(spec, BackendCalls(model, parallel),
-                                        run_position=model.cache != "none" or pipelined)
+                                        run_position=model.cache != "none" or pipelined, model_controls=model.controls)
         return io.NodeOutput(comfy_model(model.ref, stand_in))

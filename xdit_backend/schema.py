@@ -208,6 +208,9 @@ EVALUATE: tuple[Field, ...] = (
     Field("inputs", dict, "inputs", {},
           help="the model's conditioning by key (context, pooled, …): each the content hash "
                "(wire/content_hash.py) of a tensor sent inline, once, or held by the backend from an earlier call"),
+    # the call's controls (ComfyUI's Apply ControlNet on the xDiT MODEL's conditioning, those active at its noise
+    # level), each latent the input control_<i>
+    FIELDS["controls"],
     # where the call stands in ComfyUI's sampling run, for the step cache (ignored without one)
     Field("generation", str, "text", "", help="the sampling run the call belongs to (its step cache's state)"),
     Field("step", int, "int", 0, 0, MAX_STEPS, help="the schedule position of the call's noise level"),

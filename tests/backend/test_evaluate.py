@@ -303,3 +303,35 @@ def test_pipefusion_calls_with_concatenated_channels_give_the_xdit_samplers_pipe
         x = x + (x - (uncond + (cond - uncond) * cfg)) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
     latent = spec.latent_format.process_out(sampling.inverse_noise_scaling(sigmas[-1], x))
     assert (latent - pipelined["samples"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}, {"cfg": 2}])
+def test_a_call_with_a_controlnet_equals_the_serial_call_with_it(backend2, layout):
+    """A call carrying ComfyUI's Apply ControlNet (flux-controlnet-tiny, union type 3, its latent an input): each
+    layout equals the serial call with that ControlNet applied, which the ControlNet moved."""
+    from xdit_backend.models import model_patch
+
+    tensors, inputs = call(rows=2, h=8, w=12, seed=4)
+    control = torch.randn(1, 16, 8, 12, generator=torch.Generator().manual_seed(9))
+    entry = {"path": "flux-controlnet-tiny", "strength": 0.7, "type": 3}
+    out, _ = backend2.evaluate({**FIELDS, "controls": [entry], "parallel": layout}, tensors,
+                               {**inputs, "control_0": control})
+    model = resolve_model("flux-tiny").build(torch.device("cpu"), torch.float32)
+    spec = model_patch.PatchSpec("flux-controlnet-tiny", 0.7, mode=3)
+    model.model_patches = [model_patch.applied(spec, model_patch.network(spec, model.device, model.dtype), control, 0,
+                                               (8, 12), model, model.spec.model_sampling(None))]
+    from xdit_backend.parallel.evaluation import Evaluation
+
+    expected = Evaluation(model).run(tensors["x"], tensors["timestep"], inputs, tensors["guidance"])
+    assert (out - expected).abs().max() <= 1e-4
+    assert (expected - serial(tensors, inputs)).abs().max() > 1e-2
+
+
+def test_a_call_whose_controls_the_backend_cannot_run_is_refused_by_name(backend1):
+    tensors, inputs = call(rows=1, h=8, w=8, seed=5)
+    entry = {"path": "qwen-image-controlnet-tiny", "strength": 0.7}
+    with pytest.raises(BackendError, match="is a qwen_image ControlNet, but flux-tiny is a flux model"):
+        backend1.evaluate({**FIELDS, "controls": [entry]}, tensors, {**inputs, "control_0": torch.zeros(1, 16, 8, 8)})
+    with pytest.raises(BackendError, match=r"control_0 has shape \[1, 16, 4, 4\]; it must be one latent"):
+        backend1.evaluate({**FIELDS, "controls": [{**entry, "path": "flux-controlnet-tiny"}]}, tensors,
+                          {**inputs, "control_0": torch.zeros(1, 16, 4, 4)})

@@ -1001,3 +1001,86 @@ def test_wan_vace_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_pa
                                                                1.2, control_video=1 - video).result
     sample_both(own, xdit_model(pack, path, backend2, layout), latent["samples"], 6, 3, 4.0, "euler", positive,
                 negative)
+
+
+# ----------------------------------------------------------------------------------------------- Apply ControlNet
+# Load ControlNet Model + Set Union ControlNet Type + Apply ControlNet (Advanced) on the prompts of KSampler: ComfyUI
+# runs the ControlNet itself on its own model; on the xDiT Model the ControlNet runs on the backend, its file found
+# in the running prompt's graph (model_controls.py).
+
+CONTROLNET_GRAPH = {
+    "1": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": "flux-union.safetensors"}},
+    "2": {"class_type": "SetUnionControlNetType", "inputs": {"control_net": ["1", 0],
+                                                              "type": "canny/lineart/anime_lineart/mlsd"}},
+    "4": {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": ["3", 0], "negative": ["5", 0], "control_net": ["2", 0], "image": ["6", 0], "vae": ["7", 0],
+        "strength": 0.7, "start_percent": 0.0, "end_percent": 0.6}},
+    "ks": {"class_type": "KSampler", "inputs": {"positive": ["4", 0], "negative": ["4", 1]}},
+}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}], ids=["ulysses", "cfg"])
+def test_apply_controlnet_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, monkeypatch, layout):
+    """A Flux union ControlNet (canny type, strength 0.7, the first 60 % of the schedule) applied to both prompts:
+    KSampler on ComfyUI's own tiny Flux with ComfyUI's own ControlNetFlux, and on the xDiT Model, whose calls send
+    the ControlNet to the backend while it is active: the same latent; ComfyUI's process never runs it."""
+    import comfy.controlnet
+    import comfy.latent_formats
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+    import folder_paths
+    import nodes as comfy_nodes
+    import torch
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
+    from safetensors.torch import save_file
+
+    from backend.test_flux_controlnet import FLUX_PARAMS, comfy_state
+    from host.test_control_nodes import FluxStandInVAE
+    from xdit_backend.models import model_patch
+
+    network = model_patch.network(model_patch.PatchSpec("flux-controlnet-tiny", 1.0), torch.device("cpu"),
+                                  torch.float32)
+    (tmp_path / "controlnet").mkdir()
+    save_file(network.state_dict(), str(tmp_path / "controlnet" / "flux-union.safetensors"))
+    folder_paths.add_model_folder_path("controlnet", str(tmp_path / "controlnet"))
+    theirs = comfy.ldm.flux.controlnet.ControlNetFlux(
+        latent_input=True, num_union_modes=8, control_latent_channels=16, operations=comfy.ops.disable_weight_init,
+        **FLUX_PARAMS, depth=1, depth_single_blocks=1)
+    theirs.load_state_dict(comfy_state(network.state_dict()), strict=True)
+    runs = []
+    original_forward = theirs.forward
+    theirs.forward = lambda *args, **kwargs: runs.append(1) or original_forward(*args, **kwargs)
+    loaded = comfy.controlnet.ControlNet(theirs, compression_ratio=1, latent_format=comfy.latent_formats.Flux(),
+                                         load_device=torch.device("cpu"), extra_conds=["y", "guidance"])
+    typed = SetUnionControlNetType().set_controlnet_type(loaded, "canny/lineart/anime_lineart/mlsd")[0]
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(3))
+    positive, negative = comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(
+        *prompts(8, guidance=(3.5, 3.5)), typed, image, 0.7, 0.0, 0.6, vae=FluxStandInVAE())
+
+    path = str(tmp_path / "tiny-flux.safetensors")
+    own = comfyuis_model(tiny_flux_file(path), **FLUX_TINY_SIZES)
+    xmodel = xdit_model(pack, path, backend2, layout)
+    monkeypatch.setattr(pack_module("model_controls"), "running_prompt", lambda: (CONTROLNET_GRAPH, "ks"))
+    import comfy.sample
+
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 4)
+    own_latent = comfy.sample.sample(own, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=4)
+    ran_in_comfyui = len(runs)
+    xdit_latent = comfy.sample.sample(xmodel, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=4)
+    assert_same(own_latent, xdit_latent)
+    assert ran_in_comfyui > 0 and len(runs) == ran_in_comfyui  # the xDiT Model's run never called it here
+    plain = comfy.sample.sample(own, noise, 4, 3.0, "euler", "simple", *prompts(8, guidance=(3.5, 3.5)), latent,
+                                seed=4)
+    assert (plain - own_latent).abs().max() > 1e-3
+
+    # the same ControlNet from xDiT ControlNet on the model before the xDiT Model (no Apply ControlNet on the prompts)
+    remote_model, choices = pack
+    control = choices.ControlChoice(str(tmp_path / "controlnet" / "flux-union.safetensors"), 0.7, image,
+                                    FluxStandInVAE(), start=0.0, end=0.6, resize="nearest-exact", mode=3)
+    choice = choices.ModelChoice(path, "float32").with_control(control)
+    controlled = remote_model.XDiTModelNode.execute(choice, choices.ParallelChoice(layout)).result[0]
+    controlled.model.diffusion_model.send.client = backend2
+    from_node = comfy.sample.sample(controlled, noise, 4, 3.0, "euler", "simple", *prompts(8, guidance=(3.5, 3.5)),
+                                    latent, seed=4)
+    assert_same(own_latent, from_node)

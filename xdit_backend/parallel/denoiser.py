@@ -44,14 +44,10 @@ class Denoiser:
         with ExitStack() as stack:
             shard = None
             if self.layout is not None and self.layout.config.sequence > 1:
-                attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
-                                           attention.local_attention(self.device))
-                stack.callback(attached.detach)
-                shard = attached.shard
-                networks = {id(c.network): c.network for c in getattr(self.model, "controlnets", ())}  # each once
-                for network in networks.values():  # a ControlNet runs split as the model, its residuals too
-                    stack.callback(sequence.attach(network, self.model.spec.control_plan, self.layout,
-                                                   attention.local_attention(self.device)).detach)
+                attached = sequence.attach_model(self.model, self.layout, attention.local_attention(self.device))
+                for each in attached:
+                    stack.callback(each.detach)
+                shard = attached[0].shard
             if gen is not None and gen.cache is not None:
                 plan = self.model.spec.cache_plan
                 self.cache = StepCache(gen.cache, gen.steps, plan.teacache,

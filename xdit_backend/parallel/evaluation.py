@@ -91,10 +91,10 @@ class Evaluation:
         stack = ExitStack()
         stack.shard = None
         if self.layout is not None and self.layout.config.sequence > 1:
-            attached = sequence.attach(self.model.transformer, self.model.spec.sequence_plan, self.layout,
-                                       attention.local_attention(self.model.device))
-            stack.callback(attached.detach)
-            stack.shard = attached.shard
+            attached = sequence.attach_model(self.model, self.layout, attention.local_attention(self.model.device))
+            for each in attached:
+                stack.callback(each.detach)
+            stack.shard = attached[0].shard
         return stack
 
     @staticmethod

@@ -236,6 +236,16 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     return attached
 
 
+def attach_model(model, layout, kernel: attention.Kernel) -> list[Attached]:
+    """The model's transformer made sequence parallel by its family's plan, and each of the running generation's
+    ControlNets (``model.controlnets``, each network once) by its family's control plan: its hint cut like the
+    image, its residuals left split. The model's Attached first (its ``shard`` is the tokens')."""
+    attached = [attach(model.transformer, model.spec.sequence_plan, layout, kernel)]
+    networks = {id(control.network): control.network for control in getattr(model, "controlnets", ())}
+    attached += [attach(network, model.spec.control_plan, layout, kernel) for network in networks.values()]
+    return attached
+
+
 def _named(modules: dict, name: str) -> list:
     """The module ``name`` names, or for ``list.*`` every block of that ModuleList (an input each block is given)."""
     if not name.endswith(".*"):

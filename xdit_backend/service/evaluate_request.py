@@ -21,7 +21,7 @@ from ..models import lora
 from ..models.base import shape_fits, shape_text
 from ..wire import protocol
 from ..wire.content_hash import is_content_hash
-from .request import REFERENCE, RequestError, SampleRequest, _read, _write
+from .request import CONTROL, REFERENCE, RequestError, SampleRequest, _read, _write, check_controls
 
 CALL_TENSORS = ("x", "timestep", "guidance")
 INPUT_KEY = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -44,6 +44,7 @@ class EvaluateRequest:
     cache_start: int
     cache_end: int
     inputs: dict[str, str]  # request key → content hash
+    controls: tuple  # model_patch.PatchSpec each, its latent the input control_<i>
     generation: str  # the sampling run (its step cache), as the client names it
     step: int  # the schedule position of the call's noise level
     steps: int
@@ -51,11 +52,6 @@ class EvaluateRequest:
     cond_start: int  # rows [cond_start, cond_start + cond_rows) of x are the cond side (the step cache decides
     cond_rows: int  # from them; ComfyUI batches uncond first)
     tensors: dict[str, torch.Tensor]  # x, timestep, guidance, and the inputs sent inline by hash
-
-    @property
-    def controls(self) -> tuple:
-        """No model patches: the xDiT MODEL's calls carry none (the sampler's request sends them, schema.SAMPLE)."""
-        return ()
 
     def cache_options(self):
         return SampleRequest.cache_options(self)
@@ -138,6 +134,8 @@ class EvaluateRequest:
             if REFERENCE.fullmatch(key) and spec.takes_references:
                 self._check_reference(spec, key, tensor)
                 continue
+            if CONTROL.fullmatch(key) and int(CONTROL.fullmatch(key)[1]) < len(self.controls):
+                continue  # a control's latent: check_controls
             if key not in shapes:
                 raise RequestError(f"input {key!r}: a {spec.family} model takes no {key!r}",
                                    f"send {', '.join(shapes)}")
@@ -149,6 +147,12 @@ class EvaluateRequest:
         if absent:
             raise RequestError(f"the inputs have no {', '.join(map(repr, absent))}, which a {spec.family} model needs",
                                "encode the prompt with the text encoders that belong to this model")
+        check_controls(self.controls, lambda index: control_latent(inputs, index), spec, self.model, self.cache,
+                       self.parallel, any(REFERENCE.fullmatch(key) for key in inputs), tuple(x.shape[-2:]))
+        if self.controls and self.parallel is not None and self.parallel.pipefusion > 1:
+            raise RequestError(f"controls with pipefusion={self.parallel.pipefusion} on the xDiT Model: its calls run "
+                               "controls on the whole latent, which a PipeFusion stage does not hold",
+                               "use ulysses, ring, cfg or dp with a control")
 
     def _check_reference(self, spec, key: str, tensor: torch.Tensor) -> None:
         """A reference latent [N, C, h, w] in raw latent space, h and w multiples of the patch, at most the largest
@@ -170,6 +174,11 @@ class EvaluateRequest:
         references = sum(t.shape[-2] // rows * (t.shape[-1] // columns) for key, t in (inputs or {}).items()
                          if REFERENCE.fullmatch(key))
         return time * -(-x.shape[-2] // rows) * -(-x.shape[-1] // columns) + references
+
+
+def control_latent(inputs: dict[str, torch.Tensor], index: int) -> torch.Tensor | None:
+    """The i-th control's latent among a call's inputs [1, C, h, w], or None."""
+    return inputs.get(f"control_{index}")
 
 
 def _inputs(value) -> dict[str, str]:

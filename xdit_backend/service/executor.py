@@ -32,10 +32,10 @@ from ..parallel.pipefusion_call import PipelinedCall, RunStage
 from ..parallel.step_cache import StepCache
 from ..sampling.generate import generate
 from ..sampling.stop import GenerationStopped
-from .evaluate_request import EvaluateRequest
+from .evaluate_request import EvaluateRequest, control_latent
 from .input_store import InputStore
 from .model_cache import Entry, ModelCache, ModelKey, resident_bytes
-from .request import SampleRequest
+from .request import CONTROL, SampleRequest
 from .step_clock import StepClock
 
 
@@ -189,11 +189,13 @@ class Executor:
         return sum(-(-model_patch.nbytes(spec, dtype) // shares) for spec in request.controls
                    if self._patch_key(spec, key) not in self.patch_networks)
 
-    def _model_patches(self, request: SampleRequest, key: ModelKey, spec, shard_mesh=None, stage=None) -> list:
-        """The request's model patches on this rank, in order: each network loaded once and kept while requests
-        use it (only the last request's are kept; their bytes count as held), its control blocks sharded as the
-        model's blocks are (``shard_mesh``), a PipeFusion stage's only those of its blocks (``stage``: [start,
-        end)), its hint from the request's control latent at the latent's size."""
+    def _model_patches(self, request: SampleRequest | EvaluateRequest, key: ModelKey, latents: list, size: tuple,
+                       sampling, shard_mesh=None, stage=None) -> list:
+        """The request's controls on this rank, in order: each network loaded once and kept while requests use it
+        (only the last request's are kept; their bytes count as held), its control blocks sharded as the model's
+        blocks are (``shard_mesh``), a PipeFusion stage's only those of its blocks (``stage``: [start, end)), its
+        hint from its control latent (``latents``, None: a built-in's drawn) at the latent's ``size``, its σ range
+        from ``sampling``."""
         kept = {}
         for index, entry in enumerate(request.controls):
             identity = self._patch_key(entry, key)
@@ -206,10 +208,15 @@ class Executor:
                     shard.shard_network(network, model_patch.blocks_of(network), shard_mesh, self.rt.device)
             kept[identity] = network
         self.patch_networks = kept
-        size, sampling = request.latent_shape(spec)[-2:], spec.model_sampling(request.shift)
-        return [model_patch.applied(entry, kept[self._patch_key(entry, key)], request.control_latent(index),
-                                    request.seed + index, size, self.computing, sampling)
-                for index, entry in enumerate(request.controls)]
+        seed = getattr(request, "seed", 0)  # an evaluate request sends every latent: no built-in draws
+        return [model_patch.applied(entry, kept[self._patch_key(entry, key)], latent, seed + index, size,
+                                    self.computing, sampling)
+                for index, (entry, latent) in enumerate(zip(request.controls, latents))]
+
+    def _sample_patches(self, request: SampleRequest, key: ModelKey, spec, shard_mesh=None, stage=None) -> list:
+        latents = [request.control_latent(index) for index in range(len(request.controls))]
+        return self._model_patches(request, key, latents, request.latent_shape(spec)[-2:],
+                                   spec.model_sampling(request.shift), shard_mesh, stage)
 
     def make_room(self, model: ResolvedModel, key: ModelKey, parallel, tokens: int, rows: int,
                   modulation_per_token: bool = False, extra_bytes: int = 0) -> None:
@@ -294,7 +301,7 @@ class Executor:
             denoiser = Denoiser(self.computing, layout)
             first_block = getattr(self.computing.transformer, spec.stage_plan.block_lists[0])[0]
             if request.controls:
-                self.computing.model_patches = self._model_patches(request, key, spec, shard_mesh)
+                self.computing.model_patches = self._sample_patches(request, key, spec, shard_mesh)
             try:
                 with _armed_fault(first_block, self.rt.rank):
                     return generate(denoiser, gen, after_step)
@@ -307,7 +314,7 @@ class Executor:
         pipeline = PipeFusion(self.computing, layout, self.rt.device, entry.blocks, decides)
         self.last_trace = pipeline.trace
         if request.controls:
-            self.computing.model_patches = self._model_patches(request, key, spec, shard_mesh, stage)
+            self.computing.model_patches = self._sample_patches(request, key, spec, shard_mesh, stage)
         try:
             with _armed_fault(entry.blocks[0], self.rt.rank):
                 latent = pipeline.run(gen, denoiser.rows(request.batch), after_step)
@@ -335,7 +342,7 @@ class Executor:
         text = model.spec.split_text_tokens(inputs)
         sequence, groups = (config.sequence, config.cfg * config.dp) if config else (1, 1)
         self.make_room(model, key, config, -(-(request.tokens(model.spec, inputs) + text) // sequence),
-                       -(-request.rows // groups))
+                       -(-request.rows // groups), extra_bytes=self._unloaded_patch_bytes(request, key))
         entry = self.model(model, request.dtype, request.loras, request.compile, request.weight_dtype, shard_mesh,
                            stage)
         self.computing = entry.model
@@ -352,9 +359,17 @@ class Executor:
             if request.step + 1 >= request.steps:  # the run's last call: its K/V are not needed again
                 self.run_stages = None
             return output
-        return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], inputs, guidance, cache,
-                                                      request.step, request.slot,
-                                                      (request.cond_start, request.cond_rows))
+        latents = [control_latent(inputs, index) for index in range(len(request.controls))]
+        cond = {name: tensor for name, tensor in inputs.items() if not CONTROL.fullmatch(name)}
+        if request.controls:  # ComfyUI's Apply ControlNet, active at this call's noise level (the xDiT MODEL's)
+            self.computing.model_patches = self._model_patches(request, key, latents, tuple(request.x.shape[-2:]),
+                                                               model.spec.model_sampling(None), shard_mesh)
+        try:
+            return Evaluation(self.computing, layout).run(request.x, request.tensors["timestep"], cond, guidance,
+                                                          cache, request.step, request.slot,
+                                                          (request.cond_start, request.cond_rows))
+        finally:
+            self.computing.model_patches = []
 
     def run_stage(self, request: EvaluateRequest, key: ModelKey) -> RunStage:
         """What this PipeFusion stage keeps across the calls of the sampling run ``request`` belongs to (the xDiT

@@ -164,50 +164,9 @@ class SampleRequest:
                                f"use end_step ≤ {self.steps}, or leave it out")
 
     def _check_controls(self, spec) -> None:
-        """Model patches: only a family that applies them, each latent one image of the generation's latent size
-        (the patch's own channels are checked when it is loaded)."""
-        if not self.controls:
-            return
-        if self.cache != "none":
-            raise RequestError(f"controls with the step cache ({self.cache}): a control adds its residuals after the "
-                               "blocks, and on the steps the cache reuses, the blocks' cached output already holds "
-                               "them; that is not wired yet", "use cache none with a control")
-        families = [model_patch.control_family(entry) for entry in self.controls]  # None: a model patch
-        for entry, family in zip(self.controls, families):
-            if family is None and not spec.takes_model_patches:
-                raise RequestError(f"control {entry.path}: {spec.family} models take no DiffSynth model patch (it is "
-                                   "made for Qwen-Image)", "leave it out, or use a Qwen-Image model")
-            if family is not None and family != spec.family:
-                raise RequestError(f"control {entry.path} is a {family} ControlNet, but {self.model} is a "
-                                   f"{spec.family} model", f"use a ControlNet made for {spec.family} models")
-        controlnets = [entry.path for entry, family in zip(self.controls, families) if family is not None]
-        if controlnets and self.parallel is not None and self.parallel.pipefusion > 1:
-            raise RequestError(f"ControlNet {controlnets[0]} with pipefusion={self.parallel.pipefusion}: a ControlNet "
-                               "runs a transformer of its own over the whole latent each step, which PipeFusion's "
-                               "patches do not hold yet", "use ulysses, ring, cfg or dp with a ControlNet (a DiffSynth "
-                               "model patch runs under PipeFusion)")
-        if controlnets and any(REFERENCE.fullmatch(name) for name in self.tensors):
-            raise RequestError(f"ControlNet {controlnets[0]} with reference latents: the ControlNet sees the noisy "
-                               "latent's tokens only, and beside an edit's references their split is not wired yet",
-                               "leave the references or the ControlNet out")
-        rows, columns = self.latent_shape(spec)[-2:]
-        for index, entry in enumerate(self.controls):
-            latent = self.control_latent(index)
-            if latent is None:
-                if not entry.built_in:
-                    raise RequestError(f"control {index} ({entry.path}) came without its latent control_{index}",
-                                       "send the control image's VAE latent (the xDiT node encodes it; on the "
-                                       "command line --control-image FILE)")
-                continue
-            if model_patch.takes_pixels(entry):  # XLabs': the image itself, at the generation's size
-                size, what = (rows * spec.vae_factor, columns * spec.vae_factor), "image [1, 3, H, W]"
-            else:
-                size, what = (rows, columns), "latent [1, C, h, w]"
-            if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != size:
-                raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one {what} of "
-                                   f"{size[0]} × {size[1]}, the generation's size",
-                                   "encode (or, for an XLabs ControlNet, resize) the control image at the "
-                                   "generation's width and height")
+        """The controls against the model (check_controls)."""
+        check_controls(self.controls, self.control_latent, spec, self.model, self.cache, self.parallel,
+                       any(REFERENCE.fullmatch(name) for name in self.tensors), self.latent_shape(spec)[-2:])
 
     def _check_noise_mask(self, spec) -> None:
         """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
@@ -454,3 +413,53 @@ def _parallel(value) -> ParallelConfig | None:
         raise RequestError(exc.message, exc.hint) from None
     except TypeError as exc:
         raise RequestError(f"parallel: {exc}") from None
+
+
+def check_controls(controls, latent_of, spec, model: str, cache: str, parallel, references: bool,
+                   size: tuple[int, int]) -> None:
+    """A request's controls against its model: model patches only for a family that applies them, a ControlNet made
+    for the model's family, none under PipeFusion, beside references or with the step cache; each latent (from
+    ``latent_of(i)``, None: not sent) one image of the generation's latent ``size`` (rows, columns) — a built-in
+    draws its own (the patch's own channels are checked when it is loaded)."""
+    if not controls:
+        return
+    if cache != "none":
+        raise RequestError(f"controls with the step cache ({cache}): a control adds its residuals after the "
+                           "blocks, and on the steps the cache reuses, the blocks' cached output already holds "
+                           "them; that is not wired yet", "use cache none with a control")
+    families = [model_patch.control_family(entry) for entry in controls]  # None: a model patch
+    for entry, family in zip(controls, families):
+        if family is None and not spec.takes_model_patches:
+            raise RequestError(f"control {entry.path}: {spec.family} models take no DiffSynth model patch (it is "
+                               "made for Qwen-Image)", "leave it out, or use a Qwen-Image model")
+        if family is not None and family != spec.family:
+            raise RequestError(f"control {entry.path} is a {family} ControlNet, but {model} is a "
+                               f"{spec.family} model", f"use a ControlNet made for {spec.family} models")
+    controlnets = [entry.path for entry, family in zip(controls, families) if family is not None]
+    if controlnets and parallel is not None and parallel.pipefusion > 1:
+        raise RequestError(f"ControlNet {controlnets[0]} with pipefusion={parallel.pipefusion}: a ControlNet "
+                           "runs a transformer of its own over the whole latent each step, which PipeFusion's "
+                           "patches do not hold yet", "use ulysses, ring, cfg or dp with a ControlNet (a DiffSynth "
+                           "model patch runs under PipeFusion)")
+    if controlnets and references:
+        raise RequestError(f"ControlNet {controlnets[0]} with reference latents: the ControlNet sees the noisy "
+                           "latent's tokens only, and beside an edit's references their split is not wired yet",
+                           "leave the references or the ControlNet out")
+    rows, columns = size
+    for index, entry in enumerate(controls):
+        latent = latent_of(index)
+        if latent is None:
+            if not entry.built_in:
+                raise RequestError(f"control {index} ({entry.path}) came without its latent control_{index}",
+                                   "send the control image's VAE latent (the xDiT node encodes it; on the "
+                                   "command line --control-image FILE)")
+            continue
+        if model_patch.takes_pixels(entry):  # XLabs': the image itself, at the generation's size
+            wanted, what = (rows * spec.vae_factor, columns * spec.vae_factor), "image [1, 3, H, W]"
+        else:
+            wanted, what = (rows, columns), "latent [1, C, h, w]"
+        if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[-2:]) != wanted:
+            raise RequestError(f"control_{index} has shape {list(latent.shape)}; it must be one {what} of "
+                               f"{wanted[0]} × {wanted[1]}, the generation's size",
+                               "encode (or, for an XLabs ControlNet, resize) the control image at the "
+                               "generation's width and height")

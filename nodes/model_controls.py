@@ -1,0 +1,109 @@
+"""The xDiT Model's controls: ComfyUI's Apply ControlNet on the conditioning of a sampler that runs in ComfyUI's
+process (KSampler, SamplerCustomAdvanced's guider), and the xDiT control nodes on the model before the xDiT Model.
+
+ComfyUI would load each ControlNet in its own process (``prepare_sampling``) and compute its residuals there
+(``calc_cond_batch``: ``control.get_control`` before ``apply_model``; comfy/samplers.py, snapshot v0.3.64), then
+send them with every call. Here the xDiT Model's ``outer_sample`` wrapper takes the ControlNets off the run's
+conditioning before either happens, finds each one's file as the xDiT sampler does (comfy_controls: up the prompt
+graph from the running sampler, which ComfyUI's executing context names), and gives the stand-in transformer
+(model_call.RemoteDiffusionModel) every control with its σ range (its percents through the run's model sampling,
+as ``ControlBase.pre_run`` turns them); each call then sends those active at its noise level, their control
+latents encoded once per latent size, and the backend runs them under the model's split (schema.EVALUATE's
+``controls``).
+"""
+
+from __future__ import annotations
+
+from .choices import ControlChoice
+from .translate import TranslationError
+
+CONDITIONING_SIDES = ("positive", "negative")
+WRAPPER_KEY = "xdit_controls"
+
+
+def install(patcher) -> None:
+    """The wrapper on the xDiT Model's ModelPatcher (clones keep it)."""
+    import comfy.patcher_extension
+
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, on_the_backend)
+
+
+def on_the_backend(executor, *args, **kwargs):
+    """A guider's ``outer_sample`` with the ControlNets taken off its conditioning (this run's copies): the stand-in
+    transformer holds them, with the model's own controls, for the run's calls."""
+    guider = executor.class_obj
+    patcher = guider.model_patcher
+    stand_in = patcher.model.diffusion_model
+    chains = {side: _chain_of(entries) for side, entries in guider.conds.items()}
+    found = _resolved(stand_in, chains)
+    for entries in guider.conds.values():
+        for entry in entries:
+            entry.pop("control", None)
+    stand_in.controls = stand_in.ranged(stand_in.model_controls + found, patcher.get_model_object("model_sampling"))
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        stand_in.controls = ()
+
+
+def _chain_of(entries: list | None):
+    """The ControlNet object on one side's entries (the last applied; its chain through ``previous_controlnet``), the
+    same on every entry of the side, or None."""
+    controls = {id(entry.get("control")): entry.get("control") for entry in entries or ()}
+    if len(controls) > 1:
+        raise TranslationError("the prompt's entries carry different ControlNets (Apply ControlNet on part of a "
+                               "combined or area conditioning); the backend runs a control on every row",
+                               "apply the ControlNet to the whole prompt, or use ComfyUI's own model loader")
+    return next(iter(controls.values()), None)
+
+
+def _resolved(stand_in, chains: dict) -> list[ControlChoice]:
+    """The ControlNets as the xDiT ControlNet node would choose them, first applied first (found once per chain)."""
+    from . import comfy_controls
+
+    if not any(chains.values()):
+        return []
+    if any(chain is not None for side, chain in chains.items() if side not in CONDITIONING_SIDES):
+        raise TranslationError("a conditioning other than the positive and negative prompts (DualCFGGuider's) "
+                               "carries a ControlNet; the backend runs a control on every row of both",
+                               "use a CFGGuider, or ComfyUI's own model loader")
+    if not stand_in.spec.takes_controlnets:
+        raise TranslationError(f"the conditioning carries a ControlNet (Apply ControlNet), and ControlNets for "
+                               f"{stand_in.spec.family} models do not run on the backend yet",
+                               "remove Apply ControlNet from the prompt's path, or use ComfyUI's own model loader")
+    key = tuple(id(chains.get(side)) for side in CONDITIONING_SIDES)
+    if key not in stand_in.found_controls:
+        prompt, node_id = running_prompt()
+        sides = {side: [[None, {"control": chains[side]}]] for side in CONDITIONING_SIDES if side in chains}
+        stand_in.found_controls = {key: comfy_controls.choices(sides.get("positive"), sides.get("negative"), prompt,
+                                                               conditioning_node(prompt, node_id))}
+    return list(stand_in.found_controls[key])
+
+
+def running_prompt() -> tuple[dict, str]:
+    """The prompt ComfyUI is running and the node it is executing (the sampler), from its executing context."""
+    import server
+    from comfy_execution.utils import get_executing_context
+
+    context = get_executing_context()
+    running, _ = server.PromptServer.instance.prompt_queue.get_current_queue_volatile()
+    prompt = next((item[2] for item in running if context is not None and item[1] == context.prompt_id), None)
+    if prompt is None:
+        raise TranslationError("the xDiT Model's conditioning carries a ControlNet (Apply ControlNet), and the "
+                               "running prompt, where its file is named, is not to be found",
+                               "run the workflow from ComfyUI's queue, or use the xDiT Sampler")
+    return prompt, str(context.node_id)
+
+
+def conditioning_node(prompt: dict, node_id: str) -> str:
+    """The node whose positive and negative inputs the sampler's conditioning came through: the sampler itself
+    (KSampler, KSamplerAdvanced), or the guider it takes (SamplerCustomAdvanced's CFGGuider)."""
+    inputs = prompt.get(node_id, {}).get("inputs", {})
+    if any(isinstance(inputs.get(side), list) for side in CONDITIONING_SIDES):
+        return node_id
+    guider = inputs.get("guider")
+    if isinstance(guider, list):
+        return conditioning_node(prompt, str(guider[0]))
+    raise TranslationError(f"the sampler (node {node_id}) takes no positive or negative conditioning whose "
+                           "ControlNets could be followed to their files", "use KSampler or a CFGGuider, or the "
+                           "xDiT Sampler")
