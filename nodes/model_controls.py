@@ -1,11 +1,14 @@
 """The xDiT Model's controls: ComfyUI's Apply ControlNet on the conditioning of a sampler that runs in ComfyUI's
-process (KSampler, SamplerCustomAdvanced's guider), and the xDiT control nodes on the model before the xDiT Model.
+process (KSampler, SamplerCustomAdvanced's guider), ComfyUI's model-patch nodes on the xDiT Model
+(QwenImageDiffsynthControlnet, ZImageFunControlnet), and the xDiT control nodes on the model before the xDiT Model.
 
 ComfyUI would load each ControlNet in its own process (``prepare_sampling``) and compute its residuals there
 (``calc_cond_batch``: ``control.get_control`` before ``apply_model``; comfy/samplers.py, snapshot v0.3.64), then
-send them with every call. Here the xDiT Model's ``outer_sample`` wrapper takes the ControlNets off the run's
-conditioning before either happens, finds each one's file as the xDiT sampler does (comfy_controls: up the prompt
-graph from the running sampler, which ComfyUI's executing context names), and gives the stand-in transformer
+send them with every call; a model patch likewise (``get_additional_models_from_model_options``, then the model's
+``double_block`` patches). Here the xDiT Model's ``outer_sample`` wrapper takes the ControlNets off the run's
+conditioning and the patches off its model options before either happens, finds each one's file as the xDiT
+sampler does (comfy_controls: up the prompt graph from the running sampler, which ComfyUI's executing context
+names; a patch's through its node's ModelPatchLoader), and gives the stand-in transformer
 (model_call.RemoteDiffusionModel) every control with its σ range (its percents through the run's model sampling,
 as ``ControlBase.pre_run`` turns them); each call then sends those active at its noise level, their control
 latents encoded once per latent size, and the backend runs them under the model's split (schema.EVALUATE's
@@ -19,6 +22,9 @@ from .translate import TranslationError
 
 CONDITIONING_SIDES = ("positive", "negative")
 WRAPPER_KEY = "xdit_controls"
+# ComfyUI's model-patch nodes (comfy_extras/nodes_model_patch.py) and the patches they attach, by class name
+PATCH_NODES = ("QwenImageDiffsynthControlnet", "ZImageFunControlnet")
+PATCH_CLASSES = ("DiffSynthCnetPatch", "ZImageControlPatch")
 
 
 def install(patcher) -> None:
@@ -39,7 +45,9 @@ def on_the_backend(executor, *args, **kwargs):
     for entries in guider.conds.values():
         for entry in entries:
             entry.pop("control", None)
-    stand_in.controls = stand_in.ranged(stand_in.model_controls + found, patcher.get_model_object("model_sampling"))
+    patched = _patches_taken_off(guider)
+    stand_in.controls = stand_in.ranged(stand_in.model_controls + _patch_choices(stand_in, patched) + found,
+                                        patcher.get_model_object("model_sampling"))
     try:
         return executor(*args, **kwargs)
     finally:
@@ -78,6 +86,80 @@ def _resolved(stand_in, chains: dict) -> list[ControlChoice]:
         stand_in.found_controls = {key: comfy_controls.choices(sides.get("positive"), sides.get("negative"), prompt,
                                                                conditioning_node(prompt, node_id))}
     return list(stand_in.found_controls[key])
+
+
+def _patches_taken_off(guider) -> list:
+    """The model-patch nodes' patches on the run's model options (first applied first), taken off them: a new
+    options dict for the run (the patcher's own is shared with every clone)."""
+    options = guider.model_options.get("transformer_options", {})
+    patches = options.get("patches", {})
+    found = []
+    for patch in patches.get("double_block", ()):
+        if type(patch).__name__ in PATCH_CLASSES and patch not in found:
+            found.append(patch)
+    if found:
+        kept = {name: [p for p in listed if p not in found] for name, listed in patches.items()}
+        guider.model_options = {**guider.model_options, "transformer_options": {
+            **options, "patches": {name: listed for name, listed in kept.items() if listed}}}
+    return found
+
+
+def _patch_choices(stand_in, patched: list) -> list[ControlChoice]:
+    """The model patches as the xDiT DiffSynth / Z-Image Fun ControlNet nodes would choose them (found once)."""
+    from .control import fun_channels, mask_channels
+
+    if not patched:
+        return []
+    key = ("patches", *map(id, patched))
+    if key not in stand_in.found_controls:
+        prompt, node_id = running_prompt()
+        files = patch_files(prompt, model_node(prompt, node_id))
+        if len(files) != len(patched):
+            raise TranslationError(f"the model carries {len(patched)} model patches and {len(files)} model-patch "
+                                   "nodes lead to the sampler", "patch the xDiT Model on the sampler's own path, or "
+                                   "use the xDiT DiffSynth / Z-Image Fun ControlNet nodes")
+        choices = []
+        for patch, path in zip(patched, files):
+            if type(patch).__name__ == "ZImageControlPatch":
+                choices.append(ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
+                                             fun_channels(path) - 16, inpaint_image=patch.inpaint_image, fun=True))
+            else:
+                choices.append(ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
+                                             mask_channels(path)))
+        stand_in.found_controls[key] = choices
+    return list(stand_in.found_controls[key])
+
+
+def patch_files(prompt: dict, node_id: str) -> list[str]:
+    """The model patches' files of the model-patch nodes on the way up from ``node_id``'s model input (through any
+    node that passes a model on), first applied first."""
+    import folder_paths
+
+    files, link, seen = [], prompt[node_id]["inputs"].get("model"), set()
+    while isinstance(link, list) and str(link[0]) not in seen:
+        seen.add(str(link[0]))
+        node = prompt.get(str(link[0]), {})
+        inputs, kind = node.get("inputs", {}), node.get("class_type")
+        if kind in PATCH_NODES:
+            source = inputs.get("model_patch")
+            loader = prompt.get(str(source[0]), {}) if isinstance(source, list) else {}
+            if loader.get("class_type") != "ModelPatchLoader":
+                raise TranslationError(f"the model patch of node {link[0]} ({kind}) does not come from "
+                                       "ModelPatchLoader, so its file is unknown", "load it with ModelPatchLoader")
+            files.append(folder_paths.get_full_path_or_raise("model_patches", loader["inputs"]["name"]))
+        link = inputs.get("model")
+    return files[::-1]
+
+
+def model_node(prompt: dict, node_id: str) -> str:
+    """The node whose model input the sampler runs: the sampler itself, or the guider it takes."""
+    inputs = prompt.get(node_id, {}).get("inputs", {})
+    if isinstance(inputs.get("model"), list):
+        return node_id
+    if isinstance(inputs.get("guider"), list):
+        return model_node(prompt, str(inputs["guider"][0]))
+    raise TranslationError(f"the sampler (node {node_id}) takes no model input whose patches could be followed to "
+                           "their files", "use KSampler or a CFGGuider")
 
 
 def running_prompt() -> tuple[dict, str]:

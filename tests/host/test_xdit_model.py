@@ -1084,3 +1084,60 @@ def test_apply_controlnet_on_the_xdit_model_gives_comfyuis_latent(backend2, pack
     from_node = comfy.sample.sample(controlled, noise, 4, 3.0, "euler", "simple", *prompts(8, guidance=(3.5, 3.5)),
                                     latent, seed=4)
     assert_same(own_latent, from_node)
+
+
+def test_a_model_patch_node_on_the_xdit_model_gives_comfyuis_latent(backend2, pack, tmp_path, monkeypatch):
+    """QwenImageDiffsynthControlnet (ComfyUI's own node, strength 0.8) on ComfyUI's tiny Qwen-Image and on the xDiT
+    Model, KSampler under ulysses=2: the same latent; the patch runs on the backend (its file found through the
+    node's ModelPatchLoader in the running prompt), not in ComfyUI's process."""
+    import comfy.model_patcher
+    import comfy.ops
+    import comfy.sample
+    import comfy_extras.nodes_model_patch as nodes_model_patch
+    import folder_paths
+    import torch
+    from safetensors.torch import save_file
+
+    from host.test_control_nodes import StandInVAE
+    from ranks.test_qwen_image import TINY, tiny_file
+    from xdit_backend.models import model_patch
+
+    network = model_patch.network(model_patch.PatchSpec("qwen-image-diffsynth-tiny", 1.0), torch.device("cpu"),
+                                  torch.float32)
+    (tmp_path / "model_patches").mkdir()
+    save_file(network.state_dict(), str(tmp_path / "model_patches" / "canny-patch.safetensors"))
+    folder_paths.add_model_folder_path("model_patches", str(tmp_path / "model_patches"))
+    width = TINY["num_attention_heads"] * TINY["attention_head_dim"]
+    theirs = nodes_model_patch.QwenImageBlockWiseControlNet(num_layers=TINY["num_layers"], dim=width,
+                                                           operations=comfy.ops.manual_cast)
+    theirs.load_state_dict(network.state_dict())
+    runs = []
+    original_block = theirs.control_block
+    theirs.control_block = lambda *args: runs.append(1) or original_block(*args)
+    loaded = comfy.model_patcher.ModelPatcher(theirs, torch.device("cpu"), torch.device("cpu"))  # ModelPatchLoader's
+    graph = {"p": {"class_type": "ModelPatchLoader", "inputs": {"name": "canny-patch.safetensors"}},
+             "q": {"class_type": "QwenImageDiffsynthControlnet",
+                   "inputs": {"model": ["xm", 0], "model_patch": ["p", 0]}},
+             "ks": {"class_type": "KSampler", "inputs": {"model": ["q", 0]}}}
+    monkeypatch.setattr(pack_module("model_controls"), "running_prompt", lambda: (graph, "ks"))
+
+    path = str(tmp_path / "tiny-qwen-image.safetensors")
+    state_dict = tiny_file()
+    save_file(state_dict, path)
+    own = comfyuis_model(state_dict, **{k: TINY[k] for k in ("attention_head_dim", "num_attention_heads",
+                                                             "joint_attention_dim", "axes_dims_rope")})
+    image = torch.rand(1, 64, 96, 3, generator=torch.Generator().manual_seed(7))
+    node = nodes_model_patch.QwenImageDiffsynthControlnet()
+    own_patched = node.diffsynth_controlnet(own, loaded, StandInVAE(), image, 0.8)[0]
+    xdit_patched = node.diffsynth_controlnet(xdit_model(pack, path, backend2, {"ulysses": 2}), loaded, StandInVAE(),
+                                             image, 0.8)[0]
+    latent = torch.zeros(1, 16, 1, 8, 12)
+    noise = comfy.sample.prepare_noise(latent, 2)
+    sides = prompts(10, pooled=None)
+    own_latent = comfy.sample.sample(own_patched, noise, 4, 2.5, "euler", "simple", *sides, latent, seed=2)
+    ran_in_comfyui = len(runs)
+    xdit_latent = comfy.sample.sample(xdit_patched, noise, 4, 2.5, "euler", "simple", *sides, latent, seed=2)
+    assert_same(own_latent, xdit_latent)
+    assert ran_in_comfyui > 0 and len(runs) == ran_in_comfyui
+    plain = comfy.sample.sample(own, noise, 4, 2.5, "euler", "simple", *sides, latent, seed=2)
+    assert (plain - own_latent).abs().max() > 1e-3
