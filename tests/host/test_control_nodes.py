@@ -173,6 +173,20 @@ def test_a_flux_workflow_with_a_union_controlnet_gives_the_serial_latent(host):
     assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
 
 
+def test_an_sd3_workflow_with_its_controlnet_gives_the_serial_latent(host):
+    """The tiny workflow on [test] sd3-tiny with xDiT ControlNet ([test] sd3-controlnet-tiny, strength 0.6, the last
+    half of the schedule): the backend's serial reference with that ControlNet and range, not the whole range's."""
+    from xdit_backend.service.reference import serial_latent
+
+    latent, fields = run_with_control(host, {"class_type": "XDiTControlNet", "inputs": {
+        "control_net": "[test] sd3-controlnet-tiny", "strength": 0.6, "start_percent": 0.5, "end_percent": 1.0}},
+        "sd3-controlnet", "xdit-tiny", "sd3-tiny")
+    control = {"path": "sd3-controlnet-tiny", "strength": 0.6}
+    expected = serial_latent({**fields, "controls": [{**control, "start": 0.5, "end": 1.0}]})
+    assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+    assert (latent - serial_latent({**fields, "controls": [control]})).abs().max() > 1e-3
+
+
 def test_a_workflow_with_the_z_image_fun_node_gives_the_serial_latent(host):
     """The tiny workflow on [test] z-image-tiny with xDiT Z-Image Fun ControlNet ([test] patch, strength 0.7): the
     backend's serial reference with that control, not the one without it."""
