@@ -52,6 +52,7 @@ SIZES = {
     "z-image-tiny": {"width": 128, "height": 64},  # unified sequence: 32 image + 32 caption tokens (8 padded)
     "hunyuan-dit-tiny": {"width": 128, "height": 64},
     "flux2-tiny": {"width": 128, "height": 64},  # latent [1, 128, 4, 8]: 32 tokens (and 512 of text)
+    "chroma-tiny": {"width": 128, "height": 64},  # 32 image tokens, 8 text tokens; 344 modulation vectors
     "qwen-image-tiny": {"width": 128, "height": 64},  # 4 × 8 = 32 image tokens, 8 text tokens
     "qwen-image-edit-2511-tiny": {"width": 128, "height": 64},  # and 15 reference tokens, at timestep 0
     "cogvideox-tiny": {"width": 64, "height": 64, "frames": 5},  # latent [1, 16, 2, 8, 8]: 32 tokens, text 8

@@ -31,10 +31,24 @@ def bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
     for suffix in ("weight", "bias"):  # diffusers (scale, shift) ↔ BFL (shift, scale)
         scale, shift = sd[f"norm_out.linear.{suffix}"].chunk(2)
         out[f"final_layer.adaLN_modulation.1.{suffix}"] = torch.cat([shift, scale])
+    out.update(bfl_blocks(transformer, modulated=True))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def bfl_blocks(transformer, modulated: bool) -> dict[str, torch.Tensor]:
+    """A diffusers Flux-kind transformer's double and single blocks in BFL's names (``modulated``: with their
+    modulation layers; Chroma's blocks have none)."""
+    sd = transformer.state_dict()
+    out = {}
+
+    def linear(bfl, diffusers):
+        out[f"{bfl}.weight"], out[f"{bfl}.bias"] = sd[f"{diffusers}.weight"], sd[f"{diffusers}.bias"]
+
     for i in range(len(transformer.transformer_blocks)):
         d, b = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        linear(f"{b}.img_mod.lin", f"{d}.norm1.linear")
-        linear(f"{b}.txt_mod.lin", f"{d}.norm1_context.linear")
+        if modulated:
+            linear(f"{b}.img_mod.lin", f"{d}.norm1.linear")
+            linear(f"{b}.txt_mod.lin", f"{d}.norm1_context.linear")
         for stream, q, k, v, proj, nq, nk in [("img", "to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k"),
                                               ("txt", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                                                "norm_added_q", "norm_added_k")]:
@@ -48,14 +62,15 @@ def bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
             linear(f"{b}.{stream}_mlp.2", f"{d}.{ff}.net.2")
     for i in range(len(transformer.single_transformer_blocks)):
         d, b = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
-        linear(f"{b}.modulation.lin", f"{d}.norm.linear")
+        if modulated:
+            linear(f"{b}.modulation.lin", f"{d}.norm.linear")
         for suffix in ("weight", "bias"):
             out[f"{b}.linear1.{suffix}"] = torch.cat([sd[f"{d}.{n}.{suffix}"]
                                                       for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
         linear(f"{b}.linear2", f"{d}.proj_out")
         out[f"{b}.norm.query_norm.scale"] = sd[f"{d}.attn.norm_q.weight"]
         out[f"{b}.norm.key_norm.scale"] = sd[f"{d}.attn.norm_k.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -106,6 +106,9 @@ ROWS = [
     Row(family("z-image-tiny"), 4, full_warmup(family("z-image-tiny"), {"pipefusion": 4, "num_pipeline_patch": 2})),
     # Flux.2's double- and single-stream blocks (their fused projections) sharded
     Row(family("flux2-tiny"), 2, {"ulysses": 2, "shard_weights": True}),
+    # Chroma's blocks sharded (the approximator, outside them, whole on every rank), and split 4 ways
+    Row(family("chroma-tiny"), 2, {"ulysses": 2, "shard_weights": True}, layout=SHARDED),
+    Row(family("chroma-tiny"), 4, {"ulysses": 4}),
     # HunyuanVideo 1.5 runs its blocks from its own loop, never the transformer's forward: FSDP's gathers still fire
     Row(family("hunyuan-video-1.5-tiny"), 2, {"ulysses": 2, "shard_weights": True}, layout=SHARDED),
     # Wan 2.2 TI2V-5B's image to video: the first frame fixed by a noise mask, a timestep per frame (per token)

@@ -107,9 +107,10 @@ def test_patched_pipefusion_reuses_the_same_steps_on_every_stage(backend2, condi
 
 
 # (family, method, threshold) whose serial statistics stay ≥ MARGIN from the threshold at 10 steps, seed 7:
-# Flux.2 and Z-Image decide on stage 1 (stage 0 holds the double blocks / the refiners, outside the span);
+# Flux.2, Z-Image and Chroma decide on stage 1 (stage 0 holds the double blocks / the refiners, outside the span);
 # HunyuanDiT's long skips travel between its stages.
-PIPELINED = [("flux2-tiny", "teacache", 0.45), ("z-image-tiny", "teacache", 0.45), ("hunyuan-dit-tiny", "fbcache", 0.3)]
+PIPELINED = [("flux2-tiny", "teacache", 0.45), ("z-image-tiny", "teacache", 0.45), ("hunyuan-dit-tiny", "fbcache", 0.3),
+             ("chroma-tiny", "teacache", 0.5)]
 
 
 @pytest.mark.parametrize("name, method, threshold", PIPELINED, ids=[case[0] for case in PIPELINED])

@@ -1141,3 +1141,50 @@ def test_a_model_patch_node_on_the_xdit_model_gives_comfyuis_latent(backend2, pa
     assert ran_in_comfyui > 0 and len(runs) == ran_in_comfyui
     plain = comfy.sample.sample(own, noise, 4, 2.5, "euler", "simple", *sides, latent, seed=2)
     assert (plain - own_latent).abs().max() > 1e-3
+
+
+def tiny_chroma(tmp_path) -> tuple[str, object]:
+    """The tiny Chroma as a file in the original layout, and ComfyUI's own model of it (its detection, the tiny
+    sizes set)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from backend.test_chroma import TINY, original_state_dict
+    from xdit_backend.models import registry
+
+    path = str(tmp_path / "tiny-chroma.safetensors")
+    save_file(original_state_dict(registry.build("chroma-tiny", torch.device("cpu")).transformer), path)
+    width = TINY["num_attention_heads"] * TINY["attention_head_dim"]
+    return path, comfyuis_model(load_file(path), hidden_size=width, num_heads=TINY["num_attention_heads"],
+                                context_in_dim=64, axes_dim=list(TINY["axes_dims_rope"]), out_dim=width,
+                                hidden_dim=TINY["approximator_hidden_dim"], n_layers=TINY["approximator_layers"])
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"cfg": 2}], ids=["ulysses", "cfg"])
+def test_chroma_gives_comfyuis_latent(backend2, pack, tmp_path, layout):
+    """A tiny Chroma file in the original layout: KSampler on ComfyUI's own Chroma (its detection, the tiny sizes
+    set) and on the xDiT Model, cfg 3, FluxGuidance 4 on the positive side (ComfyUI's default 0 on the other)."""
+    import torch
+
+    path, own = tiny_chroma(tmp_path)
+    # CLIPTextEncode with Chroma's T5 gives no pooled vector (pooled_output None)
+    positive, negative = prompts(12, pooled=None, pooled_output=(None, None), guidance=(4.0, 0.0))
+    sample_both(own, xdit_model(pack, path, backend2, layout), torch.zeros(1, 16, 8, 8), 5, 4, 3.0, "euler",
+                positive, negative)
+
+
+def test_chroma_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_path):
+    """The same tiny Chroma under the xDiT Sampler (ring=2), its prompts translated by the nodes (T5 alone: ComfyUI's
+    pooled_output None), against KSampler on ComfyUI's own Chroma."""
+    import comfy.sample
+    import torch
+
+    path, own = tiny_chroma(tmp_path)
+    positive, negative = prompts(13, pooled=None, pooled_output=(None, None))
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, 6)
+    theirs = comfy.sample.sample(own, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=6)
+    request = {"model": path, "dtype": "float32", "width": 64, "height": 64, "steps": 4, "seed": 6, "cfg": 3.0,
+               "sampler": "euler", "scheduler": "simple", "parallel": {"ring": 2}}
+    result, _ = backend2.sample(request, sampler_tensors(path, positive, negative))
+    assert_same(theirs, result["samples"])

@@ -65,6 +65,9 @@ ARCHITECTURES = (
     Architecture("Flux.2-dev", "Flux2Transformer2DModel", {}, 32.0, 4096, 512, "1024²", FLUX_VAE,
                  "diffusers 0.42.1 Flux2Transformer2DModel's defaults (8 double + 48 single blocks, 48 heads × "
                  "128, MLP ratio 3, text width 15360): FLUX.2-dev's; Mistral text: max_sequence_length 512"),
+    Architecture("Chroma1-HD", "ChromaTransformer2DModel", {}, 8.9, 4096, 512, "1024²", FLUX_VAE,
+                 "diffusers 0.42.1 ChromaTransformer2DModel's defaults (19 double + 38 single blocks, 24 heads × "
+                 "128, approximator 5 × 5120): lodestones/Chroma1-HD's; T5 text, unpadded: at most 512 tokens"),
     Architecture("Qwen-Image", "QwenImageTransformer2DModel", {}, 20.0, 4096, 512, "1024²", WAN_VAE,
                  "diffusers 0.42.1 QwenImageTransformer2DModel's defaults (60 blocks, 24 heads × 128, text "
                  "width 3584): Qwen/Qwen-Image's; text: the pipeline's max_sequence_length 512 (prompts are "

@@ -60,6 +60,14 @@ BUILTINS: dict[str, BuiltinModel] = {
         text_tokens=8,
         description="Flux.1-dev architecture, 2+5 blocks, width 64, random weights (a test model)",
     ),
+    "chroma-tiny": BuiltinModel(
+        family="chroma",
+        config=dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                    num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(4, 6, 6),
+                    approximator_num_channels=64, approximator_hidden_dim=64, approximator_layers=2),
+        text_tokens=8,
+        description="Chroma architecture, 2+3 blocks, width 64, random weights (a test model)",
+    ),
     "flux-fill-tiny": BuiltinModel(
         family="flux",
         # (16 latent + 16 image + 64 mask channels) × a 2×2 patch in, as Flux.1 Fill

@@ -57,26 +57,33 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource
     table = {}
     for key in diffusers_keys:
         module, param = key.rsplit(".", 1)
-        bfl_param = "scale" if param == "weight" and ("norm_q" in module or "norm_k" in module
-                                                      or "norm_added" in module) else param
         if module == "norm_out.linear":
             table[key] = TensorSource(f"{prefix}final_layer.adaLN_modulation.1.{param}", swap_halves=True)
             continue
         if module in _GLOBAL:
             table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
-        match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
-        if not match:
-            raise KeyError(key)
-        kind, index, rest = match.groups()
-        bfl_block = "double_blocks" if kind == "transformer_blocks" else "single_blocks"
-        name, *split = (_DOUBLE if kind == "transformer_blocks" else _SINGLE)[rest]
-        rows = None
-        if split:  # a band of a fused tensor: parts of width D or 4·D (the MLP)
-            part, parts = split
-            rows = bands([width if size == "D" else 4 * width for size in parts])[part]
-        table[key] = TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
+        table[key] = block_source(key, prefix, width, _DOUBLE, _SINGLE)
     return table
+
+
+def block_source(key: str, prefix: str, width: int, double: dict, single: dict) -> TensorSource:
+    """The BFL source of a diffusers block parameter ``key`` (``transformer_blocks.N.…`` or
+    ``single_transformer_blocks.N.…``) by the tables ``double`` and ``single``: a name, or a band of a fused tensor."""
+    module, param = key.rsplit(".", 1)
+    match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)", module)
+    if not match:
+        raise KeyError(key)
+    kind, index, rest = match.groups()
+    bfl_param = "scale" if param == "weight" and ("norm_q" in rest or "norm_k" in rest or "norm_added" in rest) \
+        else param
+    bfl_block = "double_blocks" if kind == "transformer_blocks" else "single_blocks"
+    name, *split = (double if kind == "transformer_blocks" else single)[rest]
+    rows = None
+    if split:  # a band of a fused tensor: parts of width D or 4·D (the MLP)
+        part, parts = split
+        rows = bands([width if size == "D" else 4 * width for size in parts])[part]
+    return TensorSource(f"{prefix}{bfl_block}.{index}.{name}.{bfl_param}", rows)
 
 
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:

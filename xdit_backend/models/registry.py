@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UserError
 from . import (
+    chroma_checkpoint,
     cogvideox_checkpoint,
     flux2_checkpoint,
     flux_checkpoint,
@@ -36,6 +37,7 @@ from . import (
 )
 from .base import DiffusionModel, FamilySpec
 from .builtins import BUILTINS, BuiltinModel
+from .chroma import ChromaModel, ChromaSpec
 from .checkpoint import Checkpoint
 from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
@@ -77,6 +79,7 @@ class Family:
 # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one, a Wan VACE file a Wan one's
 FAMILIES = {family.name: family for family in (
     Family(Flux2Spec, Flux2Model, flux2_checkpoint, "Flux2Transformer2DModel", "Flux.2 (dev, klein 4B and 9B)"),
+    Family(ChromaSpec, ChromaModel, chroma_checkpoint, "ChromaTransformer2DModel", "Chroma (Chroma1-HD, -Base)"),
     Family(FluxSpec, FluxModel, flux_checkpoint, "FluxTransformer2DModel", "Flux.1 (dev, schnell)"),
     Family(SD3Spec, SD3Model, sd3_checkpoint, "SD3Transformer2DModel", "SD3 (medium), SD3.5 (medium, large)"),
     Family(PixArtSpec, PixArtModel, pixart_checkpoint, "PixArtTransformer2DModel", "PixArt-α, PixArt-Σ"),

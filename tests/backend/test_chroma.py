@@ -1,0 +1,96 @@
+"""Chroma (diffusers' ChromaTransformer2DModel run from the family's own loop): a file in the original layout (ComfyUI's
+and lodestones') loads as the built-in it was written from, and the model equals ComfyUI's own Chroma — its 344
+modulation vectors, their places and the final layer's — with guidance 0 (ComfyUI's default) and FluxGuidance's.
+Every layout's parity with serial: test_parity.py's family rows."""
+
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from backend.test_model_files import bfl_blocks
+from xdit_backend.models import registry
+from xdit_backend.service.reference import serial_latent
+
+TINY = registry.BUILTINS["chroma-tiny"].config
+
+
+def original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """diffusers' Chroma → the original key layout (Flux's block names without their modulation layers, the
+    approximator's own), written out here independently of the loader."""
+    sd = transformer.state_dict()
+    out = {}
+
+    def linear(original, ours, bias=True):
+        out[f"{original}.weight"] = sd[f"{ours}.weight"]
+        if bias:
+            out[f"{original}.bias"] = sd[f"{ours}.bias"]
+
+    for original, ours in [("img_in", "x_embedder"), ("txt_in", "context_embedder"), ("final_layer.linear", "proj_out"),
+                           ("distilled_guidance_layer.in_proj", "distilled_guidance_layer.in_proj"),
+                           ("distilled_guidance_layer.out_proj", "distilled_guidance_layer.out_proj")]:
+        linear(original, ours)
+    for i in range(len(transformer.distilled_guidance_layer.layers)):
+        linear(f"distilled_guidance_layer.layers.{i}.in_layer", f"distilled_guidance_layer.layers.{i}.linear_1")
+        linear(f"distilled_guidance_layer.layers.{i}.out_layer", f"distilled_guidance_layer.layers.{i}.linear_2")
+        out[f"distilled_guidance_layer.norms.{i}.scale"] = sd[f"distilled_guidance_layer.norms.{i}.weight"]
+    out.update(bfl_blocks(transformer, modulated=False))  # Flux's block names, without the modulation layers
+    return {key: value.contiguous() for key, value in out.items()}
+
+
+@pytest.fixture(scope="module")
+def chroma_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chroma") / "chroma-tiny.safetensors"
+    save_file(original_state_dict(registry.build("chroma-tiny", torch.device("cpu")).transformer), str(path))
+    return str(path)
+
+
+def test_a_file_in_the_original_layout_loads_as_the_built_in(chroma_file):
+    """Told from a Flux file by its approximator; its config read off the shapes."""
+    source = registry.resolve(chroma_file)
+    assert source.family == "chroma"
+    assert {k: source.config[k] for k in TINY if k != "axes_dims_rope"} == {k: v for k, v in TINY.items()
+                                                                         if k != "axes_dims_rope"}
+    fields = {"model": "chroma-tiny", "width": 64, "height": 48, "steps": 3, "seed": 4, "cfg": 3.0,
+              "dtype": "float32"}
+    g = torch.Generator().manual_seed(2)
+    tensors = {"context": torch.randn(1, 8, 64, generator=g), "negative_context": torch.randn(1, 8, 64, generator=g)}
+    assert torch.equal(serial_latent({**fields, "model": chroma_file}, tensors), serial_latent(fields, tensors))
+
+
+needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"),
+                                   reason="needs a ComfyUI checkout: set COMFYUI_DIR to compare with ComfyUI's Chroma")
+
+
+@needs_comfyui
+@pytest.mark.parametrize("guidance", [0.0, 4.0], ids=["default", "flux-guidance"])
+def test_the_model_equals_comfyuis_chroma(chroma_file, guidance):
+    """ComfyUI's own Chroma of the same file (comfy/ldm/chroma/model.py, the tiny sizes given), its forward with the
+    guidance ComfyUI's Chroma.extra_conds puts on the call: our velocity within 1e-5."""
+    sys.path.insert(0, os.environ["COMFYUI_DIR"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.ldm.chroma.model
+    import comfy.ops
+    from safetensors.torch import load_file
+
+    width = TINY["num_attention_heads"] * TINY["attention_head_dim"]
+    theirs = comfy.ldm.chroma.model.Chroma(
+        operations=comfy.ops.disable_weight_init, in_channels=64, out_channels=64, context_in_dim=64,
+        hidden_size=width, mlp_ratio=4.0, num_heads=TINY["num_attention_heads"], depth=TINY["num_layers"],
+        depth_single_blocks=TINY["num_single_layers"], axes_dim=list(TINY["axes_dims_rope"]), theta=10000,
+        patch_size=2, qkv_bias=True, in_dim=64, out_dim=width, hidden_dim=TINY["approximator_hidden_dim"],
+        n_layers=TINY["approximator_layers"])
+    missing, unexpected = theirs.load_state_dict(load_file(chroma_file), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    model = registry.build(chroma_file, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    x, context = torch.randn(2, 16, 6, 8, generator=g), torch.randn(2, 7, 64, generator=g)
+    sigma = torch.tensor([0.7, 0.4])
+    with torch.no_grad():
+        expected = theirs(x, sigma, context, torch.full((2,), guidance))
+        ours = model.output(x, sigma, {"context": context}, guidance)
+    assert (ours - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
