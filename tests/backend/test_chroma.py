@@ -94,3 +94,28 @@ def test_the_model_equals_comfyuis_chroma(chroma_file, guidance):
         expected = theirs(x, sigma, context, torch.full((2,), guidance))
         ours = model.output(x, sigma, {"context": context}, guidance)
     assert (ours - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_a_lora_in_the_original_names_patches_blocks_and_approximator(tmp_path):
+    """ComfyUI-named LoRA keys (a fused qkv band, a single block's linear1, an approximator layer) all land through
+    the converter's table, and move the model's output."""
+    from xdit_backend.models import lora
+
+    g = torch.Generator().manual_seed(0)
+    pairs = {"double_blocks.0.img_attn.qkv": (64, 192), "single_blocks.1.linear1": (64, 448),
+             "distilled_guidance_layer.layers.0.in_layer": (64, 64)}
+    state = {}
+    for module, (inputs, outputs) in pairs.items():
+        state[f"diffusion_model.{module}.lora_A.weight"] = torch.randn(4, inputs, generator=g) * 0.1
+        state[f"diffusion_model.{module}.lora_B.weight"] = torch.randn(outputs, 4, generator=g) * 0.1
+    path = tmp_path / "chroma-lora.safetensors"
+    save_file(state, str(path))
+    patched = registry.build("chroma-tiny", torch.device("cpu"), loras=lora.parse([{"path": str(path),
+                                                                                    "strength": 1.0}]))
+    assert [(r["merged_modules"], r["unmatched_keys"]) for r in patched.lora_reports] == [(3, 0)]
+    plain = registry.build("chroma-tiny", torch.device("cpu"))
+    x, context = torch.randn(1, 16, 4, 6, generator=g), torch.randn(1, 5, 64, generator=g)
+    with torch.no_grad():
+        moved = patched.output(x, torch.tensor([0.5]), {"context": context}, 0.0) - \
+            plain.output(x, torch.tensor([0.5]), {"context": context}, 0.0)
+    assert moved.abs().max() > 1e-3
