@@ -37,17 +37,22 @@ def install(patcher) -> None:
 def on_the_backend(executor, *args, **kwargs):
     """A guider's ``outer_sample`` with the ControlNets taken off its conditioning (this run's copies): the stand-in
     transformer holds them, with the model's own controls, for the run's calls."""
+    from .sampler import _readable
+
     guider = executor.class_obj
     patcher = guider.model_patcher
     stand_in = patcher.model.diffusion_model
-    chains = {side: _chain_of(entries) for side, entries in guider.conds.items()}
-    found = _resolved(stand_in, chains)
-    for entries in guider.conds.values():
-        for entry in entries:
-            entry.pop("control", None)
-    patched = _patches_taken_off(guider)
-    stand_in.controls = stand_in.ranged(stand_in.model_controls + _patch_choices(stand_in, patched) + found,
-                                        patcher.get_model_object("model_sampling"))
+    try:
+        chains = {side: _chain_of(entries) for side, entries in guider.conds.items()}
+        found = _resolved(stand_in, chains)
+        for entries in guider.conds.values():
+            for entry in entries:
+                entry.pop("control", None)
+        patched = _patches_taken_off(guider)
+        controls = stand_in.model_controls + _patch_choices(stand_in, patched) + found
+    except TranslationError as exc:
+        raise ValueError(_readable(exc)) from None
+    stand_in.controls = stand_in.ranged(controls, patcher.get_model_object("model_sampling"))
     try:
         return executor(*args, **kwargs)
     finally:
@@ -164,12 +169,14 @@ def model_node(prompt: dict, node_id: str) -> str:
 
 def running_prompt() -> tuple[dict, str]:
     """The prompt ComfyUI is running and the node it is executing (the sampler), from its executing context."""
-    import server
     from comfy_execution.utils import get_executing_context
 
-    context = get_executing_context()
-    running, _ = server.PromptServer.instance.prompt_queue.get_current_queue_volatile()
-    prompt = next((item[2] for item in running if context is not None and item[1] == context.prompt_id), None)
+    context, prompt = get_executing_context(), None
+    if context is not None:  # a prompt ComfyUI runs: its queue holds it
+        import server
+
+        running, _ = server.PromptServer.instance.prompt_queue.get_current_queue_volatile()
+        prompt = next((item[2] for item in running if item[1] == context.prompt_id), None)
     if prompt is None:
         raise TranslationError("the xDiT Model's conditioning carries a ControlNet (Apply ControlNet), and the "
                                "running prompt, where its file is named, is not to be found",

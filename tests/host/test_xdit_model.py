@@ -1060,11 +1060,13 @@ def test_apply_controlnet_on_the_xdit_model_gives_comfyuis_latent(backend2, pack
     path = str(tmp_path / "tiny-flux.safetensors")
     own = comfyuis_model(tiny_flux_file(path), **FLUX_TINY_SIZES)
     xmodel = xdit_model(pack, path, backend2, layout)
-    monkeypatch.setattr(pack_module("model_controls"), "running_prompt", lambda: (CONTROLNET_GRAPH, "ks"))
     import comfy.sample
 
     latent = torch.zeros(1, 16, 8, 8)
     noise = comfy.sample.prepare_noise(latent, 4)
+    with pytest.raises(ValueError, match="(?s)xDiT: the xDiT Model's conditioning carries a ControlNet.*queue"):
+        comfy.sample.sample(xmodel, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=4)  # no prompt
+    monkeypatch.setattr(pack_module("model_controls"), "running_prompt", lambda: (CONTROLNET_GRAPH, "ks"))
     own_latent = comfy.sample.sample(own, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=4)
     ran_in_comfyui = len(runs)
     xdit_latent = comfy.sample.sample(xmodel, noise, 4, 3.0, "euler", "simple", positive, negative, latent, seed=4)
