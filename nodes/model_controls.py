@@ -1,6 +1,6 @@
 """The xDiT Model's controls: ComfyUI's Apply ControlNet on the conditioning of a sampler that runs in ComfyUI's
-process (KSampler, SamplerCustomAdvanced's guider), ComfyUI's model-patch nodes on the xDiT Model
-(QwenImageDiffsynthControlnet, ZImageFunControlnet), and the xDiT control nodes on the model before the xDiT Model.
+process (KSampler, SamplerCustomAdvanced's guider), ComfyUI's model-patch node on the xDiT Model
+(QwenImageDiffsynthControlnet), and the xDiT control nodes on the model before the xDiT Model.
 
 ComfyUI would load each ControlNet in its own process (``prepare_sampling``) and compute its residuals there
 (``calc_cond_batch``: ``control.get_control`` before ``apply_model``; comfy/samplers.py, snapshot v0.3.64), then
@@ -22,9 +22,10 @@ from .translate import TranslationError
 
 CONDITIONING_SIDES = ("positive", "negative")
 WRAPPER_KEY = "xdit_controls"
-# ComfyUI's model-patch nodes (comfy_extras/nodes_model_patch.py) and the patches they attach, by class name
-PATCH_NODES = ("QwenImageDiffsynthControlnet", "ZImageFunControlnet")
-PATCH_CLASSES = ("DiffSynthCnetPatch", "ZImageControlPatch")
+# ComfyUI's model-patch node (comfy_extras/nodes_model_patch.py) and the patch it attaches, by class name (Z-Image's,
+# ZImageFunControlnet, comes with a ComfyUI newer than the snapshot, which the xDiT Model does not run Z-Image on yet)
+PATCH_NODES = ("QwenImageDiffsynthControlnet",)
+PATCH_CLASSES = ("DiffSynthCnetPatch",)
 
 
 def install(patcher) -> None:
@@ -110,8 +111,8 @@ def _patches_taken_off(guider) -> list:
 
 
 def _patch_choices(stand_in, patched: list) -> list[ControlChoice]:
-    """The model patches as the xDiT DiffSynth / Z-Image Fun ControlNet nodes would choose them (found once)."""
-    from .control import fun_channels, mask_channels
+    """The model patches as the xDiT DiffSynth ControlNet node would choose them (found once)."""
+    from .control import mask_channels
 
     if not patched:
         return []
@@ -122,16 +123,9 @@ def _patch_choices(stand_in, patched: list) -> list[ControlChoice]:
         if len(files) != len(patched):
             raise TranslationError(f"the model carries {len(patched)} model patches and {len(files)} model-patch "
                                    "nodes lead to the sampler", "patch the xDiT Model on the sampler's own path, or "
-                                   "use the xDiT DiffSynth / Z-Image Fun ControlNet nodes")
-        choices = []
-        for patch, path in zip(patched, files):
-            if type(patch).__name__ == "ZImageControlPatch":
-                choices.append(ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
-                                             fun_channels(path) - 16, inpaint_image=patch.inpaint_image, fun=True))
-            else:
-                choices.append(ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
-                                             mask_channels(path)))
-        stand_in.found_controls[key] = choices
+                                   "use the xDiT DiffSynth ControlNet node")
+        stand_in.found_controls[key] = [ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
+                                                      mask_channels(path)) for patch, path in zip(patched, files)]
     return list(stand_in.found_controls[key])
 
 

@@ -27,7 +27,9 @@ FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tin
             "z-image-tiny", "hunyuan-video-1.5-tiny", "cogvideox-tiny",
             # the image, edit and first-frame inputs (issue 27): concat channels, references, per-token timesteps
             "flux-fill-tiny", "flux-kontext-tiny", "wan-i2v-tiny", "wan-ti2v-tiny", "qwen-image-edit-2511-tiny",
-            "cogvideox-1.5-i2v-tiny")
+            "cogvideox-1.5-i2v-tiny",
+            # issue 29's families
+            "chroma-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 
