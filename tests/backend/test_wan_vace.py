@@ -181,3 +181,23 @@ def test_the_model_equals_comfyuis_vace_wan_model(vace_file):
         ours = model.output(x, timestep, cond, None)
     assert (ours - expected).abs().max() <= 1e-5
     assert (expected - first).abs().max() > 1e-2
+
+
+def test_weight_sharding_shards_the_vace_blocks_as_the_models(backend2):
+    """With shard_weights each rank keeps ⌈rows/2⌉ of every block's parameters, the VACE blocks' too (the control
+    blocks of a 14B VACE model are 2.6 B parameters), two control videos beside: serial's latent."""
+    import math
+
+    tensors = vace_inputs(9, strengths=(0.8, -0.5))
+    result, info = backend2.sample({**VACE, "parallel": {"ulysses": 2, "shard_weights": True}, "profile": True},
+                                   tensors)
+    transformer = registry.build("wan-vace-tiny", torch.device("cpu")).transformer
+    blocks = [p for name in ("blocks", "vace_blocks") for block in getattr(transformer, name)
+              for p in block.parameters()]
+    inside = {id(p) for p in blocks}
+    rest = sum(p.numel() * p.element_size() for p in transformer.parameters() if id(p) not in inside)
+    share = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) * p.element_size() for p in blocks)
+    for record in info["profile"]:
+        assert record["resident_parameter_bytes"] <= share + rest, record
+    expected = serial_latent(VACE, tensors)
+    assert (result["samples"] - expected).abs().max() <= bound(expected)

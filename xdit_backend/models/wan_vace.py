@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .base import Cut, SequencePlan
+from .base import Cut, SequencePlan, StagePlan
 from .wan import WanModel, WanProcessor, WanSpec
 
 FRAME_CHANNELS, MASK_CHANNELS = 32, 64  # WanVaceToVideo's: the inactive and reactive latents, the 8×8 mask
@@ -56,12 +56,15 @@ class WanVaceSpec(WanSpec):
                                  attention=(("attn1", WanProcessor),))
     # the hints are added after the blocks, in the transformer's loop: a reused step would add them twice
     step_cache_refusal = "VACE adds its hints after the blocks, in the transformer's own loop"
+    # the blocks in execution order (diffusers runs every VACE block first): weight sharding, sharded loading and
+    # compile take both lists, so a VACE model's control blocks are sharded as its own are
+    stage_plan = StagePlan(block_lists=("vace_blocks", "blocks"), attention=WanSpec.stage_plan.attention)
 
     @classmethod
     def from_config(cls, config: dict) -> WanVaceSpec:
         base = WanSpec.from_config(config)
-        return cls(base.context_dim, base.heads, base.blocks, base.channels, base.in_channels,
-                   tuple(config["vace_layers"]))
+        return cls(base.context_dim, base.heads, base.blocks + len(config["vace_layers"]), base.channels,
+                   base.in_channels, tuple(config["vace_layers"]))
 
     @property
     def optional_conditioning(self) -> tuple[str, ...]:
