@@ -53,14 +53,7 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
     hidden, approximator_in = shape("distilled_guidance_layer.in_proj.weight")
     config = {
-        "patch_size": 1,
-        "in_channels": in_channels,
-        "num_layers": count_blocks(shapes, "double_blocks", prefix),
-        "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": width // head_dim,
-        "joint_attention_dim": shape("txt_in.weight")[1],
-        "axes_dims_rope": flux_checkpoint.rope_axes(head_dim),
+        **flux_checkpoint.blocks_config(shapes, prefix),
         "approximator_num_channels": approximator_in,
         "approximator_hidden_dim": hidden,
         "approximator_layers": count_blocks(shapes, "distilled_guidance_layer.layers", prefix),

@@ -100,17 +100,10 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
                         "is not a variant this version runs", "use a Flux.1 dev / schnell / Kontext, Fill, Depth or "
                         "Canny file")
     config = {
-        "patch_size": 1,
-        "in_channels": in_channels,
+        **blocks_config(shapes, prefix),
         **({"out_channels": out_channels} if out_channels != in_channels else {}),
-        "num_layers": count_blocks(shapes, "double_blocks", prefix),
-        "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": width // head_dim,
-        "joint_attention_dim": shape("txt_in.weight")[1],
         "pooled_projection_dim": shape("vector_in.in_layer.weight")[1],
         "guidance_embeds": "guidance_in.in_layer.weight" in shape,
-        "axes_dims_rope": rope_axes(head_dim),
     }
     expected = {
         "double_blocks.0.img_attn.qkv.weight": [3 * width, width],
@@ -126,6 +119,18 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
             f"unexpected shapes: {wrong or 'width not a multiple of the head size'})",
             "the file may be damaged or of another architecture; re-download it")
     return config
+
+
+def blocks_config(shapes: dict[str, list[int]], prefix: str) -> dict:
+    """What a Flux-layout file's shapes say of its blocks, in diffusers' config names (Flux.1's and Chroma's)."""
+    shape = FileShapes(shapes, prefix)
+    width, in_channels = shape("img_in.weight")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    return {"patch_size": 1, "in_channels": in_channels,
+            "num_layers": count_blocks(shapes, "double_blocks", prefix),
+            "num_single_layers": count_blocks(shapes, "single_blocks", prefix),
+            "attention_head_dim": head_dim, "num_attention_heads": width // head_dim,
+            "joint_attention_dim": shape("txt_in.weight")[1], "axes_dims_rope": rope_axes(head_dim)}
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
