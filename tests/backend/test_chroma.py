@@ -119,3 +119,27 @@ def test_a_lora_in_the_original_names_patches_blocks_and_approximator(tmp_path):
         moved = patched.output(x, torch.tensor([0.5]), {"context": context}, 0.0) - \
             plain.output(x, torch.tensor([0.5]), {"context": context}, 0.0)
     assert moved.abs().max() > 1e-3
+
+
+def test_a_gguf_file_keeps_its_blocks_quantized_and_matches_the_dequantized_model(tmp_path):
+    """A Q8_0 GGUF in city96's layout (the original names; 1-D tensors, embedders, final layer and the approximator's
+    input F32): its block matrices stay quantized, and it computes what the same values dequantized do."""
+    pytest.importorskip("gguf")  # the optional extra "gguf" (installed in CI)
+    from xdit_backend.models.storage import StoredLinear
+    from xdit_backend.selftest.files import gguf_file
+
+    plain = ("img_in.", "txt_in.", "final_layer.", "distilled_guidance_layer.in_proj.")
+    original = original_state_dict(registry.build("chroma-tiny", torch.device("cpu")).transformer)
+    reference = gguf_file(original, tmp_path / "chroma-q8_0.gguf", "Q8_0",
+                          plain=lambda key, value: value.dim() == 1 or key.startswith(plain))
+    save_file(reference, str(tmp_path / "reference.safetensors"))
+    loaded = registry.build(str(tmp_path / "chroma-q8_0.gguf"), torch.device("cpu"))
+    expected = registry.build(str(tmp_path / "reference.safetensors"), torch.device("cpu"))
+    stored = [m for m in loaded.transformer.transformer_blocks.modules() if isinstance(m, StoredLinear)]
+    assert loaded.spec.family == "chroma" and stored and all(m.weight.dtype == torch.uint8 for m in stored)
+    g = torch.Generator().manual_seed(1)
+    x, context = torch.randn(1, 16, 4, 6, generator=g), torch.randn(1, 5, 64, generator=g)
+    with torch.no_grad():
+        out = loaded.output(x, torch.tensor([0.5]), {"context": context}, 0.0)
+        want = expected.output(x, torch.tensor([0.5]), {"context": context}, 0.0)
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()
