@@ -18,7 +18,6 @@ from .choices import TEST_PREFIX, ControlChoice
 from .comfy_types import CATEGORY, XDiTModel
 
 LATENT_CHANNELS = 16  # Qwen-Image's latent (Wan 2.1's VAE), Z-Image's (Flux's)
-INPAINT_CHANNELS = 33  # a Z-Image Fun ControlNet 2.x's input: the control latent, the mask, the inpainting latent
 
 
 def patch_names() -> list[str]:
@@ -194,7 +193,7 @@ class XDiTZImageFunControlNet(io.ComfyNode):
         path, given, _ = chosen_file(model_patch, "model_patches", "Fun ControlNet",
                                      image if image is not None else inpaint_image, vae)
         channels = fun_channels(path)
-        if image is None and channels != INPAINT_CHANNELS and given is not None:
+        if image is None and channels == LATENT_CHANNELS and given is not None:
             raise ValueError("xDiT: this Fun ControlNet (1.0, 16 channels) needs the control image\nconnect image")
         mask = inverted(mask)
         usable = given is not None

@@ -219,18 +219,10 @@ class RemoteDiffusionModel(torch.nn.Module):
         self.position = RunPosition() if run_position else None
         self.latent_out = None  # ComfyUI's model's process_latent_out (remote_model.comfy_model sets it)
         # controls (model_controls.py): the xDiT control nodes' on the model (choices.ControlChoice), and for the
-        # calls of one calc_cond_batch every control with its σ range (high, low); Apply ControlNet's files found
-        # per ControlNet chain; each control's latent per latent size
+        # calls of one sampling run every control with its σ range (high, low) and each one's latent per latent size
         self.model_controls = list(model_controls)
         self.controls: tuple = ()
-        self.found_controls: dict = {}
         self.control_latents: dict = {}
-
-    @staticmethod
-    def ranged(choices: list, model_sampling) -> tuple:
-        """Each control with its σ range, its percents through ComfyUI's model sampling (ControlBase.pre_run's)."""
-        return tuple((choice, float(model_sampling.percent_to_sigma(choice.start)),
-                      float(model_sampling.percent_to_sigma(choice.end))) for choice in choices)
 
     def forward(self, x, timesteps, context=None, control=None, transformer_options=None, **extra):
         tensors, inputs = call_tensors(self.spec, x, timesteps, context, control, transformer_options or {}, extra,
@@ -247,8 +239,8 @@ class RemoteDiffusionModel(torch.nn.Module):
         return (out[:, :, None] if one_frame(self.spec, x) else out).to(x.device)
 
     def control_latent(self, choice, rows: int, columns: int) -> torch.Tensor:
-        """A control's latent at a latent of rows × columns, encoded the first time (nodes/control.py, as the xDiT
-        Sampler encodes it)."""
+        """A control's latent at a latent of rows × columns, encoded the first time in the run (nodes/control.py, as
+        the xDiT Sampler encodes it)."""
         from .control import control_latent
 
         key = (id(choice), rows, columns)

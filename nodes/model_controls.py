@@ -50,14 +50,16 @@ def on_the_backend(executor, *args, **kwargs):
             for entry in entries:
                 entry.pop("control", None)
         patched = _patches_taken_off(guider)
-        controls = stand_in.model_controls + _patch_choices(stand_in, patched) + found
+        controls = stand_in.model_controls + _patch_choices(patched) + found
     except TranslationError as exc:
         raise ValueError(_readable(exc)) from None
-    stand_in.controls = stand_in.ranged(controls, patcher.get_model_object("model_sampling"))
+    sampling = patcher.get_model_object("model_sampling")  # ControlBase.pre_run's: each percent as a σ
+    stand_in.controls = tuple((choice, float(sampling.percent_to_sigma(choice.start)),
+                               float(sampling.percent_to_sigma(choice.end))) for choice in controls)
     try:
         return executor(*args, **kwargs)
     finally:
-        stand_in.controls = ()
+        stand_in.controls, stand_in.control_latents = (), {}  # the run's: its choices go with it
 
 
 def _chain_of(entries: list | None):
@@ -72,7 +74,7 @@ def _chain_of(entries: list | None):
 
 
 def _resolved(stand_in, chains: dict) -> list[ControlChoice]:
-    """The ControlNets as the xDiT ControlNet node would choose them, first applied first (found once per chain)."""
+    """The ControlNets as the xDiT ControlNet node would choose them, first applied first."""
     from . import comfy_controls
 
     if not any(chains.values()):
@@ -85,13 +87,10 @@ def _resolved(stand_in, chains: dict) -> list[ControlChoice]:
         raise TranslationError(f"the conditioning carries a ControlNet (Apply ControlNet), and ControlNets for "
                                f"{stand_in.spec.family} models do not run on the backend yet",
                                "remove Apply ControlNet from the prompt's path, or use ComfyUI's own model loader")
-    key = tuple(id(chains.get(side)) for side in CONDITIONING_SIDES)
-    if key not in stand_in.found_controls:
-        prompt, node_id = running_prompt()
-        sides = {side: [[None, {"control": chains[side]}]] for side in CONDITIONING_SIDES if side in chains}
-        stand_in.found_controls = {key: comfy_controls.choices(sides.get("positive"), sides.get("negative"), prompt,
-                                                               conditioning_node(prompt, node_id))}
-    return list(stand_in.found_controls[key])
+    prompt, node_id = running_prompt()
+    sides = {side: [[None, {"control": chains[side]}]] for side in CONDITIONING_SIDES if side in chains}
+    return comfy_controls.choices(sides.get("positive"), sides.get("negative"), prompt,
+                                  conditioning_node(prompt, node_id))
 
 
 def _patches_taken_off(guider) -> list:
@@ -110,23 +109,20 @@ def _patches_taken_off(guider) -> list:
     return found
 
 
-def _patch_choices(stand_in, patched: list) -> list[ControlChoice]:
-    """The model patches as the xDiT DiffSynth ControlNet node would choose them (found once)."""
+def _patch_choices(patched: list) -> list[ControlChoice]:
+    """The model patches as the xDiT DiffSynth ControlNet node would choose them."""
     from .control import mask_channels
 
     if not patched:
         return []
-    key = ("patches", *map(id, patched))
-    if key not in stand_in.found_controls:
-        prompt, node_id = running_prompt()
-        files = patch_files(prompt, model_node(prompt, node_id))
-        if len(files) != len(patched):
-            raise TranslationError(f"the model carries {len(patched)} model patches and {len(files)} model-patch "
-                                   "nodes lead to the sampler", "patch the xDiT Model on the sampler's own path, or "
-                                   "use the xDiT DiffSynth ControlNet node")
-        stand_in.found_controls[key] = [ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask,
-                                                      mask_channels(path)) for patch, path in zip(patched, files)]
-    return list(stand_in.found_controls[key])
+    prompt, node_id = running_prompt()
+    files = patch_files(prompt, model_node(prompt, node_id))
+    if len(files) != len(patched):
+        raise TranslationError(f"the model carries {len(patched)} model patches and {len(files)} model-patch nodes "
+                               "lead to the sampler", "patch the xDiT Model on the sampler's own path, or use the "
+                               "xDiT DiffSynth ControlNet node")
+    return [ControlChoice(path, patch.strength, patch.image, patch.vae, patch.mask, mask_channels(path))
+            for patch, path in zip(patched, files)]
 
 
 def patch_files(prompt: dict, node_id: str) -> list[str]:
