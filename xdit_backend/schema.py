@@ -23,6 +23,7 @@ MAX_STEPS = 10000
 MAX_BATCH = 64
 SEED_RANGE = (0, 2**64 - 1)  # ComfyUI's seed widget range
 MAX_FRAMES = 1025
+MAX_AUDIO_FRAMES = 8192  # an audio latent's frames (LTX-2: 25 a second, so 5 min 27 s)
 # Reference latents per side (image editing): Flux.2 takes up to 10 reference images (Black Forest
 # Labs' model card), Qwen-Image-Edit-2509 three; two sides of them fit protocol.Limits.max_tensors.
 MAX_REFERENCES = 10

@@ -90,6 +90,9 @@ class FamilySpec(ABC):
     # process_timestep and scale_latent_inpaint: Wan 2.2 TI2V-5B's image to video): the sampler hands the model the
     # mask as ``denoise_mask`` (sampling/generate.py)
     masked_timesteps_per_frame = False
+    # the latent has an audio part beside the image or video one, [B, C, T, M] (channels, bins): LTX-2's; the two are
+    # sampled as one (sampling/packed.py), T from the video's length (``audio_frames``)
+    audio_part: ClassVar[tuple[int, int] | None] = None
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
@@ -165,6 +168,10 @@ class FamilySpec(ABC):
             low = (frames - 1) // self.time_factor * self.time_factor + 1
             raise UserError(f"frames {frames} is not 1 + a multiple of {self.time_factor} (the video VAE's stride)",
                             f"use frames {low} or {low + self.time_factor}")
+
+    def audio_frames(self, frames: int, frame_rate: float) -> int:
+        """The audio part's length T for a video of ``frames`` frames at ``frame_rate`` (a family with audio)."""
+        raise NotImplementedError
 
     def latent_shape(self, batch: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         h, w = height // self.vae_factor, width // self.vae_factor
@@ -285,11 +292,14 @@ class DiffusionModel(ABC):
         return x if extra is None else torch.cat([x, extra.to(x)], dim=1)  # [B, C + concat_channels, ...]
 
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
-        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]."""
+        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]; a latent of parts (``gen.parts``: LTX-2's video
+        and audio) is packed [B, K] here and given to ``output`` as its parts, whose outputs are packed back."""
         sampling = gen.sampling
-        out = self.output(sampling.calculate_input(sigma, x).to(self.dtype), sampling.timestep(sigma),
+        model_input = sampling.calculate_input(sigma, x).to(self.dtype)
+        parts = getattr(gen, "parts", None)
+        out = self.output(parts.unpack(model_input) if parts else model_input, sampling.timestep(sigma),
                           cond, gen.guidance)
-        return sampling.calculate_denoised(sigma, out.float(), x)
+        return sampling.calculate_denoised(sigma, (parts.pack(out) if parts else out).float(), x)
 
     @abstractmethod
     def output(self, x: torch.Tensor, timestep: torch.Tensor, cond: dict,
@@ -389,7 +399,8 @@ class SequencePlan:
     gather:    the module whose output [B, N/P, C] is gathered into [B, N, C] (before unpatchify); None: nothing
                is gathered (a ControlNet's residuals, which each rank adds to its own tokens).
     attention: (attribute name, processor class): attention modules that get a sequence-parallel
-               processor. The class is the family's (defined in its module; SD3's and PixArt's plain
+               processor, named by attribute ("attn") or by path without block indices ("transformer_blocks.attn1":
+               not the same attribute of LTX-2's text connectors). The class is the family's (defined in its module; SD3's and PixArt's plain
                diffusers ``Attention`` share joint_attention.JointAttentionProcessor): ``Processor(core)``
                computes the module's projections and hands the attention itself to
                ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text share (L

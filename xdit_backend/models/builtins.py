@@ -53,6 +53,29 @@ COGVIDEOX_TINY = dict(num_attention_heads=4,  # Ulysses 4 splits them
                       sample_frames=5, patch_size=2, max_text_seq_length=8,
                       use_rotary_positional_embeddings=True)  # 5B's positions
 
+# LTX-2.3's architecture at width 64 (video: 4 heads of 16; audio: 4 of 8), 2 blocks: gated attention, the text's
+# own modulation (cross_attn_mod), per-stream text features (4096 + 2048 at full size: 64 + 32 here), split RoPE,
+# connectors of 2 layers with 128 registers; positions causal and from the cells' middles (2.3's metadata)
+LTX23_TINY = dict(
+    num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64,
+    audio_num_attention_heads=4, audio_attention_head_dim=8, audio_cross_attention_dim=32,
+    num_layers=2, gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True,
+    use_prompt_embeddings=False, rope_type="split", cross_attn_timestep_scale_multiplier=1000,
+    connector=dict(video=dict(num_attention_heads=4, attention_head_dim=16, num_layers=2, rope_type="split",
+                              gated_attention=True),
+                   audio=dict(num_attention_heads=4, attention_head_dim=8, num_layers=2, rope_type="split",
+                              gated_attention=True)),
+    positions=dict(causal=True, middle=True))
+# LTX-2.0's: one 48-wide text feature for both streams (3840 at full size), projected after the connectors
+# (caption_projection), interleaved RoPE, no gates
+LTX20_TINY = dict(
+    num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64,
+    audio_num_attention_heads=4, audio_attention_head_dim=8, audio_cross_attention_dim=32,
+    num_layers=2, caption_channels=48, rope_type="interleaved", cross_attn_timestep_scale_multiplier=1000,
+    connector=dict(video=dict(num_attention_heads=2, attention_head_dim=24, num_layers=2),
+                   audio=dict(num_attention_heads=2, attention_head_dim=24, num_layers=2)),
+    positions=dict(causal=True, middle=True))
+
 BUILTINS: dict[str, BuiltinModel] = {
     "flux-tiny": BuiltinModel(
         family="flux",
@@ -67,6 +90,20 @@ BUILTINS: dict[str, BuiltinModel] = {
                     approximator_num_channels=64, approximator_hidden_dim=64, approximator_layers=2),
         text_tokens=8,
         description="Chroma architecture, 2+3 blocks, width 64, random weights (a test model)",
+    ),
+    "ltx2-tiny": BuiltinModel(
+        family="ltx2",
+        config=LTX23_TINY,
+        text_tokens=8,
+        description="LTX-2.3 architecture (video with audio), 2 blocks, width 64 (audio 32), random weights "
+                    "(a test model)",
+    ),
+    "ltx2.0-tiny": BuiltinModel(
+        family="ltx2",
+        config=LTX20_TINY,
+        text_tokens=8,
+        description="LTX-2.0 architecture (video with audio), 2 blocks, width 64 (audio 32), random weights "
+                    "(a test model)",
     ),
     "flux-fill-tiny": BuiltinModel(
         family="flux",

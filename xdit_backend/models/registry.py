@@ -24,6 +24,7 @@ from . import (
     hunyuan_dit_checkpoint,
     hunyuan_video15_checkpoint,
     lora,
+    ltx2_checkpoint,
     pixart_checkpoint,
     qwen_image_checkpoint,
     safetensors_file,
@@ -44,6 +45,7 @@ from .flux import FluxModel, FluxSpec
 from .flux2 import Flux2Model, Flux2Spec
 from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
+from .ltx2 import LTX2Model, LTX2Spec, build_transformer
 from .pixart import PixArtModel, PixArtSpec
 from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
@@ -62,6 +64,7 @@ class Family:
     checkpoint: Checkpoint  # its <family>_checkpoint module
     diffusers_class: str
     describes: str  # the variants, for messages
+    build: Callable | None = None  # builds the transformer from its config, where diffusers' class alone does not
 
     @property
     def name(self) -> str:
@@ -88,6 +91,8 @@ FAMILIES = {family.name: family for family in (
            "Wan 2.1 T2V (1.3B, 14B), Wan 2.2 (A14B experts, TI2V-5B)"),
     Family(HunyuanVideo15Spec, HunyuanVideo15Model, hunyuan_video15_checkpoint, "HunyuanVideo15Transformer3DModel",
            "HunyuanVideo 1.5 (480p, 720p; text to video)"),
+    Family(LTX2Spec, LTX2Model, ltx2_checkpoint, "LTX2VideoTransformer3DModel", "LTX-2 (2.0, 2.3; video with audio)",
+           build_transformer),
     Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
     Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
     Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",
@@ -207,7 +212,8 @@ def construct(source: ModelSource):
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
     import diffusers
 
-    cls = getattr(diffusers, FAMILIES[source.family].diffusers_class)
+    family = FAMILIES[source.family]
+    cls = family.build or getattr(diffusers, family.diffusers_class)
     return weights.construct(cls, source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
 
 

@@ -230,7 +230,8 @@ def attach(transformer, plan: SequencePlan, layout, kernel: attention.Kernel) ->
     usp = USPAttention(layout.group("ulysses"), layout.group("ring"), kernel, shard)
     processors = dict(plan.attention)
     for name, module in modules.items():
-        processor = processors.get(name.rsplit(".", 1)[-1])
+        path = ".".join(part for part in name.split(".") if not part.isdigit())  # "transformer_blocks.attn1"
+        processor = processors.get(name.rsplit(".", 1)[-1], processors.get(path))
         if processor is not None:
             module.set_processor(processor(usp))
     return attached

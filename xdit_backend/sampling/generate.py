@@ -15,6 +15,7 @@ import torch
 
 from . import samplers
 from .inpaint import Inpaint, prepare_mask
+from .packed import LatentParts
 from .stop import GenerationStopped  # noqa: F401  (callers import it from here)
 
 
@@ -22,7 +23,7 @@ from .stop import GenerationStopped  # noqa: F401  (callers import it from here)
 class Generation:
     """Everything one generation needs, on the CPU; conditioning dicts hold the family's tensors."""
 
-    latent: torch.Tensor  # [B, C, h, w] or [B, C, T, h, w], raw VAE space (zeros: an empty latent)
+    latent: torch.Tensor  # [B, C, h, w] or [B, C, T, h, w], raw VAE space (zeros: an empty latent); packed: [B, K]
     seed: int
     sigmas: torch.Tensor  # [steps + 1] the noise levels this generation walks (schedulers.py, then ``cut``)
     sampling: object  # spec.model_sampling(shift): model_sampling.Flow/Eps/VSampling, v_prediction.ZeroSNRVSampling
@@ -40,6 +41,9 @@ class Generation:
     # region stays clean rather than noised (WAN22): FamilySpec.model_reads_noise_mask, masked_timesteps_per_frame
     model_reads_mask: bool = False
     kept_clean: bool = False
+    # a latent of several parts (LTX-2's video and audio), ``latent`` their packed [B, Σ n_i] (packed.py); the noise
+    # mask is the first part's (the video's), the others are made whole
+    parts: LatentParts | None = None
 
     @property
     def steps(self) -> int:
@@ -99,7 +103,10 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     """ComfyUI's prologue: noise drawn for the whole batch (as ComfyUI draws it) and cut to ``rows``,
     the input latent shifted into model space (an empty latent is not), then noise-scaled at σ₀."""
     full = gen.latent.float()
-    noise = comfy_noise(tuple(full.shape), gen.seed) if gen.add_noise else torch.zeros_like(full)
+    if not gen.add_noise:
+        noise = torch.zeros_like(full)
+    else:
+        noise = gen.parts.noise(full.shape[0], gen.seed) if gen.parts else comfy_noise(tuple(full.shape), gen.seed)
     noise = noise[rows].to(device)
     latent = (latent_format.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)
     positive = {key: t[rows].to(device) for key, t in gen.positive.items()}
@@ -110,12 +117,22 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     step_noise = samplers.StepNoise(tuple(full.shape), gen.seed, rows, device=device, cpu_generator=gen.cpu_noise)
     inpaint = None
     if gen.noise_mask is not None:
-        mask = prepare_mask(gen.noise_mask, tuple(full.shape))[rows].to(device)
+        mask = packed_mask(gen, tuple(full.shape))[rows].to(device)
         inpaint = Inpaint(mask, latent, noise, clean=gen.kept_clean)
         if gen.model_reads_mask:  # ComfyUI's extra cond "denoise_mask": the prepared mask, on both sides
             positive = {**positive, "denoise_mask": mask}
             negative = None if negative is None else {**negative, "denoise_mask": mask}
     return Start(x, gen.sigmas, positive, negative, step_noise, inpaint)
+
+
+def packed_mask(gen: Generation, shape: tuple[int, ...]) -> torch.Tensor:
+    """The noise mask over the whole latent ``shape``: the latent's own, or for parts the first part's mask beside
+    ones for the others (ComfyUI's LTXVConcatAVLatent: a part without a mask is made whole)."""
+    if gen.parts is None:
+        return prepare_mask(gen.noise_mask, shape)
+    first, *others = gen.parts.shapes
+    return gen.parts.pack([prepare_mask(gen.noise_mask, (shape[0], *first)),
+                           *(torch.ones(shape[0], *other) for other in others)])
 
 
 def finish(gen: Generation, latent_format, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,7 @@ class Leader:
         if outcome.profile is not None:
             info["profile"] = outcome.profile
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
-                          {"samples": outcome.latent}))
+                          request.result(resolve_model(request.model).spec, outcome.latent)))
 
     def resolve_evaluation(self, job: Job) -> tuple[EvaluateRequest, str]:
         """Check a model call and fix its layout, so every rank runs exactly the same; its inputs must be inline or

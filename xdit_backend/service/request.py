@@ -21,9 +21,10 @@ from ..models.base import shape_fits, shape_text
 from ..parallel.step_cache import CacheOptions
 from ..sampling import samplers, schedulers
 from ..sampling.generate import Generation, cut
+from ..sampling.packed import LatentParts
 from ..wire import protocol
 
-GENERATION_TENSORS = ("latent", "sigmas", "noise_mask")
+GENERATION_TENSORS = ("latent", "audio_latent", "sigmas", "noise_mask")
 # Every other tensor is one side's conditioning, [negative_]<key>: which keys a model takes is its
 # spec's (conditioning_shapes, optional_conditioning, takes_references), checked in ``conditioning``.
 CONDITIONING_NAME = re.compile(r"(negative_)?([a-z][a-z0-9_]*)")
@@ -73,6 +74,25 @@ class SampleRequest:
 
     def latent_shape(self, spec) -> tuple[int, ...]:
         return spec.latent_shape(self.batch, self.width, self.height, self.frames)
+
+    def latent_parts(self, spec) -> LatentParts | None:
+        """A family with audio (LTX-2): the video's and the audio's latent shapes, the audio's as sent
+        (``audio_latent``) or, sent none, for the video's length at the conditioning's frame rate."""
+        if spec.audio_part is None:
+            return None
+        audio = self.tensors.get("audio_latent")
+        if audio is None:
+            rate = self.tensors.get("frame_rate")
+            frames = spec.audio_frames(self.frames, *(() if rate is None else (float(rate.flatten()[0]),)))
+            audio_shape = (spec.audio_part[0], max(frames, 1), spec.audio_part[1])
+        else:
+            audio_shape = tuple(audio.shape[1:])
+        return LatentParts((self.latent_shape(spec)[1:], audio_shape))
+
+    def result(self, spec, latent: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The generation's result tensors by wire name: ``samples``, and ``audio_samples`` for a family with audio."""
+        parts = self.latent_parts(spec)
+        return {"samples": latent} if parts is None else parts.named(latent)
 
     @classmethod
     def parse(cls, message: protocol.Message) -> SampleRequest:
@@ -151,6 +171,7 @@ class SampleRequest:
             raise RequestError(
                 f"latent has shape {list(latent.shape)}, but a {spec.family} latent for batch {self.batch} at "
                 f"{self.width}×{self.height}{frames} has shape {list(self.latent_shape(spec))}")
+        self._check_audio_latent(spec)
         self._check_noise_mask(spec)
         self._check_controls(spec)
         if self.guidance is not None and spec.default_guidance is None:
@@ -167,6 +188,22 @@ class SampleRequest:
         """The controls against the model (check_controls)."""
         check_controls(self.controls, self.control_latent, spec, self.model, self.cache, self.parallel,
                        any(REFERENCE.fullmatch(name) for name in self.tensors), self.latent_shape(spec)[-2:])
+
+    def _check_audio_latent(self, spec) -> None:
+        """An audio latent only for a family with audio, [B, C, T, M] of its channels and bins, T at most
+        ``schema.MAX_AUDIO_FRAMES``."""
+        audio = self.tensors.get("audio_latent")
+        if audio is None:
+            return
+        if spec.audio_part is None:
+            raise RequestError(f"audio_latent: model {self.model} ({spec.family}) makes no audio",
+                               "send audio_latent only to a model with audio (LTX-2)")
+        channels, bins = spec.audio_part
+        if (audio.dim() != 4 or audio.shape[0] != self.batch or (audio.shape[1], audio.shape[3]) != (channels, bins)
+                or not 1 <= audio.shape[2] <= schema.MAX_AUDIO_FRAMES):
+            raise RequestError(f"audio_latent has shape {list(audio.shape)}; a {spec.family} audio latent is "
+                               f"[{self.batch}, {channels}, T, {bins}] with 1 ≤ T ≤ {schema.MAX_AUDIO_FRAMES}",
+                               "send the audio latent as LTXVEmptyLatentAudio or the audio VAE makes it")
 
     def _check_noise_mask(self, spec) -> None:
         """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
@@ -328,8 +365,14 @@ class SampleRequest:
         sigmas = self.tensors.get("sigmas")
         if sigmas is None:
             sigmas = schedulers.sigmas(self.scheduler, sampling, self.steps, self.denoise, sampler=self.sampler)
+        latent = self.tensors.get("latent", torch.zeros(self.latent_shape(spec)))
+        parts = self.latent_parts(spec)
+        if parts is not None:
+            audio = self.tensors.get("audio_latent", torch.zeros(self.batch, *parts.shapes[1]))
+            latent = parts.pack([latent, audio])
         return Generation(
-            latent=self.tensors.get("latent", torch.zeros(self.latent_shape(spec))),
+            latent=latent,
+            parts=parts,
             seed=self.seed,
             sigmas=cut(sigmas.float(), self.start_step, self.end_step, self.leftover_noise),
             sampling=sampling,
