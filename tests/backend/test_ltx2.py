@@ -2,6 +2,8 @@
 the audio and the video really attend to each other, and image to video (LTXVImgToVideo's noise mask: a timestep
 per token) keeps its fixed frame."""
 
+import math
+
 import pytest
 import torch
 
@@ -67,3 +69,191 @@ def test_image_to_video_equals_serial_and_keeps_its_frame(backend):
     result, _ = backend(2).sample({**EVEN, "parallel": {"ulysses": 2}}, tensors)
     for name in ("samples", "audio_samples"):
         assert (result[name] - expected[name]).abs().max().item() <= 1e-4 * max(1.0, expected[name].abs().max())
+
+
+# ComfyUI's LTXAV forward restated (Comfy-Org/ComfyUI 0a29ddae comfy/ldm/lightricks/av_model.py, model.py e03185cf,
+# embeddings_connector.py), written out here apart from models/ltx2.py on the same weights: split RoPE from pixel
+# positions, q/k RMSNorm eps 1e-5, per-head gates, the connectors' registers, the cross-modal gates from the other
+# stream's largest timestep, video-to-audio reading the video after audio-to-video.
+
+def rms(x, weight=None, eps=1e-6):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def split_rope(grid: torch.Tensor, dim: int, max_pos: list, heads: int):
+    """cos, sin [B, H, N, dim/(2H)] for positions ``grid`` [B, axes, N] (ComfyUI's generate_freqs, split_freqs_cis)."""
+    fractions = torch.stack([grid[:, i] / max_pos[i] for i in range(len(max_pos))], dim=-1)  # [B, N, axes]
+    indices = (10000.0 ** torch.linspace(0, 1, dim // (2 * len(max_pos)), dtype=torch.float64) * math.pi / 2).float()
+    freqs = (indices * (fractions.unsqueeze(-1) * 2 - 1)).transpose(-1, -2).flatten(2)  # [B, N, axes · k]
+    pad = dim // 2 - freqs.shape[-1]
+    cos = torch.cat([torch.ones_like(freqs[..., :pad]), freqs.cos()], dim=-1)
+    sin = torch.cat([torch.zeros_like(freqs[..., :pad]), freqs.sin()], dim=-1)
+    return tuple(t.reshape(*t.shape[:2], heads, -1).transpose(1, 2) for t in (cos, sin))
+
+
+def rotate(x: torch.Tensor, rope) -> torch.Tensor:
+    cos, sin = rope  # [B, H, N, d/2]
+    x = x.unflatten(2, (cos.shape[1], -1)).transpose(1, 2)  # [B, H, N, d]
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).transpose(1, 2).flatten(2)
+
+
+def attend(attn, x, context=None, pe=None, k_pe=None):
+    """ComfyUI's CrossAttention: q/k RMSNorm (eps 1e-5), RoPE, attention, the optional per-head gate, out."""
+    context = x if context is None else context
+    q = rms(attn.to_q(x), attn.norm_q.weight, 1e-5)
+    k = rms(attn.to_k(context), attn.norm_k.weight, 1e-5)
+    if pe is not None:
+        q, k = rotate(q, pe), rotate(k, pe if k_pe is None else k_pe)
+    heads = attn.heads
+    q, k, v = (t.unflatten(2, (heads, -1)).transpose(1, 2) for t in (q, k, attn.to_v(context)))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [B, N, H, d]
+    if attn.to_gate_logits is not None:
+        out = out * (2 * torch.sigmoid(attn.to_gate_logits(x))).unsqueeze(-1)
+    return attn.to_out[0](out.flatten(2))
+
+
+def values(table, temb, rows):
+    b, n = temb.shape[:2]
+    return (table[rows][None, None] + temb.reshape(b, n, table.shape[0], -1)[:, :, rows]).unbind(2)
+
+
+def connect(connector, x):
+    b, length, width = x.shape
+    total = max(1024, length)
+    registers = connector.learnable_registers.repeat(total // 128 + 1, 1)[length:total]
+    h = torch.cat([x, registers[None].expand(b, -1, -1)], dim=1)
+    pe = split_rope(torch.arange(total, dtype=torch.float32)[None, None].expand(b, 1, -1), width, [4096],
+                    connector.num_attention_heads)
+    for block in connector.transformer_blocks:
+        h = h + attend(block.attn1, rms(h), pe=pe)
+        h = h + block.ff(rms(h))
+    return rms(h)
+
+
+def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0):
+    """ComfyUI's LTXAVModel forward for LTX-2.3 (split RoPE, gates, the text's modulation): (video, audio) velocity."""
+    b, channels, frames, h, w = video.shape
+    T = audio.shape[2]
+    if mask is None:
+        v_t, a_t = sigma * 1000, sigma * 1000
+    else:  # process_timestep: (mask · σ) per token
+        v_t = (mask.expand(b, 1, frames, h, w) * sigma.view(b, 1, 1, 1, 1)).reshape(b, -1) * 1000
+        a_t = (sigma.view(b, 1) * torch.ones(b, T)) * 1000
+    f, rr, cc = torch.meshgrid(torch.arange(frames), torch.arange(h), torch.arange(w), indexing="ij")
+    grid = torch.stack([f, rr, cc]).flatten(1).float()  # [3, N]
+    scale = torch.tensor([8.0, 32.0, 32.0])[:, None]
+    start, end = grid * scale, (grid + 1) * scale
+    start[0], end[0] = (start[0] - 7).clamp(min=0) / rate, (end[0] - 7).clamp(min=0) / rate  # causal, seconds
+    v_mid = ((start + end) / 2)[None].expand(b, -1, -1)  # [B, 3, N]
+    i = torch.arange(T).float()
+    a_mid = ((((4 * i - 3).clamp(min=0) + (4 * i + 1).clamp(min=0)) / 2) * 0.01)[None, None].expand(b, 1, -1)
+    c = t.config
+    heads, a_heads = c.num_attention_heads, c.audio_num_attention_heads
+    width, a_width = heads * c.attention_head_dim, a_heads * c.audio_attention_head_dim
+    v_pe = split_rope(v_mid, width, [20, 2048, 2048], heads)
+    a_pe = split_rope(a_mid, a_width, [20], a_heads)
+    v_cross_pe = split_rope(v_mid[:, :1], c.audio_cross_attention_dim, [20], a_heads)
+    a_cross_pe = split_rope(a_mid, c.audio_cross_attention_dim, [20], a_heads)
+
+    def embed(module, ts):
+        out, embedded = module(ts.flatten(), batch_size=b, hidden_dtype=torch.float32)
+        return out.view(b, -1, out.shape[-1]), embedded.view(b, -1, embedded.shape[-1])
+
+    v_temb, v_emb = embed(t.time_embed, v_t)
+    a_temb, a_emb = embed(t.audio_time_embed, a_t)
+    v_ss, a_ss = embed(t.av_cross_attn_video_scale_shift, v_t)[0], embed(t.av_cross_attn_audio_scale_shift, a_t)[0]
+    factor = c.cross_attn_timestep_scale_multiplier / 1000
+    v_gate = embed(t.av_cross_attn_video_a2v_gate, a_t.max().expand_as(v_t.flatten()) * factor)[0]
+    a_gate = embed(t.av_cross_attn_audio_v2a_gate, v_t.max().expand_as(a_t.flatten()) * factor)[0]
+    v_prompt = embed(t.prompt_adaln, v_t.max(dim=1).values if v_t.dim() > 1 else v_t)[0]
+    a_prompt = embed(t.audio_prompt_adaln, a_t.max(dim=1).values if a_t.dim() > 1 else a_t)[0]
+    v_ctx = connect(t.video_embeddings_connector, context[..., :width])
+    a_ctx = connect(t.audio_embeddings_connector, context[..., width:])
+    vx = t.proj_in(video.flatten(2).transpose(1, 2))
+    ax = t.audio_proj_in(audio.permute(0, 2, 1, 3).flatten(2))
+
+    def text(x, ctx, attn, table, temb, prompt_table, prompt_temb):
+        shift_q, scale_q, gate = values(table, temb, slice(6, 9))
+        shift_kv, scale_kv = values(prompt_table, prompt_temb, slice(None))
+        return attend(attn, rms(x) * (1 + scale_q) + shift_q, ctx * (1 + scale_kv) + shift_kv) * gate
+
+    for block in t.transformer_blocks:
+        shift, scale, gate = values(block.scale_shift_table, v_temb, slice(0, 3))
+        vx = vx + attend(block.attn1, rms(vx) * (1 + scale) + shift, pe=v_pe) * gate
+        vx = vx + text(vx, v_ctx, block.attn2, block.scale_shift_table, v_temb, block.prompt_scale_shift_table,
+                       v_prompt)
+        shift, scale, gate = values(block.audio_scale_shift_table, a_temb, slice(0, 3))
+        ax = ax + attend(block.audio_attn1, rms(ax) * (1 + scale) + shift, pe=a_pe) * gate
+        ax = ax + text(ax, a_ctx, block.audio_attn2, block.audio_scale_shift_table, a_temb,
+                       block.audio_prompt_scale_shift_table, a_prompt)
+        a_norm = rms(ax)
+        a_tab, v_tab = block.audio_a2v_cross_attn_scale_shift_table, block.video_a2v_cross_attn_scale_shift_table
+        a_sc, a_sh = values(a_tab[:4], a_ss, slice(0, 2))
+        v_sc, v_sh = values(v_tab[:4], v_ss, slice(0, 2))
+        vx = vx + attend(block.audio_to_video_attn, rms(vx) * (1 + v_sc) + v_sh, a_norm * (1 + a_sc) + a_sh,
+                         pe=v_cross_pe, k_pe=a_cross_pe) * values(v_tab[4:], v_gate, slice(None))[0]
+        a_sc, a_sh = values(a_tab[:4], a_ss, slice(2, 4))
+        v_sc, v_sh = values(v_tab[:4], v_ss, slice(2, 4))
+        ax = ax + attend(block.video_to_audio_attn, a_norm * (1 + a_sc) + a_sh, rms(vx) * (1 + v_sc) + v_sh,
+                         pe=a_cross_pe, k_pe=v_cross_pe) * values(a_tab[4:], a_gate, slice(None))[0]
+        shift, scale, gate = values(block.scale_shift_table, v_temb, slice(3, 6))
+        vx = vx + block.ff(rms(vx) * (1 + scale) + shift) * gate
+        shift, scale, gate = values(block.audio_scale_shift_table, a_temb, slice(3, 6))
+        ax = ax + block.audio_ff(rms(ax) * (1 + scale) + shift) * gate
+
+    def out(x, table, emb, proj):
+        shift, scale = (table[None, None] + emb[:, :, None]).unbind(2)
+        return proj(torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift)
+
+    v = out(vx, t.scale_shift_table, v_emb, t.proj_out).transpose(1, 2).reshape(video.shape)
+    a = out(ax, t.audio_scale_shift_table, a_emb, t.audio_proj_out).unflatten(2, (8, 16)).permute(0, 2, 1, 3)
+    return v, a
+
+
+@pytest.fixture(scope="module")
+def ltx23():
+    return registry.build("ltx2-tiny", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["text-to-video", "image-to-video"])
+def test_the_model_is_comfyuis_ltxav(ltx23, masked):
+    """The wrapper's forward equals ComfyUI's LTXAV restated, at a frame rate of 24 and under LTXVImgToVideo's mask."""
+    generator = torch.Generator().manual_seed(1)
+    video, audio = torch.randn(1, 128, 3, 2, 3, generator=generator), torch.randn(1, 8, 13, 16, generator=generator)
+    context = torch.randn(1, 9, ltx23.spec.context_dim, generator=generator)
+    sigma = torch.tensor([0.6])
+    mask = torch.tensor([0.0, 1.0, 1.0]).view(1, 1, 3, 1, 1) if masked else None
+    cond = {"context": context, "frame_rate": torch.tensor([24.0])}
+    if masked:  # the packed mask the sampler puts on the conditioning: the video's, then the audio's (ones)
+        video_mask = mask.expand(1, 128, 3, 2, 3).reshape(1, -1)
+        cond["denoise_mask"] = torch.cat([video_mask, torch.ones(1, audio[0].numel())], dim=1)
+    with torch.no_grad():
+        ours = ltx23.output((video, audio), sigma, cond, None)
+        theirs = comfy_ltxav(ltx23.transformer, video, audio, sigma, context, mask, rate=24.0)
+    for mine, want, name in zip(ours, theirs, ("video", "audio")):
+        assert (mine - want).abs().max() < 1e-5, name
+
+
+def test_the_streams_attend_to_each_other(ltx23):
+    """Joint for real: another audio input changes the video's output, and another video the audio's."""
+    generator = torch.Generator().manual_seed(2)
+    video, audio = torch.randn(1, 128, 3, 2, 2, generator=generator), torch.randn(1, 8, 9, 16, generator=generator)
+    cond = {"context": torch.randn(1, 5, ltx23.spec.context_dim, generator=generator)}
+    sigma = torch.tensor([0.5])
+    with torch.no_grad():
+        v, a = ltx23.output((video, audio), sigma, cond, None)
+        v_other_audio, _ = ltx23.output((video, audio.flip(2)), sigma, cond, None)
+        _, a_other_video = ltx23.output((video.flip(2), audio), sigma, cond, None)
+    assert (v - v_other_audio).abs().max() > 1e-3
+    assert (a - a_other_video).abs().max() > 1e-3
+
+
+def test_noise_is_drawn_part_by_part_as_comfyui_draws_it():
+    """comfy/sample.py prepare_noise on a NestedTensor: one generator seeded once, the video's noise, then the audio's."""
+    from xdit_backend.sampling.packed import LatentParts
+
+    parts = LatentParts(((128, 2, 3, 4), (8, 5, 16)))
+    generator = torch.manual_seed(11)  # ComfyUI reseeds the global generator
+    video, audio = torch.randn(1, 128, 2, 3, 4, generator=generator), torch.randn(1, 8, 5, 16, generator=generator)
+    assert torch.equal(parts.noise(1, 11), parts.pack([video, audio]))
