@@ -2,6 +2,7 @@
 the audio and the video really attend to each other, and image to video (LTXVImgToVideo's noise mask: a timestep
 per token) keeps its fixed frame."""
 
+import json
 import math
 
 import pytest
@@ -250,10 +251,97 @@ def test_the_streams_attend_to_each_other(ltx23):
 
 
 def test_noise_is_drawn_part_by_part_as_comfyui_draws_it():
-    """comfy/sample.py prepare_noise on a NestedTensor: one generator seeded once, the video's noise, then the audio's."""
+    """comfy/sample.py prepare_noise on a NestedTensor: one generator seeded once, video noise then audio."""
     from xdit_backend.sampling.packed import LatentParts
 
     parts = LatentParts(((128, 2, 3, 4), (8, 5, 16)))
     generator = torch.manual_seed(11)  # ComfyUI reseeds the global generator
     video, audio = torch.randn(1, 128, 2, 3, 4, generator=generator), torch.randn(1, 8, 5, 16, generator=generator)
     assert torch.equal(parts.noise(1, 11), parts.pack([video, audio]))
+
+
+# A file as Lightricks writes it: their module names (patchify_proj, adaln_single, av_ca_*_adaln_single, q_norm, the
+# connectors' transformer_1d_blocks, …) and the config ComfyUI reads from its metadata (comfy/model_detection.py).
+LTX23_METADATA = {"cross_attention_adaln": True, "apply_gated_attention": True, "caption_proj_before_connector": True,
+                  "caption_projection_first_linear": False, "rope_type": "split", "frequencies_precision": "float64",
+                  "use_middle_indices_grid": True, "causal_temporal_positioning": True,
+                  "av_ca_timestep_scale_multiplier": 1000.0, "num_attention_heads": 4, "attention_head_dim": 16,
+                  "audio_num_attention_heads": 4, "audio_attention_head_dim": 8,
+                  "connector_num_layers": 2, "connector_apply_gated_attention": True,
+                  "connector_num_attention_heads": 4, "connector_attention_head_dim": 16,
+                  "audio_connector_num_attention_heads": 4, "audio_connector_attention_head_dim": 8}
+RENAMED = [("proj_in.", "patchify_proj."), ("audio_proj_in.", "audio_patchify_proj."),
+           ("time_embed.", "adaln_single."), ("audio_time_embed.", "audio_adaln_single."),
+           ("prompt_adaln.", "prompt_adaln_single."), ("audio_prompt_adaln.", "audio_prompt_adaln_single."),
+           ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
+           ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
+           ("av_cross_attn_audio_scale_shift.", "av_ca_audio_scale_shift_adaln_single."),
+           ("av_cross_attn_audio_v2a_gate.", "av_ca_v2a_gate_adaln_single.")]
+
+
+def lightricks_state_dict(transformer) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in transformer.state_dict().items():
+        for ours, theirs in RENAMED:
+            if key.startswith(ours):
+                key = theirs + key[len(ours):]
+                break
+        key = (key.replace("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video")
+               .replace("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio")
+               .replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
+               .replace("connector.transformer_blocks.", "connector.transformer_1d_blocks."))
+        out["model.diffusion_model." + key] = value.contiguous()
+    return out
+
+
+def test_the_lightricks_names_are_those_diffusers_converts(ltx23):
+    """diffusers' own single-file converter takes the written file's transformer keys back to its names (it drops
+    the connectors, which its pipeline holds; its 2.3 prompt_adaln renames are its LoRA converter's)."""
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+
+    theirs = {k: v for k, v in lightricks_state_dict(ltx23.transformer).items() if "embeddings_connector" not in k
+              and "prompt_adaln_single" not in k}
+    converted = convert_ltx2_transformer_to_diffusers(dict(theirs))
+    ours = {k for k in ltx23.transformer.state_dict() if "embeddings_connector" not in k and "prompt_adaln" not in k}
+    assert set(converted) == ours
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_a_lightricks_file_loads_as_the_built_in(ltx23, tmp_path, stored):
+    """Its config from the shapes and the embedded metadata, the built-in's exactly; its latents the built-in's (in
+    fp8: every Linear weight stored so, each tensor the fp8-rounded one)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "ltx-2.3-tiny.safetensors"
+    weights = {key: value.to(stored) if value.dim() == 2 and "embeddings_connector.learnable" not in key else value
+               for key, value in lightricks_state_dict(ltx23.transformer).items()}
+    save_file(weights, str(path), metadata={"config": json.dumps({"transformer": LTX23_METADATA})})
+    source = registry.resolve(str(path))
+    assert source.family == "ltx2" and source.prefix == "model.diffusion_model."
+    built_in = registry.BUILTINS["ltx2-tiny"].config
+    for key, value in built_in.items():
+        assert source.config[key] == value or key == "connector", key
+    for stream in ("video", "audio"):
+        assert built_in["connector"][stream].items() <= source.config["connector"][stream].items(), stream
+    if stored == torch.float32:
+        fields, g = {**EVEN, "steps": 2}, torch.Generator().manual_seed(2)
+        tensors = {"context": torch.randn(1, 8, 96, generator=g),
+                   "negative_context": torch.randn(1, 8, 96, generator=g)}
+        assert torch.equal(serial_latent({**fields, "model": str(path)}, tensors), serial_latent(fields, tensors))
+        return
+    loaded = registry.build(str(path), torch.device("cpu")).transformer.state_dict()
+    for key, value in ltx23.transformer.state_dict().items():
+        want = value.to(stored).float() if value.dim() == 2 and "learnable" not in key else value
+        assert torch.equal(loaded[key].float(), want), key
+
+
+def test_a_file_without_metadata_gets_comfyuis_defaults(ltx23, tmp_path):
+    """As ComfyUI gives it: positions from cell starts, not causal; the cross-modal gates' scale 1; interleaved RoPE."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "bare.safetensors"
+    save_file(lightricks_state_dict(ltx23.transformer), str(path))
+    config = registry.resolve(str(path)).config
+    assert config["positions"] == {"causal": False, "middle": False}
+    assert (config["cross_attn_timestep_scale_multiplier"], config["rope_type"]) == (1.0, "interleaved")
+    assert (config["num_attention_heads"], config["attention_head_dim"]) == (32, 2)  # 64 wide: 32 heads of 2

@@ -400,9 +400,10 @@ class SequencePlan:
                is gathered (a ControlNet's residuals, which each rank adds to its own tokens).
     attention: (attribute name, processor class): attention modules that get a sequence-parallel
                processor, named by attribute ("attn") or by path without block indices ("transformer_blocks.attn1":
-               not the same attribute of LTX-2's text connectors). The class is the family's (defined in its module; SD3's and PixArt's plain
-               diffusers ``Attention`` share joint_attention.JointAttentionProcessor): ``Processor(core)``
-               computes the module's projections and hands the attention itself to
+               not the same attribute of LTX-2's text connectors). The class is the family's (defined in its
+               module; SD3's and PixArt's plain diffusers ``Attention`` share
+               joint_attention.JointAttentionProcessor): ``Processor(core)`` computes the module's
+               projections and hands the attention itself to
                ``core(q, k, v, text_tokens=L)`` on q, k, v [B, S, H, D] laid out [text share (L
                tokens); image share], returning [B, S, H, D] (parallel/sequence.USPAttention).
                Cross-attention to the whole text is left alone: its queries are this rank's tokens

@@ -245,7 +245,7 @@ class SampleRequest:
         if positive is not None:
             return positive, negative
         if self.model not in registry.BUILTINS:
-            keys = ", ".join(spec.conditioning_shapes(1, 1))
+            keys = ", ".join(key for key in spec.conditioning_shapes(1, 1) if key not in spec.optional_conditioning)
             raise RequestError(f"model {self.model} needs text conditioning: send {keys} "
                                "(and the same with a negative_ prefix for cfg > 1)",
                                "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
