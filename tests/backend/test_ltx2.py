@@ -345,3 +345,12 @@ def test_a_file_without_metadata_gets_comfyuis_defaults(ltx23, tmp_path):
     assert config["positions"] == {"causal": False, "middle": False}
     assert (config["cross_attn_timestep_scale_multiplier"], config["rope_type"]) == (1.0, "interleaved")
     assert (config["num_attention_heads"], config["attention_head_dim"]) == (32, 2)  # 64 wide: 32 heads of 2
+
+
+def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
+    from xdit_backend.wire.endpoint import BackendError
+
+    with pytest.raises(BackendError, match="video-to-audio attention reads all of the video"):
+        backend(2).sample({**EVEN, "parallel": {"pipefusion": 2}})
+    with pytest.raises(BackendError, match="audio stream is not cached yet"):
+        backend(2).sample({**EVEN, "parallel": {"ulysses": 2}, "cache": "fbcache"})

@@ -37,6 +37,7 @@ class ModelFacts:
     supports: frozenset[str]  # the degrees this family can run with > 1
     blocks: int = 0  # transformer blocks PipeFusion can cut into stages (each has one attention SP splits)
     hidden: int = 0  # width C = heads × head size, for the traffic model (0: unknown, auto keeps its fixed order)
+    refusals: tuple[tuple[str, str], ...] = ()  # (degree, why the family does not run it), where it says why
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,9 @@ class ParallelConfig:
                 f"use sequence parallel instead: ulysses={self.cfg * self.ulysses} (or ring={self.cfg * self.ring})")
         for name in DEGREES:
             if getattr(self, name) > 1 and name not in model.supports:
-                raise ConfigError(f"{name}={getattr(self, name)}: model {model.name} does not support {name} parallelism "
-                                  "in this version",
+                why = dict(model.refusals).get(name)
+                raise ConfigError(f"{name}={getattr(self, name)}: model {model.name} does not support {name} "
+                                  "parallelism" + (f": {why}" if why else " in this version"),
                                   f"supported: {', '.join(sorted(model.supports)) or 'none'}")
         if self.ulysses > model.heads:
             raise ConfigError(f"ulysses={self.ulysses} is more than the {model.heads} attention heads of {model.name}: "

@@ -99,6 +99,7 @@ class FamilySpec(ABC):
     takes_model_patches: ClassVar[bool] = False
     takes_controlnets: ClassVar[bool] = False
     step_cache_refusal: ClassVar[str | None] = None  # why the step cache cannot run on the family, if it cannot
+    method_refusals: ClassVar[dict[str, str]] = {}  # a degree left out of parallel_methods → why, for the message
     control_plan: ClassVar[SequencePlan | None] = None
     comfy_model_inputs: ClassVar[dict[str, str] | None] = None
 

@@ -149,6 +149,10 @@ class LTX2Spec(FamilySpec):
     optional_conditioning = ("frame_rate",)
     comfy_conditioning: ClassVar[dict[str, str]] = {"frame_rate": "frame_rate"}
     step_cache_refusal: ClassVar[str] = "its audio stream is not cached yet"
+    method_refusals: ClassVar[dict[str, str]] = {
+        "pipefusion": "every block's video-to-audio attention reads all of the video, so PipeFusion's one-step-stale "
+                      "video keys would change the audio at every step; use ulysses or ring (the audio stays whole on "
+                      "each rank), or cfg"}
     sequence_plan = SequencePlan(
         cuts=(Cut("video_tokens", 0, 1), Cut("video_coords", 0, 2),  # [B, N, 128], [B, 3, N, 2]
               Cut("video_timestep", 0, 1, optional=True)),  # [B, N] under a noise mask, else [B]

@@ -181,7 +181,8 @@ class Leader:
         value_bytes = compute_dtype(request.dtype, self.rt.device).itemsize
         facts = RequestFacts(request.batch, tokens, request.cfg, negative is not None, rows, text, value_bytes,
                              request.steps)
-        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width,
+                                 tuple(spec.method_refusals.items()))
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology,
                                               lambda layout: self.memory_fit(request, model, layout, text))
@@ -298,7 +299,8 @@ class Leader:
         facts = RequestFacts(request.rows, request.tokens(spec), 2.0 if request.rows > 1 else 1.0, request.rows > 1,
                              max(1, request.x.shape[-2] // spec.patch[1]), text,
                              compute_dtype(request.dtype, self.rt.device).itemsize)
-        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width)
+        model_facts = ModelFacts(request.model, spec.heads, spec.parallel_methods, spec.blocks, model.width,
+                                 tuple(spec.method_refusals.items()))
         if request.parallel is None:
             config, why = ParallelConfig.auto(self.rt.world_size, model_facts, facts, self.rt.topology)
             why = f"auto: {why}"
