@@ -51,13 +51,24 @@ class Architecture:
         from ..models import registry
 
         config = registry.BUILTINS[self.config].config if isinstance(self.config, str) else self.config
+        family = next((f for f in registry.FAMILIES.values() if f.diffusers_class == self.diffusers_class), None)
+        build = family.build if family is not None and family.build else getattr(diffusers, self.diffusers_class)
         with torch.device("meta"):
-            return getattr(diffusers, self.diffusers_class)(**config)
+            return build(**config)  # LTX-2's with its text connectors (ltx2.build_transformer)
 
 
 # 1024²: Flux.1, Flux.2 and Qwen-Image latents are 8× smaller, patched 2×2: (1024/16)² = 4096 tokens.
 # 720p × 81 frames: Wan's VAE strides (4, 8, 8) and patch (1, 2, 2): 21 × 45 × 80 = 75600 tokens;
 # HunyuanVideo 1.5's VAE strides (4, 16, 16), patch 1: the same 21 × 45 × 80.
+# 720p × 121 frames for LTX-2 (1280 × 704: its VAE's strides (8, 32, 32), patch 1): 16 × 22 × 40 = 14080 video tokens;
+# its 121 audio tokens (25 a second at 25 fps) are whole on every rank, beside them (0.9 %: not counted).
+LTX2_CONNECTOR = dict(num_attention_heads=30, attention_head_dim=128, num_layers=2)  # 2.0's (3840 wide)
+LTX23 = dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True,
+             use_prompt_embeddings=False, rope_type="split",
+             connector=dict(video=dict(num_attention_heads=32, attention_head_dim=128, num_layers=8,
+                                       gated_attention=True, rope_type="split"),
+                            audio=dict(num_attention_heads=32, attention_head_dim=64, num_layers=8,
+                                       gated_attention=True, rope_type="split")))
 ARCHITECTURES = (
     Architecture("Flux.1-dev", "FluxTransformer2DModel", "flux-dev-random", 12.0, 4096, 512, "1024²", FLUX_VAE,
                  "black-forest-labs/FLUX.1-dev transformer/config.json, as the built-in flux-dev-random "
@@ -80,6 +91,17 @@ ARCHITECTURES = (
                  "diffusers 0.42.1 HunyuanVideo15Transformer3DModel's defaults (54 blocks, 16 heads × 128, "
                  "MLP ratio 4); text in the sequence: Qwen2.5-VL 1000 + byT5 256 tokens (the pipeline's); "
                  "its VAE decode budgeted as Wan's (ComfyUI's estimate for its 3-D VAE is per tile of frames)"),
+    Architecture("LTX-2.0", "LTX2VideoTransformer3DModel",
+                 {"connector": {"video": LTX2_CONNECTOR, "audio": LTX2_CONNECTOR}}, 19.0, 14080, 0,
+                 "720p × 121", WAN_VAE,
+                 "diffusers 0.42.1 LTX2VideoTransformer3DModel's defaults (48 blocks, video 32 heads × 128, audio "
+                 "32 × 64, Lightricks/LTX-2) and ComfyUI's LTXAVModel connectors (2 layers, 30 heads × 128); text by "
+                 "cross-attention; VAE decode budgeted as Wan's (ComfyUI tiles it)"),
+    Architecture("LTX-2.3", "LTX2VideoTransformer3DModel", LTX23, 21.0, 14080, 0, "720p × 121", WAN_VAE,
+                 "LTX-2.0's with 2.3's metadata (Lightricks' released header, ComfyUI av_model.py): gated attention, "
+                 "the text's modulation, per-stream text features, connectors of 8 layers (32 × 128, 32 × 64); the "
+                 "published 22 B counts the text features' projections too (3840·49 → 4096 and → 2048: 1.16 B), "
+                 "which ComfyUI runs in its text encoder: 21 B here"),
 )
 
 STORAGES = ("bf16", "fp8", "GGUF Q8_0", "GGUF Q4_K")
