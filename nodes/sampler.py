@@ -143,6 +143,9 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         tensors = dict(extra or {})
         if samples is not None:
             tensors["latent"] = samples
+        audio = translate.audio_latent(latent_image, spec)
+        if audio is not None:
+            tensors["audio_latent"] = audio
         mask = translate.noise_mask(latent_image)
         if mask is not None:
             tensors["noise_mask"] = mask
@@ -178,7 +181,7 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
     with comfyui_errors():
         result, _ = client.sample(request, tensors, on_progress=lambda step, total, _: progress.update_absolute(step, total),
                                   should_cancel=mm.processing_interrupted)
-    return {"samples": translate.to_comfyui(result["samples"], spec)}
+    return {"samples": translate.to_comfyui(result, spec)}
 
 
 @contextmanager

@@ -36,6 +36,9 @@ REFUSED = {
     "reference_latents_method": "a reference latents method (FluxKontextMultiReferenceLatentMethod)",
     "concat_latent_image": "an image to condition on (image-to-video)", "concat_mask": "an image's frame mask",
     "clip_vision_output": "a CLIP vision output",
+    "keyframe_idxs": "LTXVAddGuide's guide frames (keyframes)",
+    "guide_attention_entries": "LTXVAddGuide's guide frames (keyframes)",
+    "ref_audio": "a reference voice (LTXVReferenceAudio)",
 }
 
 
@@ -65,7 +68,11 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
     family_options = {path.partition(".")[0]: (path.partition(".")[2], key)
                       for path, key in spec.comfy_conditioning.items()
                       if key in shapes or key in spec.optional_conditioning}
-    takes = HONOURED | set(family_options) | ({"reference_latents"} if spec.takes_references else set())
+    for flag, (why, fix) in spec.comfy_flags.items():
+        if options.get(flag) is not True:
+            raise TranslationError(f"the {which} conditioning {why}", fix)
+    takes = HONOURED | set(family_options) | set(spec.comfy_flags) | (
+        {"reference_latents"} if spec.takes_references else set())
     placement = (spec.comfy_model_inputs or {}).get("ref_latents_method")  # how the family places references
     for key, value in options.items():
         if key in takes or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
@@ -189,13 +196,21 @@ class Geometry:
     batch: int
 
 
+def parts(samples) -> list[torch.Tensor]:
+    """A LATENT's samples as its parts: ComfyUI's NestedTensor (LTXVConcatAVLatent: video, audio) or one tensor."""
+    return list(samples.unbind()) if getattr(samples, "is_nested", False) else [samples]
+
+
 def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
-    """A LATENT dict → its size in pixels and the tensor to send (None for an all-zero latent). Its noise mask
-    travels too (``noise_mask``)."""
+    """A LATENT dict → its size in pixels and the tensor to send (None for an all-zero latent): the video's of a
+    latent with audio (``audio_latent`` sends the audio's). Its noise mask travels too (``noise_mask``)."""
     if "batch_index" in value:
         raise TranslationError("the latent carries batch indices (Latent From Batch), which the xDiT sampler cannot "
                                "honour", "use a plain latent (Empty Latent, VAE Encode)")
-    samples = value["samples"]
+    samples, *others = parts(value["samples"])
+    if others and spec.audio_part is None:
+        raise TranslationError(f"the latent has {len(others) + 1} parts (a video and its audio); a {spec.family} "
+                               "model takes one", "connect the video latent alone")
     if has_frame_axis(spec) and samples.dim() == 5 and samples.shape[2] == 1:
         samples = samples[:, :, 0]  # [B, C, 1, h, w] → [B, C, h, w]
     want = 5 if spec.video else 4
@@ -212,11 +227,35 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
     return geometry, (samples.contiguous() if torch.count_nonzero(samples) else None)
 
 
+def audio_latent(value: dict, spec) -> torch.Tensor | None:
+    """A family with audio (LTX-2): the LATENT's audio part (LTXVConcatAVLatent's) [B, 8, T, 16], or an empty one
+    [B, 8, 0, 16] for a video latent alone (ComfyUI's LTX-2 model then makes the video without audio)."""
+    if spec.audio_part is None:
+        return None
+    video, *audio = parts(value["samples"])
+    channels, bins = spec.audio_part
+    if not audio:
+        return torch.zeros(video.shape[0], channels, 0, bins)
+    audio = audio[0].detach().to("cpu", torch.float32)
+    if audio.dim() != 4 or (audio.shape[1], audio.shape[3]) != (channels, bins):
+        raise TranslationError(f"the latent's audio part has shape {list(audio.shape)}; a {spec.family} model takes "
+                               f"[B, {channels}, T, {bins}]", "make it with LTXVEmptyLatentAudio or LTX-2's audio VAE")
+    return audio.contiguous()
+
+
 def noise_mask(value: dict) -> torch.Tensor | None:
-    """A LATENT's noise mask (Set Latent Noise Mask, VAE Encode for Inpainting, InpaintModelConditioning), as
-    ComfyUI's sampler takes it: the backend resizes it to the latent and blends each step as KSampler does."""
+    """A LATENT's noise mask (Set Latent Noise Mask, VAE Encode for Inpainting, InpaintModelConditioning,
+    LTXVImgToVideo), as ComfyUI's sampler takes it: the backend resizes it to the latent and blends each step as
+    KSampler does. A latent with audio carries the video's and the audio's (LTXVConcatAVLatent): the audio is made
+    whole."""
     mask = value.get("noise_mask")
-    return None if mask is None else mask.detach().to("cpu", torch.float32).contiguous()
+    if mask is None:
+        return None
+    video, *audio = parts(mask)
+    if audio and bool((audio[0] != 1).any()):
+        raise TranslationError("the latent's audio part has a noise mask (audio kept in part), which the xDiT sampler "
+                               "does not run yet", "make the audio whole (no mask on LTXVConcatAVLatent's audio)")
+    return video.detach().to("cpu", torch.float32).contiguous()
 
 
 def has_frame_axis(spec) -> bool:
@@ -226,9 +265,16 @@ def has_frame_axis(spec) -> bool:
     return spec.latent_format.video and not spec.video
 
 
-def to_comfyui(samples: torch.Tensor, spec) -> torch.Tensor:
-    """The backend's latent as ComfyUI's LATENT carries it for this family: [B, C, 1, h, w] where it has
-    a frame axis (``has_frame_axis``), else unchanged."""
+def to_comfyui(result: dict, spec):
+    """The backend's result as ComfyUI's LATENT carries it for this family: [B, C, 1, h, w] where it has a frame
+    axis (``has_frame_axis``); video and audio as ComfyUI's NestedTensor (a latent with audio: LTX-2's, unless the
+    audio was empty); else the latent unchanged."""
+    samples = result["samples"]
+    audio = result.get("audio_samples")
+    if audio is not None and audio.shape[2] > 0:
+        from comfy.nested_tensor import NestedTensor
+
+        return NestedTensor((samples, audio))
     return samples[:, :, None] if has_frame_axis(spec) else samples
 
 

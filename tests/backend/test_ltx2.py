@@ -354,3 +354,16 @@ def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
         backend(2).sample({**EVEN, "parallel": {"pipefusion": 2}})
     with pytest.raises(BackendError, match="audio stream is not cached yet"):
         backend(2).sample({**EVEN, "parallel": {"ulysses": 2}, "cache": "fbcache"})
+
+
+def test_a_video_without_audio_runs_the_video_stream_alone(backend):
+    """An empty audio latent (ComfyUI's LTX-2 model given a video latent alone: no audio tokens, no cross-modal
+    attention): every layout gives serial's video, and no audio."""
+    tensors = {"audio_latent": torch.zeros(1, 8, 0, 16)}
+    expected = serial_parts(EVEN, tensors)
+    assert expected["audio_samples"].shape == (1, 8, 0, 16)
+    assert (expected["samples"] - serial_parts(EVEN)["samples"]).abs().max() > 1e-3  # the audio changed the video
+    result, _ = backend(2).sample({**EVEN, "parallel": {"ulysses": 2}}, tensors)
+    assert result["audio_samples"].shape == (1, 8, 0, 16)
+    bound = 1e-4 * max(1.0, expected["samples"].abs().max())
+    assert (result["samples"] - expected["samples"]).abs().max().item() <= bound

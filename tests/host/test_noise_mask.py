@@ -27,7 +27,7 @@ def xdit_sampler(client, path: str, positive, negative, latent: dict, seed: int,
                "batch": geometry.batch, "steps": steps, "seed": seed, "cfg": cfg, "sampler": sampler,
                "scheduler": "simple", "parallel": layout}
     result, info = client.sample(request, {k: v for k, v in tensors.items() if v is not None})
-    return translate.to_comfyui(result["samples"], registry.spec(path)), info
+    return translate.to_comfyui(result, registry.spec(path)), info
 
 
 def prompts(seed: int):

@@ -602,7 +602,7 @@ def test_wan_image_to_video_on_the_xdit_sampler_gives_comfyuis_latent(backend2, 
                "frames": geometry.frames, "steps": 3, "seed": 7, "cfg": 4.0, "sampler": "euler",
                "scheduler": "simple", "parallel": layout}
     result, _ = backend2.sample(request, tensors)
-    assert_same(theirs, translate.to_comfyui(result["samples"], spec))
+    assert_same(theirs, translate.to_comfyui(result, spec))
 
 
 def test_an_image_input_on_a_text_to_video_wan_is_left_out_as_comfyui_does_and_said(pack, caplog):
@@ -972,7 +972,7 @@ def test_wan_vace_on_the_xdit_sampler_gives_comfyuis_latent(backend2, pack, tmp_
                "frames": geometry.frames, "steps": 3, "seed": 7, "cfg": 4.0, "sampler": "euler",
                "scheduler": "simple", "parallel": layout}
     result, _ = backend2.sample(request, tensors)
-    assert_same(theirs, translate.to_comfyui(result["samples"], spec))
+    assert_same(theirs, translate.to_comfyui(result, spec))
 
 
 @pytest.mark.parametrize("layout, chained", [({"ulysses": 2}, False), ({"cfg": 2}, False), ({"ring": 2}, True)],

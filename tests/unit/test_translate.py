@@ -94,8 +94,8 @@ def test_qwen_image_latents_keep_comfyuis_frame_axis():
         geometry, samples = translate.latent({"samples": given}, qwen)
         assert (geometry.width, geometry.height, geometry.frames, geometry.batch) == (128, 64, 1, 2)
         assert torch.equal(samples, image)
-    assert translate.to_comfyui(image, qwen).shape == (2, 16, 1, 8, 16)
-    assert translate.to_comfyui(image, FLUX).shape == (2, 16, 8, 16)
+    assert translate.to_comfyui({"samples": image}, qwen).shape == (2, 16, 1, 8, 16)
+    assert translate.to_comfyui({"samples": image}, FLUX).shape == (2, 16, 8, 16)
     with pytest.raises(translate.TranslationError, match="image latent"):
         translate.latent({"samples": torch.randn(1, 16, 2, 8, 8)}, qwen)  # two frames: a video
 
@@ -297,3 +297,54 @@ def test_image_to_video_conditioning_becomes_each_familys_inputs_and_a_text_to_v
     assert torch.equal(i2v.tensors["concat_latent_image"], start)
     t2v = translate.conditioning([entry(concat_latent_image=start)], registry.spec("cogvideox-tiny"), 1, "positive")
     assert set(t2v.tensors) == {"context"}
+
+
+LTX2 = registry.spec("ltx2-tiny")
+
+
+class Nested:
+    """ComfyUI's NestedTensor as the nodes read it (comfy/nested_tensor.py: is_nested, unbind); v0.3.64 has none."""
+
+    is_nested = True
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def unbind(self):
+        return self.tensors
+
+
+def test_ltx2_takes_its_text_features_and_the_frame_rate_and_refuses_connected_ones():
+    """CLIP Text Encode with LTX-2's Gemma gives the features before the connectors (unprocessed_ltxav_embeds);
+    LTXVConditioning adds the frame rate. An older text encoder's connected features are refused by name."""
+    side = translate.conditioning([entry(dim=96, unprocessed_ltxav_embeds=True, frame_rate=24.0)], LTX2, 2, "positive")
+    assert side.tensors["context"].shape == (2, 8, 96) and side.tensors["frame_rate"].tolist() == [24.0, 24.0]
+    with pytest.raises(translate.TranslationError, match="already through the text connectors"):
+        translate.conditioning([entry(dim=96)], LTX2, 1, "positive")
+    with pytest.raises(translate.TranslationError, match="LTXVAddGuide's guide frames"):
+        translate.conditioning([entry(dim=96, unprocessed_ltxav_embeds=True, keyframe_idxs=torch.zeros(1, 3, 4, 2))],
+                               LTX2, 1, "positive")
+
+
+def test_an_audio_video_latent_sends_both_parts_and_comes_back_nested(monkeypatch):
+    """LTXVConcatAVLatent's NestedTensor: the video as the latent, the audio as audio_latent, the video's noise mask
+    (the audio's all ones); the result as a NestedTensor again. A video latent alone asks for no audio (T = 0)."""
+    import sys
+    import types
+
+    video, audio = torch.randn(1, 128, 3, 4, 5), torch.randn(1, 8, 17, 16)
+    mask = Nested([torch.zeros(1, 1, 3, 1, 1), torch.ones(1, 8, 17, 16)])
+    value = {"samples": Nested([video, audio]), "noise_mask": mask}
+    geometry, samples = translate.latent(value, LTX2)
+    assert (geometry.width, geometry.height, geometry.frames) == (160, 128, 17) and torch.equal(samples, video)
+    assert torch.equal(translate.audio_latent(value, LTX2), audio)
+    assert translate.noise_mask(value).shape == (1, 1, 3, 1, 1)
+    assert translate.audio_latent({"samples": video}, LTX2).shape == (1, 8, 0, 16)
+    with pytest.raises(translate.TranslationError, match="audio part has a noise mask"):
+        translate.noise_mask({"samples": value["samples"], "noise_mask": Nested([mask.tensors[0], audio * 0])})
+    with pytest.raises(translate.TranslationError, match="a video and its audio"):
+        translate.latent({"samples": Nested([torch.zeros(1, 16, 2, 8, 8), audio])}, WAN)
+    monkeypatch.setitem(sys.modules, "comfy.nested_tensor", types.SimpleNamespace(NestedTensor=Nested))
+    back = translate.to_comfyui({"samples": video, "audio_samples": audio}, LTX2)
+    assert isinstance(back, Nested) and back.tensors[0] is video and back.tensors[1] is audio
+    assert translate.to_comfyui({"samples": video, "audio_samples": audio[:, :, :0]}, LTX2) is video

@@ -102,6 +102,9 @@ class FamilySpec(ABC):
     method_refusals: ClassVar[dict[str, str]] = {}  # a degree left out of parallel_methods → why, for the message
     control_plan: ClassVar[SequencePlan | None] = None
     comfy_model_inputs: ClassVar[dict[str, str] | None] = None
+    # ComfyUI conditioning options the family needs set True (option → (what it means when not, the fix)): LTX-2's
+    # unprocessed_ltxav_embeds, the text encoder's features before the model's connectors
+    comfy_flags: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -148,6 +148,10 @@ class LTX2Spec(FamilySpec):
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
     optional_conditioning = ("frame_rate",)
     comfy_conditioning: ClassVar[dict[str, str]] = {"frame_rate": "frame_rate"}
+    comfy_flags: ClassVar[dict[str, tuple[str, str]]] = {"unprocessed_ltxav_embeds": (
+        "holds LTX-2 text features already through the text connectors (an older ComfyUI's LTX-2 text encoder)",
+        "encode the prompt with the current LTXAVTextEncoderLoader / CLIP Text Encode: the connectors run on the "
+        "backend, inside the model")}
     step_cache_refusal: ClassVar[str] = "its audio stream is not cached yet"
     method_refusals: ClassVar[dict[str, str]] = {
         "pipefusion": "every block's video-to-audio attention reads all of the video, so PipeFusion's one-step-stale "
@@ -221,9 +225,9 @@ class Modulation:
     v_prompt: torch.Tensor | None  # [B, 1, 2·D] (2.3: the text's modulation), None without
     a_prompt: torch.Tensor | None
     v_rope: tuple
-    a_rope: tuple
+    a_rope: tuple | None  # None without audio
     v_cross_rope: tuple
-    a_cross_rope: tuple
+    a_cross_rope: tuple | None
     v_text: torch.Tensor  # [B, L', D]
     a_text: torch.Tensor  # [B, L', Da]
     v_embedded: torch.Tensor  # [B, n | 1, D]: the output layer's timestep
@@ -237,6 +241,9 @@ def av_block(block, vx: torch.Tensor, ax: torch.Tensor, m: Modulation):
     vx = vx + block.attn1(rms(vx) * (1 + scale) + shift, query_rotary_emb=m.v_rope) * gate
     vx = vx + text_attention(vx, m.v_text, block.attn2, block.scale_shift_table, m.v_temb,
                              getattr(block, "prompt_scale_shift_table", None), m.v_prompt)
+    if ax.shape[1] == 0:  # a video without audio (ComfyUI's model given a video latent alone): the video's stream
+        shift, scale, gate = ada(block.scale_shift_table, m.v_temb, slice(3, 6))
+        return vx + block.ff(rms(vx) * (1 + scale) + shift) * gate, ax
     shift, scale, gate = ada(block.audio_scale_shift_table, m.a_temb, slice(0, 3))
     ax = ax + block.audio_attn1(rms(ax) * (1 + scale) + shift, query_rotary_emb=m.a_rope) * gate
     ax = ax + text_attention(ax, m.a_text, block.audio_attn2, block.audio_scale_shift_table, m.a_temb,
@@ -335,14 +342,16 @@ class LTX2Model(DiffusionModel):
         rate = torch.full((b,), DEFAULT_FRAME_RATE) if rate is None else rate.float()
         coords = t.video_coords(self._video_coords(b, frames, h, w, rate.to(self.device)))  # [B, 3, n, 2]
         a_coords = t.audio_rope.prepare_audio_coords(b, audio.shape[2], self.device)  # [B, 1, T, 2], seconds
+        audio = audio.shape[2] > 0  # without audio its positions are never read (and RoPE takes no empty grid)
         v_text, a_text = self._connected(cond["context"])
         m = Modulation(
             v_temb, a_temb, embed(t.av_cross_attn_video_scale_shift, v_ts)[0],
             embed(t.av_cross_attn_audio_scale_shift, a_ts)[0],
             embed(t.av_cross_attn_video_a2v_gate, v_gate_ts.expand_as(v_ts))[0],
             embed(t.av_cross_attn_audio_v2a_gate, a_gate_ts.expand_as(a_ts))[0], v_prompt, a_prompt,
-            t.rope(self._positions(coords)), t.audio_rope(self._positions(a_coords)),
-            t.cross_attn_rope(coords[:, 0:1]), t.cross_attn_audio_rope(a_coords[:, 0:1]), v_text, a_text,
+            t.rope(self._positions(coords)), t.audio_rope(self._positions(a_coords)) if audio else None,
+            t.cross_attn_rope(coords[:, 0:1]), t.cross_attn_audio_rope(a_coords[:, 0:1]) if audio else None,
+            v_text, a_text,
             v_embedded, a_embedded)
         return m
 
@@ -373,6 +382,8 @@ class LTX2Model(DiffusionModel):
         b = video.shape[0]
         v_mask, a_mask = mask.to(self.device, torch.float32).split([video[0].numel(), audio[0].numel()], dim=1)
         v_mask = v_mask.view(video.shape)[:, 0].reshape(b, -1)  # channel 0: [B, F·h·w]
+        if audio.shape[2] == 0:  # no audio: its σ per row (never read)
+            return v_mask * sigma[:, None], sigma
         a_mask = a_mask.view(audio.shape)[:, 0, :, 0]  # [B, T]
         return v_mask * sigma[:, None], a_mask * sigma[:, None]
 

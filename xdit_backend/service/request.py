@@ -191,7 +191,7 @@ class SampleRequest:
 
     def _check_audio_latent(self, spec) -> None:
         """An audio latent only for a family with audio, [B, C, T, M] of its channels and bins, T at most
-        ``schema.MAX_AUDIO_FRAMES``."""
+        ``schema.MAX_AUDIO_FRAMES``; T = 0 asks for the video alone (as ComfyUI's LTX-2 model given a video latent)."""
         audio = self.tensors.get("audio_latent")
         if audio is None:
             return
@@ -200,9 +200,10 @@ class SampleRequest:
                                "send audio_latent only to a model with audio (LTX-2)")
         channels, bins = spec.audio_part
         if (audio.dim() != 4 or audio.shape[0] != self.batch or (audio.shape[1], audio.shape[3]) != (channels, bins)
-                or not 1 <= audio.shape[2] <= schema.MAX_AUDIO_FRAMES):
+                or not 0 <= audio.shape[2] <= schema.MAX_AUDIO_FRAMES):
             raise RequestError(f"audio_latent has shape {list(audio.shape)}; a {spec.family} audio latent is "
-                               f"[{self.batch}, {channels}, T, {bins}] with 1 ≤ T ≤ {schema.MAX_AUDIO_FRAMES}",
+                               f"[{self.batch}, {channels}, T, {bins}] with 0 ≤ T ≤ {schema.MAX_AUDIO_FRAMES} "
+                               "(0: the video alone)",
                                "send the audio latent as LTXVEmptyLatentAudio or the audio VAE makes it")
 
     def _check_noise_mask(self, spec) -> None:
