@@ -220,12 +220,50 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
               f"{summary['attention']} |")
     if serial is None:
         print("\n(no world-1 layout in the list: add `serial` for speed-up and efficiency)")
+    audio_comparison(fields, summaries)
     if json_path:
         json_path.write_text(json.dumps({"fields": fields, "device": device, "layouts": summaries,
                                          "records": records}, indent=1))
     if plot_path:
         plot(summaries, plot_path, f"{fields['model']} {fields['width']}×{fields['height']}, {device}")
     return 0
+
+
+# LTX-2.3 at 720p × 121 frames (1280 × 704): 16 × 22 × 40 video tokens, 121 audio tokens, 48 blocks, audio 32 × 64
+LTX23_720P = {"layers": 48, "audio_width": 2048, "audio_heads": 32, "video_tokens": 14080, "audio_tokens": 121}
+
+
+def audio_comparison(fields: dict, summaries: list[dict]) -> None:
+    """For a model with audio (LTX-2): each sequence-parallel layout's bytes per rank per step with the audio whole on
+    every rank (what runs: measured above, and its audio term by cost.audio_traffic) against split with the video
+    (modeled), at the bench's size and at 720p × 121 frames."""
+    from ..distributed.cost import audio_traffic
+    from ..models import registry
+
+    spec = registry.spec(fields["model"])
+    if spec.audio_part is None or fields["model"] not in registry.BUILTINS:
+        return
+    config = registry.BUILTINS[fields["model"]].config
+    tokens = spec.token_grid(fields["width"], fields["height"], fields.get("frames", 1))[0]
+    here = {"layers": config["num_layers"], "audio_heads": config["audio_num_attention_heads"],
+            "audio_width": config["audio_num_attention_heads"] * config["audio_attention_head_dim"],
+            "video_tokens": tokens, "audio_tokens": spec.audio_frames(fields.get("frames", 1))}
+    rows = fields["batch"] * (2 if fields["cfg"] != 1.0 else 1)
+    print("\nLTX-2's audio, whole on every rank (what runs) or split with the video (MODELED), bytes a rank sends per "
+          "step for the audio (the video's own attention the same both ways): cost.audio_traffic\n")
+    print("| layout | measured sent/rank/step KiB | audio whole KiB | audio split KiB | at 720p × 121, LTX-2.3, "
+          "bf16: whole MiB | split MiB |\n|---|---|---|---|---|---|")
+    for summary in summaries:
+        degrees = parse_layout(summary["layout"])
+        u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
+        if u * r == 1:
+            continue
+        element = getattr(torch, summary["dtype"]).itemsize
+        small = audio_traffic(rows=rows // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=element, **here)
+        large = audio_traffic(rows=2 // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=2, **LTX23_720P)
+        print(f"| {summary['layout']} | {summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
+              f"{small['whole'] / 1024:.1f} | {small['split'] / 1024:.1f} | {large['whole'] / 2**20:.1f} | "
+              f"{large['split'] / 2**20:.1f} |")
 
 
 def _ratio(value: float | None, unit: str) -> str:

@@ -72,6 +72,27 @@ def traffic_formula(degrees: dict, dims: dict, fields: dict, element_bytes: int 
     return total, " + ".join(terms) or "0"
 
 
+def audio_traffic(layers: int, audio_width: int, audio_heads: int, video_tokens: int, audio_tokens: int,
+                  rows: int, ulysses: int, ring: int, element_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends per forward for LTX-2's audio under sequence parallelism (U·R = P ranks), by the two ways
+    to place it: whole on every rank (models/ltx2.py: each rank's video-to-audio attention over its video share,
+    merged by log-sum-exp: an all-gather of the audio-sized output and its LSE per block), or split with the video
+    (audio self-attention, audio-to-video and video-to-audio cross-attention through Ulysses and Ring; the cross
+    attentions then move the video's side at the audio's width Da). A blocks, B rows, N video and Na audio tokens.
+    The video's own self-attention costs the same both ways and is left out."""
+    a, b, da, e, u, r = layers, rows, audio_width, element_bytes, ulysses, ring
+    p = u * r
+    n, na = video_tokens, audio_tokens
+    whole = a * b * (na * da * e + audio_heads * na * 4) * (p - 1)  # out (e) and LSE (float32), to P − 1 ranks
+    split = 0
+    if u > 1:  # all-to-alls of q, k, v and out: audio self (all audio), a2v and v2a (2 video- + 2 audio-sized each)
+        split += a * b * (4 * na + 2 * (2 * n + 2 * na)) * da * e * (u - 1) // (u * p)
+    if r > 1:  # K and V around the ring: the audio's (self and a2v), the video's at width Da (v2a)
+        split += a * b * 2 * (2 * na + n) * (da // u) * e * (r - 1) // r
+    split += b * (na // p) * 128 * e * (p - 1)  # the audio's velocity gathered once
+    return {"whole": whole, "split": split}
+
+
 @dataclass(frozen=True)
 class Link:
     name: str
