@@ -367,3 +367,19 @@ def test_a_video_without_audio_runs_the_video_stream_alone(backend):
     assert result["audio_samples"].shape == (1, 8, 0, 16)
     bound = 1e-4 * max(1.0, expected["samples"].abs().max())
     assert (result["samples"] - expected["samples"]).abs().max().item() <= bound
+
+
+def test_the_audio_whole_costs_what_its_formula_says(backend):
+    """bench layouts' audio column: what a rank sends with the audio, less what it sends for the video alone, is
+    cost.audio_traffic's "whole" term (the video-to-audio merges), counted in the collectives."""
+    from xdit_backend.distributed.cost import audio_traffic
+
+    def sent(tensors):
+        _, info = backend(2).sample({**EVEN, "parallel": {"ulysses": 2}, "profile": True}, tensors)
+        return max(sum(v for k, v in r["sent_bytes"].items() if k != "control") for r in info["profile"])
+
+    audio = sent({"audio_latent": torch.zeros(1, 8, 17, 16)}) - sent({"audio_latent": torch.zeros(1, 8, 0, 16)})
+    config = registry.BUILTINS["ltx2-tiny"].config
+    whole = audio_traffic(layers=2, audio_width=32, audio_heads=config["audio_num_attention_heads"], video_tokens=48,
+                          audio_tokens=17, rows=2, ulysses=2, ring=1, element_bytes=4)["whole"]
+    assert audio == whole * EVEN["steps"]
