@@ -14,7 +14,7 @@ comfy_extras/nodes_hunyuan.py (EmptyHunyuanVideo15Latent: ComfyUI 0.3.68, as
 templates/video_hunyuan_video_1.5_720p_t2v.json @ 0025b3f8 records it), nodes.py (CLIPLoader and
 DualCLIPLoader's type lists). Read 2026-11-27: comfy_extras/nodes_hunyuan.py HunyuanVideo15ImageToVideo (the same
 release as EmptyHunyuanVideo15Latent), comfy_extras/nodes_flux.py's reference method index_timestep_zero (the
-Qwen-Image-Edit-2511 workflows in the index set it).
+Qwen-Image-Edit-2511 workflows in the index set it), and LTX-2's audio nodes (below).
 """
 
 MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
@@ -65,6 +65,65 @@ NEWER_NODES = {
         }},
         "output": ["CONDITIONING", "CONDITIONING", "LATENT"],
         "output_name": ["positive", "negative", "latent"],
+    },
+    # LTX-2 (video with audio): ComfyUI 0.7.0 (January 2026; PR #11632), as Comfy-Org/workflow_templates
+    # video_ltx2_3_t2v.json and video_ltx2_3_i2v.json record them. Read 2026-11-27 from comfy_extras/nodes_lt.py
+    # @8258cfe4 and comfy_extras/nodes_lt_audio.py (@57a6f193: LTXVAudioVAELoader lists models/checkpoints; a later
+    # version lists models/vae too, and a checkpoint file passes either).
+    "LTXVEmptyLatentAudio": {  # [B, 8, round(frames / frame_rate · 25), 16]; frame_rate: io.MultiType FLOAT or INT
+        "source": "comfy_extras/nodes_lt_audio.py: class LTXVEmptyLatentAudio (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "frames_number": ["INT", {"default": 97, "min": 1, "max": 1000, "step": 1}],
+            "frame_rate": ["FLOAT,INT", {"default": 25.0, "min": 1.0, "max": 1000.0, "step": 0.01,
+                                         "widgetType": "FLOAT"}],
+            "batch_size": ["INT", {"default": 1, "min": 1, "max": 4096}],
+            "audio_vae": ["VAE", {}],
+        }},
+        "output": ["LATENT"],
+        "output_name": ["Latent"],
+    },
+    "LTXVConcatAVLatent": {  # samples = NestedTensor((video, audio)), their noise masks likewise
+        "source": "comfy_extras/nodes_lt.py: class LTXVConcatAVLatent (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "video_latent": ["LATENT", {}],
+            "audio_latent": ["LATENT", {}],
+        }},
+        "output": ["LATENT"],
+        "output_name": ["latent"],
+    },
+    "LTXVSeparateAVLatent": {
+        "source": "comfy_extras/nodes_lt.py: class LTXVSeparateAVLatent (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "av_latent": ["LATENT", {}],
+        }},
+        "output": ["LATENT", "LATENT"],
+        "output_name": ["video_latent", "audio_latent"],
+    },
+    "LTXVAudioVAELoader": {
+        "source": "comfy_extras/nodes_lt_audio.py: class LTXVAudioVAELoader (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "ckpt_name": ["COMBO", {"options": ["xdit-probe-checkpoints.safetensors"]}],
+        }},
+        "output": ["VAE"],
+        "output_name": ["Audio VAE"],
+    },
+    "LTXVAudioVAEDecode": {
+        "source": "comfy_extras/nodes_lt_audio.py: class LTXVAudioVAEDecode (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "samples": ["LATENT", {}],
+            "audio_vae": ["VAE", {}],
+        }},
+        "output": ["AUDIO"],
+        "output_name": ["Audio"],
+    },
+    "LTXAVTextEncoderLoader": {  # Gemma 3 12B, and the text projection from the LTX-2 checkpoint
+        "source": "comfy_extras/nodes_lt_audio.py: class LTXAVTextEncoderLoader (ComfyUI 0.7.0)",
+        "input": {"required": {
+            "text_encoder": ["COMBO", {"options": ["xdit-probe-text_encoders.safetensors"]}],
+            "ckpt_name": ["COMBO", {"options": ["xdit-probe-checkpoints.safetensors"]}],
+            "device": ["COMBO", {"options": ["default", "cpu"]}],
+        }},
+        "output": ["CLIP"],
     },
 }
 

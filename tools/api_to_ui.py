@@ -37,6 +37,13 @@ def kind(spec: list) -> str:
     return "COMBO" if isinstance(first, list) else first
 
 
+def is_widget(spec: list) -> bool:
+    """An input the page shows as a widget: a widget type, or several types with one as the widget (ComfyUI's
+    io.MultiType: "FLOAT,INT" with widgetType FLOAT, LTXVEmptyLatentAudio's frame_rate)."""
+    options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return kind(spec) in WIDGET_TYPES or options.get("widgetType") in WIDGET_TYPES
+
+
 def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
     known = object_info(url)
     infos = {node["class_type"]: known[node["class_type"]] for node in api.values()}
@@ -66,14 +73,14 @@ def build(api: dict, url: str, notes: list[tuple[str, str]]) -> dict:
                 origin, slot = value
                 links.append([link_id, int(origin), slot, int(node_id), None, entry["type"]])
                 entry["link"] = link_id
-                if kind(spec) in WIDGET_TYPES:  # a widget fed by a link: the page keeps the widget's own value
+                if is_widget(spec):  # a widget fed by a link: the page keeps the widget's own value
                     entry["widget"] = {"name": name}
                     widgets.append(entry)
                     options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
                     values.append(options.get("default"))
                 else:
                     linked.append(entry)
-            elif kind(spec) in WIDGET_TYPES:
+            elif is_widget(spec):
                 if value is None:
                     continue  # an optional widget left out
                 entry["widget"] = {"name": name}
