@@ -61,6 +61,27 @@ def test_video_and_audio_equal_serial(fields, world, degrees, backend):
         assert (result[name] - expected[name]).abs().max().item() <= bound, name
 
 
+def test_a_guide_frame_equals_serial(backend):
+    """LTXVAddGuide's frame appended to the latent (a noise mask 0 on it), its positions from keyframe_idxs on both
+    prompts: cut with the video tokens under Ulysses × Ring."""
+    generator = torch.Generator().manual_seed(6)
+    latent = torch.zeros(1, 128, 4, 4, 4)  # EVEN's 3 frames and the guide's
+    latent[:, :, 3:] = torch.randn(1, 128, 1, 4, 4, generator=generator)
+    mask = torch.ones(1, 1, 4, 1, 1)
+    mask[:, :, 3:] = 0.0
+    keyframes = guide_positions(frame=9, rows=4, columns=4)
+    fields = {**EVEN, "frames": 25}  # the latent's 4 frames
+    tensors = {"latent": latent, "noise_mask": mask, "keyframe_idxs": keyframes, "negative_keyframe_idxs": keyframes}
+    g = torch.Generator().manual_seed(2)
+    tensors.update(context=torch.randn(1, 8, 96, generator=g), negative_context=torch.randn(1, 8, 96, generator=g))
+    expected = serial_parts(fields, tensors)
+    without = serial_parts(fields, {k: v for k, v in tensors.items() if "keyframe" not in k})
+    assert (expected["samples"] - without["samples"]).abs().max() > 1e-3  # the positions matter
+    result, _ = backend(4).sample({**fields, "parallel": {"ulysses": 2, "ring": 2}}, tensors)
+    for name in ("samples", "audio_samples"):
+        assert (result[name] - expected[name]).abs().max().item() <= 1e-4 * max(1.0, expected[name].abs().max())
+
+
 def test_image_to_video_equals_serial_and_keeps_its_frame(backend):
     """A timestep per video token (0 on the start frame) cut with the tokens; the start frame comes back as given."""
     tensors = image_to_video()
@@ -132,7 +153,7 @@ def connect(connector, x):
     return rms(h)
 
 
-def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0):
+def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0, keyframes=None):
     """ComfyUI's LTXAVModel forward for LTX-2.3 (split RoPE, gates, the text's modulation): (video, audio) velocity."""
     b, channels, frames, h, w = video.shape
     T = audio.shape[2]
@@ -145,7 +166,10 @@ def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0):
     grid = torch.stack([f, rr, cc]).flatten(1).float()  # [3, N]
     scale = torch.tensor([8.0, 32.0, 32.0])[:, None]
     start, end = grid * scale, (grid + 1) * scale
-    start[0], end[0] = (start[0] - 7).clamp(min=0) / rate, (end[0] - 7).clamp(min=0) / rate  # causal, seconds
+    start[0], end[0] = (start[0] - 7).clamp(min=0), (end[0] - 7).clamp(min=0)  # the causal fix
+    if keyframes is not None:  # _process_input: the last tokens' pixel positions are the guides'
+        start[:, -keyframes.shape[2]:], end[:, -keyframes.shape[2]:] = keyframes[0, ..., 0], keyframes[0, ..., 1]
+    start[0], end[0] = start[0] / rate, end[0] / rate  # seconds
     v_mid = ((start + end) / 2)[None].expand(b, -1, -1)  # [B, 3, N]
     i = torch.arange(T).float()
     a_mid = ((((4 * i - 3).clamp(min=0) + (4 * i + 1).clamp(min=0)) / 2) * 0.01)[None, None].expand(b, 1, -1)
@@ -217,21 +241,36 @@ def ltx23():
     return registry.build("ltx2-tiny", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["text-to-video", "image-to-video"])
+def guide_positions(frame: int = 17, rows: int = 2, columns: int = 3) -> torch.Tensor:
+    """LTXVAddGuide's keyframe_idxs for one guide frame at pixel frame ``frame`` over a rows × columns latent:
+    [1, 3, rows·columns, 2] (its add_keyframe_index: the cells' pixel bounds, time shifted to the frame)."""
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+    cells = torch.stack([torch.zeros_like(r), r, c]).flatten(1).float()  # [3, n]
+    scale = torch.tensor([8.0, 32.0, 32.0])[:, None]
+    start, end = cells * scale, (cells + 1) * scale
+    start[0], end[0] = frame, frame + 1  # a one-frame guide (causal: one pixel frame)
+    return torch.stack([start, end], dim=-1)[None]
+
+
+@pytest.mark.parametrize("masked", [False, True, "guide"], ids=["text-to-video", "image-to-video", "guide"])
 def test_the_model_is_comfyuis_ltxav(ltx23, masked):
-    """The wrapper's forward equals ComfyUI's LTXAV restated, at a frame rate of 24 and under LTXVImgToVideo's mask."""
+    """The wrapper's forward equals ComfyUI's LTXAV restated, at a frame rate of 24, under LTXVImgToVideo's mask,
+    and with an LTXVAddGuide guide frame appended (its positions from keyframe_idxs, its mask 0)."""
     generator = torch.Generator().manual_seed(1)
     video, audio = torch.randn(1, 128, 3, 2, 3, generator=generator), torch.randn(1, 8, 13, 16, generator=generator)
     context = torch.randn(1, 9, ltx23.spec.context_dim, generator=generator)
     sigma = torch.tensor([0.6])
-    mask = torch.tensor([0.0, 1.0, 1.0]).view(1, 1, 3, 1, 1) if masked else None
+    mask = torch.tensor([0.0, 1.0, 1.0] if masked is True else [1.0, 1.0, 0.0]).view(1, 1, 3, 1, 1) if masked else None
+    keyframes = guide_positions() if masked == "guide" else None
     cond = {"context": context, "frame_rate": torch.tensor([24.0])}
+    if keyframes is not None:
+        cond["keyframe_idxs"] = keyframes
     if masked:  # the packed mask the sampler puts on the conditioning: the video's, then the audio's (ones)
         video_mask = mask.expand(1, 128, 3, 2, 3).reshape(1, -1)
         cond["denoise_mask"] = torch.cat([video_mask, torch.ones(1, audio[0].numel())], dim=1)
     with torch.no_grad():
         ours = ltx23.output((video, audio), sigma, cond, None)
-        theirs = comfy_ltxav(ltx23.transformer, video, audio, sigma, context, mask, rate=24.0)
+        theirs = comfy_ltxav(ltx23.transformer, video, audio, sigma, context, mask, rate=24.0, keyframes=keyframes)
     for mine, want, name in zip(ours, theirs, ("video", "audio")):
         assert (mine - want).abs().max() < 1e-5, name
 

@@ -316,14 +316,21 @@ class Nested:
 
 def test_ltx2_takes_its_text_features_and_the_frame_rate_and_refuses_connected_ones():
     """CLIP Text Encode with LTX-2's Gemma gives the features before the connectors (unprocessed_ltxav_embeds);
-    LTXVConditioning adds the frame rate. An older text encoder's connected features are refused by name."""
+    LTXVConditioning adds the frame rate, LTXVAddGuide its guides' positions. An older text encoder's connected
+    features, and guides whose attention is weighted, are refused by name."""
     side = translate.conditioning([entry(dim=96, unprocessed_ltxav_embeds=True, frame_rate=24.0)], LTX2, 2, "positive")
     assert side.tensors["context"].shape == (2, 8, 96) and side.tensors["frame_rate"].tolist() == [24.0, 24.0]
     with pytest.raises(translate.TranslationError, match="already through the text connectors"):
         translate.conditioning([entry(dim=96)], LTX2, 1, "positive")
+    guides = {"keyframe_idxs": torch.zeros(1, 3, 4, 2), "unprocessed_ltxav_embeds": True}
+    side = translate.conditioning([entry(dim=96, guide_attention_entries=[{"strength": 1.0, "pixel_mask": None}],
+                                         **guides)], LTX2, 1, "positive")
+    assert side.tensors["keyframe_idxs"].shape == (1, 3, 4, 2)  # LTXVAddGuide's positions, at full strength
+    with pytest.raises(translate.TranslationError, match="strength other than 1"):
+        translate.conditioning([entry(dim=96, guide_attention_entries=[{"strength": 0.5}], **guides)], LTX2, 1,
+                               "positive")
     with pytest.raises(translate.TranslationError, match="LTXVAddGuide's guide frames"):
-        translate.conditioning([entry(dim=96, unprocessed_ltxav_embeds=True, keyframe_idxs=torch.zeros(1, 3, 4, 2))],
-                               LTX2, 1, "positive")
+        translate.conditioning([entry(dim=64, keyframe_idxs=torch.zeros(1, 3, 4, 2))], WAN, 1, "positive")
 
 
 def test_an_audio_video_latent_sends_both_parts_and_comes_back_nested(monkeypatch):

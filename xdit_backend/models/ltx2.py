@@ -146,8 +146,10 @@ class LTX2Spec(FamilySpec):
     # scale_latent_inpaint keeps the fixed region clean
     masked_timesteps_per_frame = True
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
-    optional_conditioning = ("frame_rate",)
-    comfy_conditioning: ClassVar[dict[str, str]] = {"frame_rate": "frame_rate"}
+    optional_conditioning = ("frame_rate", "keyframe_idxs")
+    # LTXVConditioning's frame rate; LTXVAddGuide's guide frames' pixel positions [B, 3, Ng, 2] (the frames appended to
+    # the video latent, their noise mask 1 − strength: model.LTXVModel._process_input)
+    comfy_conditioning: ClassVar[dict[str, str]] = {"frame_rate": "frame_rate", "keyframe_idxs": "keyframe_idxs"}
     comfy_flags: ClassVar[dict[str, tuple[str, str]]] = {"unprocessed_ltxav_embeds": (
         "holds LTX-2 text features already through the text connectors (an older ComfyUI's LTX-2 text encoder)",
         "encode the prompt with the current LTXAVTextEncoderLoader / CLIP Text Encode: the connectors run on the "
@@ -186,8 +188,9 @@ class LTX2Spec(FamilySpec):
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """Gemma 3's features as ComfyUI's LTX-2 text encoder gives them (comfy/text_encoders/lt.py: the prompt's
-        tokens, normalised and projected), and LTXVConditioning's frame rate per row."""
-        return {"context": (batch, None, self.context_dim), "frame_rate": (batch,)}
+        tokens, normalised and projected), LTXVConditioning's frame rate per row and LTXVAddGuide's guide positions."""
+        return {"context": (batch, None, self.context_dim), "frame_rate": (batch,),
+                "keyframe_idxs": (batch, 3, None, 2)}
 
     def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         return {"context": (batch, None, self.context_dim)}  # a built-in runs at the default frame rate
@@ -340,7 +343,8 @@ class LTX2Model(DiffusionModel):
         a_temb, a_embedded = embed(t.audio_time_embed, a_ts)
         rate = cond.get("frame_rate")
         rate = torch.full((b,), DEFAULT_FRAME_RATE) if rate is None else rate.float()
-        coords = t.video_coords(self._video_coords(b, frames, h, w, rate.to(self.device)))  # [B, 3, n, 2]
+        coords = self._video_coords(b, frames, h, w, rate.to(self.device), cond.get("keyframe_idxs"))
+        coords = t.video_coords(coords)  # [B, 3, N, 2] → this rank's [B, 3, n, 2]
         a_coords = t.audio_rope.prepare_audio_coords(b, audio.shape[2], self.device)  # [B, 1, T, 2], seconds
         audio = audio.shape[2] > 0  # without audio its positions are never read (and RoPE takes no empty grid)
         v_text, a_text = self._connected(cond["context"])
@@ -360,10 +364,12 @@ class LTX2Model(DiffusionModel):
         the middle only with use_middle_indices_grid (else the start: given as both ends)."""
         return coords if self.spec.middle_positions else coords[..., :1].expand_as(coords)
 
-    def _video_coords(self, b: int, frames: int, h: int, w: int, rate: torch.Tensor) -> torch.Tensor:
+    def _video_coords(self, b: int, frames: int, h: int, w: int, rate: torch.Tensor,
+                      keyframes: torch.Tensor | None = None) -> torch.Tensor:
         """Each video token's cell in pixels, (start, end) per axis, time in seconds at ``rate`` [B] frames per
         second: [B, 3, N, 2] (ComfyUI's latent_to_pixel_coords, its causal fix: the first frame is one pixel
-        frame, so a frame's start is 8f − 7, not below 0)."""
+        frame, so a frame's start is 8f − 7, not below 0). LTXVAddGuide's guide frames, appended to the latent, take
+        their pixel positions from ``keyframes`` [B, 3, Ng, 2] (ComfyUI's keyframe_idxs: the last Ng tokens')."""
         grid = torch.stack(torch.meshgrid(*(torch.arange(n, device=self.device, dtype=torch.float32)
                                             for n in (frames, h, w)), indexing="ij")).flatten(1)  # [3, N]
         scale = torch.tensor(PIXELS_PER_CELL, device=self.device, dtype=torch.float32)[:, None, None]
@@ -371,6 +377,12 @@ class LTX2Model(DiffusionModel):
         if self.spec.causal_positions:
             coords[0] = (coords[0] + 1 - PIXELS_PER_CELL[0]).clamp(min=0)
         coords = coords[None].repeat(b, 1, 1, 1)
+        if keyframes is not None and keyframes.shape[2]:
+            if keyframes.shape[2] % (h * w) or keyframes.shape[2] > coords.shape[2]:
+                raise UserError(f"keyframe_idxs holds {keyframes.shape[2]} tokens, not whole {h}×{w}-token latent "
+                                f"frames of this {frames}-frame latent: the guides were added at another size",
+                                "add the guides (LTXVAddGuide) to the latent being sampled, after any upscaling")
+            coords[:, :, -keyframes.shape[2]:] = keyframes.to(coords)
         coords[:, 0] = coords[:, 0] / rate.view(b, 1, 1)
         return coords
 
