@@ -422,3 +422,31 @@ def test_the_audio_whole_costs_what_its_formula_says(backend):
     whole = audio_traffic(layers=2, audio_width=32, audio_heads=config["audio_num_attention_heads"], video_tokens=48,
                           audio_tokens=17, rows=2, ulysses=2, ring=1, element_bytes=4)["whole"]
     assert audio == whole * EVEN["steps"]
+
+
+def test_a_lora_in_lightricks_names_patches_the_blocks_and_a_connector(ltx23, tmp_path):
+    """The templates' distilled LoRA is in the original names (diffusion_model.transformer_blocks.N.attn1.to_q, …, the
+    audio-to-video attention, a text connector's block): every key lands through the converter's table, and the
+    outputs move."""
+    from safetensors.torch import save_file
+
+    from xdit_backend.models import lora
+
+    g = torch.Generator().manual_seed(0)
+    pairs = {"transformer_blocks.0.attn1.to_q": (64, 64), "transformer_blocks.1.audio_to_video_attn.to_k": (32, 32),
+             "transformer_blocks.0.audio_ff.net.0.proj": (32, 128),
+             "video_embeddings_connector.transformer_1d_blocks.0.attn1.to_v": (64, 64)}
+    state = {}
+    for module, (inputs, outputs) in pairs.items():
+        state[f"diffusion_model.{module}.lora_A.weight"] = torch.randn(4, inputs, generator=g) * 0.1
+        state[f"diffusion_model.{module}.lora_B.weight"] = torch.randn(outputs, 4, generator=g) * 0.1
+    path = tmp_path / "ltx-lora.safetensors"
+    save_file(state, str(path))
+    patched = registry.build("ltx2-tiny", torch.device("cpu"), loras=lora.parse([{"path": str(path), "strength": 1.0}]))
+    assert [(r["merged_modules"], r["unmatched_keys"]) for r in patched.lora_reports] == [(4, 0)]
+    video, audio = torch.randn(1, 128, 2, 2, 2, generator=g), torch.randn(1, 8, 5, 16, generator=g)
+    cond = {"context": torch.randn(1, 5, 96, generator=g)}
+    with torch.no_grad():
+        ours = patched.output((video, audio), torch.tensor([0.5]), cond, None)
+        base = ltx23.output((video, audio), torch.tensor([0.5]), cond, None)
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(ours, base))

@@ -63,23 +63,23 @@ def test_the_plans_name_modules_the_model_has(family):
         assert cut.module.removesuffix(".*") in modules, cut  # "blocks.*": each block of that list
     assert plan.gather in modules
     attention_names = {name.rsplit(".", 1)[-1] for name in modules}
+    paths = {".".join(part for part in name.split(".") if not part.isdigit()) for name in modules}  # "layers.attention"
     for name, _ in plan.attention:
-        assert name in attention_names, name
+        assert name in attention_names | paths, name
     stages = model.spec.stage_plan
     assert sum(len(getattr(model.transformer, name)) for name in stages.block_lists) == model.spec.blocks
-    paths = {".".join(part for part in name.split(".") if not part.isdigit()) for name in modules}  # "layers.attention"
     for name, _, _ in stages.attention:
         assert name in attention_names | paths, name
 
 
 def test_joint_models_cut_their_text_and_the_others_do_not():
     """Flux, Chroma, Flux.2, SD3, HunyuanVideo 1.5, Qwen-Image and CogVideoX attend to text and image together, so
-    their text is split; PixArt, Wan and HunyuanDiT cross-attend; Z-Image's one sequence is cut as two segments, its
+    their text is split; PixArt, Wan, HunyuanDiT and LTX-2 cross-attend; Z-Image's one sequence is cut as two segments, its
     caption (with the image's pad tokens) as the text."""
     cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
     assert cuts_text == {"flux": True, "chroma": True, "sd3": True, "pixart": False, "wan": False,
                          "wan_vace": False, "hunyuan_video15": True, "z_image": True, "hunyuan_dit": False,
-                         "flux2": True, "qwen_image": True, "cogvideox": True}
+                         "flux2": True, "qwen_image": True, "cogvideox": True, "ltx2": False}
 
 
 def family(**attributes):

@@ -189,11 +189,11 @@ class LTX2Spec(FamilySpec):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """Gemma 3's features as ComfyUI's LTX-2 text encoder gives them (comfy/text_encoders/lt.py: the prompt's
         tokens, normalised and projected), LTXVConditioning's frame rate per row and LTXVAddGuide's guide positions."""
-        return {"context": (batch, None, self.context_dim), "frame_rate": (batch,),
+        return {"context": (batch, text_tokens, self.context_dim), "frame_rate": (batch,),
                 "keyframe_idxs": (batch, 3, None, 2)}
 
     def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
-        return {"context": (batch, None, self.context_dim)}  # a built-in runs at the default frame rate
+        return {"context": (batch, text_tokens, self.context_dim)}  # a built-in: the default frame rate, no guides
 
     def audio_frames(self, frames: int, frame_rate: float = DEFAULT_FRAME_RATE) -> int:
         """The audio latent's length for ``frames`` video frames (LTXVEmptyLatentAudio)."""
