@@ -241,18 +241,18 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
 
 
 def audio_latent(value: dict, spec) -> torch.Tensor | None:
-    """A family with audio (LTX-2): the LATENT's audio part (LTXVConcatAVLatent's) [B, 8, T, 16], or an empty one
-    [B, 8, 0, 16] for a video latent alone (ComfyUI's LTX-2 model then makes the video without audio)."""
+    """A family with audio: the LATENT's audio part (LTXVConcatAVLatent's [B, 8, T, 16], MiniMax-H3's [B, 32, 2, T]),
+    or an empty one (T = 0) for a video latent alone (ComfyUI's LTX-2 model then makes the video without audio)."""
     if spec.audio_part is None:
         return None
     video, *audio = parts(value["samples"])
-    channels, bins = spec.audio_part
     if not audio:
-        return torch.zeros(video.shape[0], channels, 0, bins)
+        return torch.zeros(spec.audio_shape(video.shape[0], 0))
     audio = audio[0].detach().to("cpu", torch.float32)
-    if audio.dim() != 4 or (audio.shape[1], audio.shape[3]) != (channels, bins):
+    if spec.audio_length(tuple(audio.shape)) is None:
+        wanted = ", ".join("T" if d is None else str(d) for d in spec.audio_shape(audio.shape[0], None))
         raise TranslationError(f"the latent's audio part has shape {list(audio.shape)}; a {spec.family} model takes "
-                               f"[B, {channels}, T, {bins}]", "make it with LTXVEmptyLatentAudio or LTX-2's audio VAE")
+                               f"[{wanted}]", "make it with the model's empty-latent node or its audio VAE")
     return audio.contiguous()
 
 
@@ -284,7 +284,7 @@ def to_comfyui(result: dict, spec):
     audio was empty); else the latent unchanged."""
     samples = result["samples"]
     audio = result.get("audio_samples")
-    if audio is not None and audio.shape[2] > 0:
+    if audio is not None and audio.numel() > 0:
         from comfy.nested_tensor import NestedTensor
 
         return NestedTensor((samples, audio))

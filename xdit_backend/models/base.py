@@ -90,9 +90,10 @@ class FamilySpec(ABC):
     # process_timestep and scale_latent_inpaint: Wan 2.2 TI2V-5B's image to video): the sampler hands the model the
     # mask as ``denoise_mask`` (sampling/generate.py)
     masked_timesteps_per_frame = False
-    # the latent has an audio part beside the image or video one, [B, C, T, M] (channels, bins): LTX-2's; the two are
-    # sampled as one (sampling/packed.py), T from the video's length (``audio_frames``)
-    audio_part: ClassVar[tuple[int, int] | None] = None
+    # the latent has an audio part beside the video one, its shape past the batch with None at its length (LTX-2's
+    # (8, None, 16): [B, 8, T, 16]; MiniMax-H3's (32, 2, None)); the two are sampled as one (sampling/packed.py), the
+    # length from the video's (``audio_frames``)
+    audio_part: ClassVar[tuple[int | None, ...] | None] = None
     optional_conditioning: tuple[str, ...] = ()
     comfy_conditioning: ClassVar[dict[str, str]] = {}
     takes_references: ClassVar[bool] = False
@@ -176,6 +177,16 @@ class FamilySpec(ABC):
     def audio_frames(self, frames: int, frame_rate: float) -> int:
         """The audio part's length T for a video of ``frames`` frames at ``frame_rate`` (a family with audio)."""
         raise NotImplementedError
+
+    def audio_shape(self, batch: int, length: int | None) -> tuple[int | None, ...]:
+        """The audio latent's shape for ``batch`` rows of ``length`` frames (None: any)."""
+        return (batch, *(length if d is None else d for d in self.audio_part))
+
+    def audio_length(self, shape) -> int | None:
+        """The length of an audio latent of ``shape``, None where it is not this family's audio layout."""
+        axis = self.audio_part.index(None) + 1
+        wanted = self.audio_shape(shape[0] if len(shape) else 0, shape[axis] if len(shape) > axis else 0)
+        return shape[axis] if tuple(shape) == wanted else None
 
     def latent_shape(self, batch: int, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         h, w = height // self.vae_factor, width // self.vae_factor

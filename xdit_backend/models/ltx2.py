@@ -141,7 +141,7 @@ class LTX2Spec(FamilySpec):
     vae_factor = 32
     patch = (1, 1, 1)
     time_factor = 8
-    audio_part = (AUDIO_CHANNELS, AUDIO_BINS)  # FamilySpec.audio_part: the latent has an audio part [B, 8, T, 16]
+    audio_part = (AUDIO_CHANNELS, None, AUDIO_BINS)  # FamilySpec.audio_part: an audio part [B, 8, T, 16]
     # model_base.LTXAV.process_timestep: under a noise mask a timestep per token (mask·σ), and its
     # scale_latent_inpaint keeps the fixed region clean
     masked_timesteps_per_frame = True

@@ -84,7 +84,7 @@ class SampleRequest:
         if audio is None:
             rate = self.tensors.get("frame_rate")
             frames = spec.audio_frames(self.frames, *(() if rate is None else (float(rate.flatten()[0]),)))
-            audio_shape = (spec.audio_part[0], max(frames, 1), spec.audio_part[1])
+            audio_shape = spec.audio_shape(self.batch, max(frames, 1))[1:]
         else:
             audio_shape = tuple(audio.shape[1:])
         return LatentParts((self.latent_shape(spec)[1:], audio_shape))
@@ -190,7 +190,7 @@ class SampleRequest:
                        any(REFERENCE.fullmatch(name) for name in self.tensors), self.latent_shape(spec)[-2:])
 
     def _check_audio_latent(self, spec) -> None:
-        """An audio latent only for a family with audio, [B, C, T, M] of its channels and bins, T at most
+        """An audio latent only for a family with audio, in its layout (LTX-2's [B, 8, T, 16]), T at most
         ``schema.MAX_AUDIO_FRAMES``; T = 0 asks for the video alone (as ComfyUI's LTX-2 model given a video latent)."""
         audio = self.tensors.get("audio_latent")
         if audio is None:
@@ -198,13 +198,12 @@ class SampleRequest:
         if spec.audio_part is None:
             raise RequestError(f"audio_latent: model {self.model} ({spec.family}) makes no audio",
                                "send audio_latent only to a model with audio (LTX-2)")
-        channels, bins = spec.audio_part
-        if (audio.dim() != 4 or audio.shape[0] != self.batch or (audio.shape[1], audio.shape[3]) != (channels, bins)
-                or not 0 <= audio.shape[2] <= schema.MAX_AUDIO_FRAMES):
+        length = spec.audio_length(tuple(audio.shape)) if audio.shape[:1] == (self.batch,) else None
+        if length is None or length > schema.MAX_AUDIO_FRAMES:
+            wanted = ", ".join("T" if d is None else str(d) for d in spec.audio_shape(self.batch, None))
             raise RequestError(f"audio_latent has shape {list(audio.shape)}; a {spec.family} audio latent is "
-                               f"[{self.batch}, {channels}, T, {bins}] with 0 ≤ T ≤ {schema.MAX_AUDIO_FRAMES} "
-                               "(0: the video alone)",
-                               "send the audio latent as LTXVEmptyLatentAudio or the audio VAE makes it")
+                               f"[{wanted}] with 0 ≤ T ≤ {schema.MAX_AUDIO_FRAMES} (0: the video alone)",
+                               "send the audio latent as the model's empty-latent node or its audio VAE makes it")
 
     def _check_noise_mask(self, spec) -> None:
         """A noise mask as ComfyUI's LATENT carries one (Set Latent Noise Mask: [N, 1, H, W]; a video's may be
