@@ -178,6 +178,10 @@ class FamilySpec(ABC):
         """The audio part's length T for a video of ``frames`` frames at ``frame_rate`` (a family with audio)."""
         raise NotImplementedError
 
+    def part_scales(self, shift: float | None) -> tuple[float, ...]:
+        """Each latent part's factor into the sampler's space (sampling/packed.py LatentParts.scales)."""
+        return (1.0, 1.0)
+
     def audio_shape(self, batch: int, length: int | None) -> tuple[int | None, ...]:
         """The audio latent's shape for ``batch`` rows of ``length`` frames (None: any)."""
         return (batch, *(length if d is None else d for d in self.audio_part))

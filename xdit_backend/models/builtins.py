@@ -98,6 +98,17 @@ BUILTINS: dict[str, BuiltinModel] = {
         description="LTX-2.3 architecture (video with audio), 2 blocks, width 64 (audio 32), random weights "
                     "(a test model)",
     ),
+    "minimax-h3-tiny": BuiltinModel(
+        family="minimax_h3",
+        # MiniMax-H3's architecture at width 64: 4 heads of 32 (the attention wider than the stream, as 56 × 128 over
+        # 5376), 2 blocks and 1 refiner block, SwiGLU 128, RoPE over 2·3·4 of each head's 32 channels
+        config=dict(num_attention_heads=4, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1,
+                    ffn_dim=128, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=48, freq_dim=32,
+                    time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4),
+        text_tokens=8,
+        description="MiniMax-H3 architecture (video with audio, one packed sequence), 2 blocks, width 64, random "
+                    "weights (a test model)",
+    ),
     "ltx2.0-tiny": BuiltinModel(
         family="ltx2",
         config=LTX20_TINY,

@@ -70,6 +70,9 @@ HUNYUAN_VIDEO15 = LatentFormat(channels=32, scale=1.03682, video=True)
 # LTX-2's video latent (latent_formats.LTXAV, LTXV's): the VAEs normalise their own latents, so scale 1 and no shift;
 # the audio part has no format of its own (the same identity: ComfyUI's sampler packs both)
 LTXV = LatentFormat(channels=128, scale=1.0, video=True)
+# MiniMax-H3's video latent (latent_formats.MiniMaxH3Video): its VAE normalises, scale 1; the audio part's factor is
+# the model sampling's (models/minimax_h3.py part_scales)
+MINIMAX_H3 = LatentFormat(channels=24, scale=1.0, video=True)
 # Flux.2's VAE latent as ComfyUI carries it: 32 channels × 2×2 patches, pre-patchified to 128 channels
 # at 1/16 of the pixels; process_in and process_out are the identity (Comfy-Org/ComfyUI
 # comfy/latent_formats.py, class Flux2: latent_channels 128, spacial_downscale_ratio 16).

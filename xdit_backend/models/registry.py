@@ -25,6 +25,7 @@ from . import (
     hunyuan_video15_checkpoint,
     lora,
     ltx2_checkpoint,
+    minimax_h3_checkpoint,
     pixart_checkpoint,
     qwen_image_checkpoint,
     safetensors_file,
@@ -46,6 +47,7 @@ from .flux2 import Flux2Model, Flux2Spec
 from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .ltx2 import LTX2Model, LTX2Spec, build_transformer
+from .minimax_h3 import MiniMaxH3Model, MiniMaxH3Spec
 from .pixart import PixArtModel, PixArtSpec
 from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
@@ -93,6 +95,8 @@ FAMILIES = {family.name: family for family in (
            "HunyuanVideo 1.5 (480p, 720p; text to video)"),
     Family(LTX2Spec, LTX2Model, ltx2_checkpoint, "LTX2VideoTransformer3DModel", "LTX-2 (2.0, 2.3; video with audio)",
            build_transformer),
+    Family(MiniMaxH3Spec, MiniMaxH3Model, minimax_h3_checkpoint, "MiniMaxH3Transformer3DModel",
+           "MiniMax-H3 (video with audio)"),
     Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
     Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
     Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",

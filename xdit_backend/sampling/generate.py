@@ -108,7 +108,8 @@ def start(gen: Generation, latent_format, rows: slice, device) -> Start:
     else:
         noise = gen.parts.noise(full.shape[0], gen.seed) if gen.parts else comfy_noise(tuple(full.shape), gen.seed)
     noise = noise[rows].to(device)
-    latent = (latent_format.process_in(full) if torch.count_nonzero(full) > 0 else full)[rows].to(device)
+    latent = latent_format.process_in(full) if torch.count_nonzero(full) > 0 else full
+    latent = (gen.parts.scaled(latent) if gen.parts else latent)[rows].to(device)
     positive = {key: t[rows].to(device) for key, t in gen.positive.items()}
     negative = {key: t[rows].to(device) for key, t in gen.negative.items()} if gen.uses_cfg else None
     x = gen.sampling.noise_scaling(gen.sigmas[0], noise, latent)
@@ -137,8 +138,8 @@ def packed_mask(gen: Generation, shape: tuple[int, ...]) -> torch.Tensor:
 
 def finish(gen: Generation, latent_format, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """ComfyUI's epilogue: the sampler's model-space latent back to raw VAE space."""
-    x = gen.sampling.inverse_noise_scaling(samplers.final_sigma(gen.sampler, sigmas), x)
-    return latent_format.process_out(x)
+    x = latent_format.process_out(gen.sampling.inverse_noise_scaling(samplers.final_sigma(gen.sampler, sigmas), x))
+    return gen.parts.scaled(x, inverse=True) if gen.parts else x
 
 
 def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] = lambda i, n: True) -> torch.Tensor:

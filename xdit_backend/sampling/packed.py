@@ -22,6 +22,9 @@ class LatentParts:
 
     shapes: tuple[tuple[int, ...], ...]
     names: tuple[str, ...] = ("samples", "audio_samples")  # each part's name in a result (the wire's tensors)
+    # each part's factor between raw latent space and the sampler's (MiniMax-H3 carries its audio at k times its
+    # value: ComfyUI's process_latent_in multiplies it, process_latent_out divides)
+    scales: tuple[float, ...] = (1.0, 1.0)
 
     @property
     def sizes(self) -> list[int]:
@@ -40,6 +43,13 @@ class LatentParts:
         generator = torch.Generator().manual_seed(seed)
         return self.pack([torch.randn((batch, *shape), generator=generator, dtype=torch.float32)
                           for shape in self.shapes])
+
+    def scaled(self, flat: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """[B, Σ n_i] with each part times its scale (divided, ``inverse``)."""
+        if all(scale == 1.0 for scale in self.scales):
+            return flat
+        return self.pack([part / scale if inverse else part * scale
+                          for part, scale in zip(self.unpack(flat), self.scales)])
 
     def named(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A result's tensors by name: each part of ``flat``, contiguous."""

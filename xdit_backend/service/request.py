@@ -87,7 +87,7 @@ class SampleRequest:
             audio_shape = spec.audio_shape(self.batch, max(frames, 1))[1:]
         else:
             audio_shape = tuple(audio.shape[1:])
-        return LatentParts((self.latent_shape(spec)[1:], audio_shape))
+        return LatentParts((self.latent_shape(spec)[1:], audio_shape), scales=spec.part_scales(self.shift))
 
     def result(self, spec, latent: torch.Tensor) -> dict[str, torch.Tensor]:
         """The generation's result tensors by wire name: ``samples``, and ``audio_samples`` for a family with audio."""

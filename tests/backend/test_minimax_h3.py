@@ -1,0 +1,149 @@
+"""MiniMax-H3 (video with audio in one packed sequence, ComfyUI's MiniMaxH3Model on diffusers' modules): both outputs
+of every layout equal serial's, the packed sequence's rows cut alike (text, audio and video rows, positions, AdaLN
+rows), the audio carried at its own σ as ComfyUI's ModelSamplingAV carries it."""
+
+import math
+
+import pytest
+import torch
+
+from xdit_backend.models import registry
+from xdit_backend.service.reference import serial_latent
+from xdit_backend.service.request import SampleRequest
+from xdit_backend.wire.protocol import Message
+
+# 128 × 64 px × 22 frames: 7 latent frames of 2 × 4 tokens (56 video rows), 37 audio frames (74 rows, stereo) and 8
+# text rows: 138 rows, which no degree below divides by 4 (padded shares); cfg 3 with the built-in's negative
+H3 = {"model": "minimax-h3-tiny", "width": 128, "height": 64, "frames": 22, "steps": 3, "seed": 7, "cfg": 3.0}
+
+
+def serial_parts(fields: dict, tensors: dict | None = None) -> dict[str, torch.Tensor]:
+    request = SampleRequest.parse(Message("sample", fields, tensors or {}))
+    return request.result(registry.spec(fields["model"]), serial_latent(fields, tensors))
+
+
+ROWS = [(H3, 2, {"ulysses": 2}), (H3, 2, {"ring": 2}), (H3, 2, {"cfg": 2}), (H3, 4, {"ulysses": 2, "ring": 2}),
+        (H3, 4, {"ulysses": 4}), ({**H3, "batch": 2}, 2, {"dp": 2}),
+        (H3, 2, {"ulysses": 2, "shard_weights": True})]
+
+
+@pytest.mark.parametrize("fields,world,degrees", [
+    pytest.param(*row, id=f"b{row[0].get('batch', 1)}-world{row[1]}-" + "x".join(f"{k}{v}" for k, v in row[2].items()))
+    for row in ROWS])
+def test_video_and_audio_equal_serial(fields, world, degrees, backend):
+    expected = serial_parts(fields)
+    result, info = backend(world).sample({**fields, "parallel": degrees})
+    assert info["world_size"] == world
+    for name in ("samples", "audio_samples"):
+        assert result[name].shape == expected[name].shape, name
+        bound = 1e-4 * max(1.0, expected[name].abs().max().item())
+        assert (result[name] - expected[name]).abs().max().item() <= bound, name
+
+
+# ComfyUI's MiniMaxH3Model forward restated (Comfy-Org/ComfyUI comfy/ldm/minimax/model.py 01a56b76, model_base.py
+# 094c74c1 MiniMaxH3, model_sampling.py 2fd20839 ModelSamplingAV), apart from models/minimax_h3.py, on the same weights:
+# the packed layout, the rows' tags, timesteps and positions, the audio carried at its own σ, the negated velocity.
+
+def comfy_h3(t, video, carried, sigma_v, context, tags=None):
+    b, c, frames, h, w = video.shape
+    steps = carried.shape[-1]
+    base = sigma_v / (12 + sigma_v * (1 - 12))
+    sigma_a = 3 * base / (1 + 2 * base)  # the audio's σ: shift 3 at the video's base time
+    k = 12 / 3
+    audio = carried * sigma_a / sigma_v
+    text = t.token_refiner(t.context_embedder(context))
+    length = text.shape[1]
+    tags = torch.ones(length, dtype=torch.long) if tags is None else tags[0].long()
+    v_rows = frames * (h // 2) * (w // 2)
+    tag = torch.cat([tags, torch.full((2 * steps,), 2), torch.zeros(v_rows, dtype=torch.long)])
+    t_v, t_a = 1 - sigma_v, 1 - sigma_a
+    unique = sorted({float(t_v), float(t_a)})
+    index = {value: i for i, value in enumerate(unique)}
+    row_t = torch.tensor([index[float(t_v)]] * length + [index[float(t_a)]] * 2 * steps + [index[float(t_v)]] * v_rows)
+    half = t.config.freq_dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half) / half)
+    angle = torch.tensor(unique)[:, None] * freqs
+    temb = t.time_embedder(torch.cat([angle.cos(), angle.sin()], dim=-1))
+    side = math.sqrt(h * w)
+
+    def axis(cells):
+        ratio, n = cells / side, cells // 2
+        return (torch.arange(n, dtype=torch.float64) * (ratio / n) + (1 - ratio) / 2) * 32
+
+    rows_h, cols_w = axis(h), axis(w)
+    per = [1, 4, 4, 4, 4]
+    times = [length + 5 / 3 * sum(per[j % 5] for j in range(f)) for f in range(frames)]
+    positions = [(i, 0.0, 0.0) for i in range(length)]
+    positions += [(length + j, 0.0, float(cols_w[0] if ch == 0 else cols_w[-1]))  # the grid's left and right edges
+                  for ch in range(2) for j in range(steps)]
+    positions += [(times[f], float(rows_h[r]), float(cols_w[q])) for f in range(frames) for r in range(h // 2)
+                  for q in range(w // 2)]
+    rope = t.rope(torch.tensor(positions, dtype=torch.float64))
+    v_in = torch.einsum("nctrhpwq->nthwcrpq", video.reshape(b, c, frames, 1, h // 2, 2, w // 2, 2))
+    v_in = v_in.reshape(b, v_rows, -1)
+    a_in = audio.permute(0, 2, 3, 1).reshape(b, 2 * steps, 32)  # channel 0's frames, then channel 1's
+    x = torch.cat([text, t.audio_proj_in(a_in), t.proj_in(v_in)], dim=1)
+    adaln = row_t * 3 + tag
+    for block in t.transformer_blocks:
+        x = block(x, temb, adaln, rope)
+    shift, scale = t.norm_out.linear(torch.nn.functional.silu(temb)).chunk(2, dim=-1)
+    x = t.norm_out.norm(x) * (1 + scale[row_t]) + shift[row_t]
+    v = -t.proj_out(x[:, length + 2 * steps:])
+    a = -t.audio_proj_out(x[:, length:length + 2 * steps]).reshape(b, 2, steps, 32).permute(0, 3, 1, 2)
+    v = torch.einsum("nthwcrpq->nctrhpwq", v.reshape(b, frames, h // 2, w // 2, c, 1, 2, 2)).reshape(video.shape)
+    return v, (1 - k) * audio + (1 + (k - 1) * sigma_a) * a
+
+
+@pytest.fixture(scope="module")
+def h3():
+    return registry.build("minimax-h3-tiny", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["text", "vision-tokens"])
+def test_the_model_is_comfyuis_minimax_h3(h3, tagged):
+    """The wrapper's forward equals ComfyUI's MiniMaxH3Model restated, text tags given (an image's vision tokens: 0)."""
+    g = torch.Generator().manual_seed(1)
+    video, carried = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 11, generator=g)
+    context = torch.randn(1, 9, 48, generator=g)
+    tags = torch.tensor([[1.0, 0, 0, 0, 1, 1, 1, 1, 1]]) if tagged else None
+    sigma = torch.tensor([0.7])
+    cond = {"context": context, **({"text_token_tags": tags} if tagged else {})}
+    with torch.no_grad():
+        ours = h3.output((video, carried), sigma * 1000, cond, None)
+        theirs = comfy_h3(h3.transformer, video, carried, sigma[0], context, tags)
+    for mine, want, name in zip(ours, theirs, ("video", "audio")):
+        assert (mine - want).abs().max() < 1e-5, name
+
+
+def test_the_streams_attend_to_each_other(h3):
+    g = torch.Generator().manual_seed(2)
+    video, carried = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 7, generator=g)
+    cond = {"context": torch.randn(1, 5, 48, generator=g)}
+    sigma = torch.tensor([500.0])
+    with torch.no_grad():
+        v, a = h3.output((video, carried), sigma, cond, None)
+        v_other, _ = h3.output((video, carried.flip(-1)), sigma, cond, None)
+        _, a_other = h3.output((video.flip(2), carried), sigma, cond, None)
+    assert (v - v_other).abs().max() > 1e-3 and (a - a_other).abs().max() > 1e-3
+
+
+def test_one_euler_step_moves_the_audio_on_its_own_schedule(h3):
+    """ModelSamplingAV's carry: an Euler step of the packed state from σv to σv' is, for the audio, an Euler step from
+    σa to σa' (shift 3 at the same base times) of its own state x_a = y·σa/σv (k·a0 its clean value)."""
+    from xdit_backend.models.minimax_h3 import time_shift_sigma
+
+    g = torch.Generator().manual_seed(3)
+    video, x_a = torch.randn(1, 24, 2, 4, 4, generator=g), torch.randn(1, 32, 2, 7, generator=g)
+    cond = {"context": torch.randn(1, 5, 48, generator=g)}
+    sv, sv_next = torch.tensor(0.8), torch.tensor(0.6)
+    sa, sa_next = time_shift_sigma(sv, 12, 3), time_shift_sigma(sv_next, 12, 3)
+    y = x_a * sv / sa
+    with torch.no_grad():
+        _, out_y = h3.output((video, y), (sv * 1000)[None], cond, None)
+    y_next = y + out_y * (sv_next - sv)  # CONST's Euler: x + (x − x0)/σ·dσ, x0 = x − σ·out
+    # the audio's own velocity: out_a from ComfyUI's relation out_y = (1 − k)·x_a + (1 + (k − 1)·σa)·out_a
+    k = 4.0
+    out_a = (out_y - (1 - k) * x_a) / (1 + (k - 1) * sa)
+    x0_a = x_a - sa * out_a  # its clean estimate (the CONST denoised at σa), times k in y's units
+    x_a_next = x_a + (x_a - x0_a) / sa * (sa_next - sa)
+    assert torch.allclose(y_next * sa_next / sv_next, x_a_next, atol=1e-5)
