@@ -39,6 +39,8 @@ REFUSED = {
     "keyframe_idxs": "LTXVAddGuide's guide frames (keyframes)",
     "guide_attention_entries": "LTXVAddGuide's guide frames (keyframes)",
     "ref_audio": "a reference voice (LTXVReferenceAudio)",
+    "minimax_keyframes": "MiniMax-H3 keyframes (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide)",
+    "minimax_refs": "MiniMax-H3 references (MiniMaxH3ReferenceToVideo)",
 }
 
 
@@ -80,8 +82,8 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
             continue
         if key == "reference_latents_method" and spec.takes_references and value == placement:
             continue  # the family's own placement (Flux's "offset", FluxKontextMultiReferenceLatentMethod)
-        if value is None:
-            continue
+        if value is None or (isinstance(value, (list, tuple)) and not value):
+            continue  # an option set to nothing (MiniMaxH3ImageToVideo's keyframes without a frame)
         what = REFUSED.get(key, f"the option {key!r}")
         if key in (path.partition(".")[0] for path in spec.comfy_conditioning):  # the family's, not this model's
             # as ComfyUI's own model of this file: its concat_cond / extra_conds take nothing for it (a text-to-video
@@ -234,7 +236,7 @@ def latent(value: dict, spec) -> tuple[Geometry, torch.Tensor | None]:
                                f"with {channels} channels",
                                _empty_latent_hint(spec))
     h, w = samples.shape[-2:]
-    frames = (samples.shape[2] - 1) * spec.time_factor + 1 if spec.video else 1
+    frames = spec.pixel_frames(samples.shape[2]) if spec.video else 1
     geometry = Geometry(w * spec.vae_factor, h * spec.vae_factor, frames, samples.shape[0])
     samples = samples.detach().to("cpu", torch.float32)
     return geometry, (samples.contiguous() if torch.count_nonzero(samples) else None)

@@ -125,13 +125,41 @@ NEWER_NODES = {
         }},
         "output": ["CLIP"],
     },
+    # MiniMax-H3 (video with stereo audio; ComfyUI PR #15224): comfy_extras/nodes_minimax_h3.py @13a83ce7 and @542de101
+    # (these two nodes alike in both), read 2026-11-27
+    "MiniMaxH3ImageToVideo": {  # the prompt (and optional first / last frame) → positive conditioning + the AV latent
+        "source": "comfy_extras/nodes_minimax_h3.py: class MiniMaxH3ImageToVideo (ComfyUI PR #15224)",
+        "input": {"required": {
+            "clip": ["CLIP", {}],
+            "vae": ["VAE", {}],
+            "prompt": ["STRING", {"multiline": True, "dynamicPrompts": True}],
+            "width": ["INT", {"default": 1344, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+            "height": ["INT", {"default": 768, "min": 32, "max": MAX_RESOLUTION, "step": 32}],
+            "length": ["INT", {"default": 124, "min": 5, "max": 3600, "step": 17}],
+        }, "optional": {
+            "first_frame": ["IMAGE", {}],
+            "last_frame": ["IMAGE", {}],
+        }},
+        "output": ["CONDITIONING", "LATENT"],
+        "output_name": ["positive", "LATENT"],
+    },
+    # not newer, but out of the tests' ComfyUI: comfy_extras/nodes_audio.py imports torchaudio, which the tests install
+    # without (only the pinned torch's wheels are installed); its inputs are the snapshot's own
+    "VAEDecodeAudio": {  # current ComfyUI decodes a NestedTensor's last part (the audio: MiniMax-H3's, at 32 kHz)
+        "source": "comfy_extras/nodes_audio.py: class VAEDecodeAudio (the snapshot's, whose module needs torchaudio)",
+        "input": {"required": {
+            "samples": ["LATENT", {}],
+            "vae": ["VAE", {}],
+        }},
+        "output": ["AUDIO"],
+    },
 }
 
 # (node, input) → the combo values newer than the snapshot, and where they come from.
 NEWER_OPTIONS = {
-    ("CLIPLoader", "type"): (["flux2", "cogvideox"],
+    ("CLIPLoader", "type"): (["flux2", "cogvideox", "minimax"],
                              "nodes.py: CLIPLoader's type list (flux2: ComfyUI 0.3.71, Mistral for Flux.2; "
-                             "cogvideox: T5-XXL for CogVideoX)"),
+                             "cogvideox: T5-XXL for CogVideoX; minimax: MiniMax-H3's Qwen3-VL-32B, nodes.py @02217e36)"),
     ("FluxKontextMultiReferenceLatentMethod", "reference_latents_method"): (
         ["index_timestep_zero"], "comfy_extras/nodes_flux.py: FluxKontextMultiReferenceLatentMethod's methods "
                                  "(index_timestep_zero: Qwen-Image-Edit-2511's, as ComfyUI's 2511 template sets it)"),

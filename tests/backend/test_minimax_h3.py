@@ -147,3 +147,82 @@ def test_one_euler_step_moves_the_audio_on_its_own_schedule(h3):
     x0_a = x_a - sa * out_a  # its clean estimate (the CONST denoised at σa), times k in y's units
     x_a_next = x_a + (x_a - x0_a) / sa * (sa_next - sa)
     assert torch.allclose(y_next * sa_next / sv_next, x_a_next, atol=1e-5)
+
+
+PREFIXES = [("token_refiner.refiner_blocks.", "token_refiner.blocks."), ("transformer_blocks.", "blocks."),
+            ("time_embedder.linear_1.", "time_embedder.proj_in."),
+            ("time_embedder.linear_2.", "time_embedder.proj_out."),
+            ("audio_proj_in.", "audio_patch_proj."), ("proj_in.", "video_patch_proj."),
+            ("context_embedder.", "condition_proj."), ("norm_out.norm.", "final_layer.norm."),
+            ("norm_out.linear.", "final_layer.adaln_proj.linear."), ("audio_proj_out.", "final_layer.audio_out."),
+            ("proj_out.", "final_layer.video_out.")]
+INNER = [(".attn.norm_q.", ".attn.q_norm."), (".attn.norm_k.", ".attn.k_norm."), (".attn.to_out.0.", ".attn.out_proj."),
+         (".ff.net.0.proj.", ".mlp.fc1."), (".ff.net.2.", ".mlp.fc2.")]
+
+
+def original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """diffusers' MiniMax-H3 → the original layout Comfy-Org's files hold (stacked [q; k; v], fc1 [gate; value]),
+    written out here apart from the loader's table."""
+    sd, out = transformer.state_dict(), {}
+    for key, value in sd.items():
+        if ".attn.to_k." in key or ".attn.to_v." in key:
+            continue
+        if ".attn.to_q." in key:
+            value = torch.cat([sd[key], sd[key.replace("to_q", "to_k")], sd[key.replace("to_q", "to_v")]])
+            key = key.replace(".attn.to_q.", ".attn.qkv_proj.")
+        if ".ff.net.0.proj." in key:
+            value, gate = value.chunk(2)
+            value = torch.cat([gate, value])
+        prefix = next(((ours, theirs) for ours, theirs in PREFIXES if key.startswith(ours)), ("", ""))
+        key = prefix[1] + key[len(prefix[0]):]
+        for ours, theirs in INNER:
+            key = key.replace(ours, theirs)
+        out[key] = value.contiguous()
+    out["rope.inv_freq"] = transformer.rope.inv_freq  # the reference's buffer, which Comfy-Org's files keep
+    return out
+
+
+def test_the_original_names_are_those_diffusers_converts(h3):
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(
+        original_state_dict(h3.transformer), dict(h3.transformer.config))  # it drops rope.inv_freq (recomputed)
+    ours = h3.transformer.state_dict()
+    assert converted.keys() == ours.keys()
+    assert all(torch.equal(converted[key], ours[key]) for key in ours)
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_a_comfy_org_file_loads_as_the_built_in(h3, tmp_path, stored):
+    """Its config read off the shapes as ComfyUI's model detection reads it; its latents the built-in's (fp8: every
+    matrix stored so, each tensor the fp8-rounded one)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "minimax-h3-tiny.safetensors"
+    weights = {key: value.to(stored) if value.dim() == 2 else value
+               for key, value in original_state_dict(h3.transformer).items()}
+    save_file({f"model.diffusion_model.{key}": value for key, value in weights.items()}, str(path))
+    source = registry.resolve(str(path))
+    built_in = registry.BUILTINS["minimax-h3-tiny"].config
+    assert source.family == "minimax_h3"
+    assert {key: source.config[key] for key in built_in if key != "patch_size"} == {
+        key: value for key, value in built_in.items() if key != "patch_size"}
+    if stored == torch.float32:
+        g = torch.Generator().manual_seed(2)
+        tensors = {"context": torch.randn(1, 8, 48, generator=g)}
+        fields = {**H3, "cfg": 1.0, "steps": 2}
+        assert torch.equal(serial_latent({**fields, "model": str(path)}, tensors), serial_latent(fields, tensors))
+        return
+    loaded = registry.build(str(path), torch.device("cpu")).transformer.state_dict()
+    for key, value in h3.transformer.state_dict().items():
+        want = value.to(stored).float() if value.dim() == 2 else value
+        assert torch.equal(loaded[key].float(), want), key
+
+
+def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
+    from xdit_backend.wire.endpoint import BackendError
+
+    with pytest.raises(BackendError, match="one sequence holds the text, the audio and the video"):
+        backend(2).sample({**H3, "parallel": {"pipefusion": 2}})
+    with pytest.raises(BackendError, match="not cached yet"):
+        backend(2).sample({**H3, "parallel": {"ulysses": 2}, "cache": "fbcache"})

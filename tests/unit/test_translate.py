@@ -355,3 +355,20 @@ def test_an_audio_video_latent_sends_both_parts_and_comes_back_nested(monkeypatc
     back = translate.to_comfyui({"samples": video, "audio_samples": audio}, LTX2)
     assert isinstance(back, Nested) and back.tensors[0] is video and back.tensors[1] is audio
     assert translate.to_comfyui({"samples": video, "audio_samples": audio[:, :, :0]}, LTX2) is video
+
+
+def test_a_minimax_h3_latent_and_its_token_tags_reach_the_request():
+    """EmptyMiniMaxH3LatentAV's NestedTensor (video [B, 24, T, h, w], stereo audio [B, 32, 2, Ta]) and the text
+    encoder's per-token modality tags; its keyframes (image to video) are refused by name."""
+    h3 = registry.spec("minimax-h3-tiny")
+    video, audio = torch.zeros(1, 24, 7, 4, 8), torch.zeros(1, 32, 2, 37)
+    geometry, _ = translate.latent({"samples": Nested([video, audio])}, h3)
+    assert (geometry.width, geometry.height, geometry.frames) == (128, 64, 22)  # 7 latent frames: 5 + 17
+    assert torch.equal(translate.audio_latent({"samples": Nested([video, audio])}, h3), audio)
+    with pytest.raises(translate.TranslationError, match=r"takes \[1, 32, 2, T\]"):
+        translate.audio_latent({"samples": Nested([video, torch.zeros(1, 8, 37, 16)])}, h3)
+    tags = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    side = translate.conditioning([entry(dim=48, minimax_token_tags=tags)], h3, 1, "positive")
+    assert torch.equal(side.tensors["text_token_tags"], tags)
+    with pytest.raises(translate.TranslationError, match="MiniMax-H3 keyframes"):
+        translate.conditioning([entry(dim=48, minimax_keyframes=[{}])], h3, 1, "positive")

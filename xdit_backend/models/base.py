@@ -159,6 +159,10 @@ class FamilySpec(ABC):
     def latent_frames(self, frames: int) -> int:
         return (frames - 1) // self.time_factor + 1 if self.video else 1
 
+    def pixel_frames(self, latent_frames: int) -> int:
+        """The video frames a latent of ``latent_frames`` frames decodes to (``latent_frames``' inverse)."""
+        return (latent_frames - 1) * self.time_factor + 1
+
     def check_size(self, width: int, height: int, frames: int) -> None:
         """Sizes the VAE and the patches can tile; errors give the nearest sizes that work."""
         m = self.pixel_multiple

@@ -152,6 +152,9 @@ class MiniMaxH3Spec(FamilySpec):
     def latent_frames(self, frames: int) -> int:
         return latent_frames(frames)
 
+    def pixel_frames(self, latent_frames: int) -> int:
+        return 5 + 17 * max(0, (latent_frames - 2) // 5)
+
     def check_size(self, width: int, height: int, frames: int) -> None:
         for name, side in (("width", width), ("height", height)):
             if side % 32:

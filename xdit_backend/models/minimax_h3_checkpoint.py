@@ -5,6 +5,8 @@ ComfyUI loads the original names unchanged (supported_models.MiniMaxH3 has no ke
 (``convert_minimax_h3_transformer_checkpoint_to_diffusers``) does: to_q / to_k / to_v (row bands of qkv_proj) and
 ff.net.0.proj ([value; gate]: the halves swapped). The config is read off the shapes as comfy/model_detection.py does.
 MiniMaxAI's own shards interleave q, k, v per head: re-save them as Comfy-Org's stacked file (ComfyUI reads those only).
+The file's ``rope.inv_freq`` (the reference's RoPE frequencies, which ComfyUI reads) gives the config its frequency
+count; diffusers recomputes the values (the same formula, float32).
 """
 
 from __future__ import annotations
