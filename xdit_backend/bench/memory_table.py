@@ -102,6 +102,12 @@ ARCHITECTURES = (
                  "the text's modulation, per-stream text features, connectors of 8 layers (32 × 128, 32 × 64); the "
                  "published 22 B counts the text features' projections too (3840·49 → 4096 and → 2048: 1.16 B), "
                  "which ComfyUI runs in its text encoder: 21 B here"),
+    # 1344 × 768 × 124 frames (the node's default, 5 s at 24 fps): 37 latent frames of 24 × 42 tokens, and in the same
+    # sequence 414 audio rows (207 stereo frames) and the prompt (up to 512 rows here)
+    Architecture("MiniMax-H3", "MiniMaxH3Transformer3DModel", {}, 33.0, 37296, 414 + 512, "768p × 124", WAN_VAE,
+                 "diffusers 0.42.1 MiniMaxH3Transformer3DModel's defaults (50 blocks, width 5376, 56 heads × 128, FFN "
+                 "14336) = MiniMaxAI/MiniMax-H3's; one packed sequence: the text (Qwen3-VL, unpadded: up to 512 "
+                 "rows here) and the audio's 414 rows beside the video's, all split; VAE decode budgeted as Wan's"),
 )
 
 STORAGES = ("bf16", "fp8", "GGUF Q8_0", "GGUF Q4_K")
