@@ -51,7 +51,9 @@ from dataclasses import dataclass
 import torch
 
 StorageRule = float | Callable[[str, torch.nn.Parameter], float]
-_PER_ROW = re.compile(r"(^|\.)(norm\w*|\w*mod\w*)(\.|$)")  # modulation layers: AdaLayerNorm's .linear, Qwen's img_mod
+# modulation layers, applied per row (a timestep), not per token: AdaLayerNorm's .linear, Qwen's img_mod, MiniMax-H3's
+# adaln_proj
+_PER_ROW = re.compile(r"(^|\.)(norm\w*|\w*mod\w*|adaln\w*)(\.|$)")
 MODULATION_PER_ROW = 12  # × C: two streams × (shift, scale, gate) × (attention, MLP)
 
 
