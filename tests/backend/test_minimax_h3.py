@@ -226,3 +226,21 @@ def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
         backend(2).sample({**H3, "parallel": {"pipefusion": 2}})
     with pytest.raises(BackendError, match="not cached yet"):
         backend(2).sample({**H3, "parallel": {"ulysses": 2}, "cache": "fbcache"})
+
+
+def test_the_audio_rows_cost_what_their_formula_says(backend):
+    """bench layouts' audio column: what a rank sends with the audio, less what it sends with none, is
+    cost.packed_audio_traffic's "split" term (the audio rows' share of the Ulysses all-to-alls), counted."""
+    from xdit_backend.distributed.cost import packed_audio_traffic
+
+    def sent(tensors):
+        _, info = backend(2).sample({**H3, "cfg": 1.0, "parallel": {"ulysses": 2}, "profile": True}, tensors)
+        return max(sum(v for k, v in r["sent_bytes"].items() if k != "control") for r in info["profile"])
+
+    g = torch.Generator().manual_seed(5)
+    text = {"context": torch.randn(1, 8, 48, generator=g)}
+    audio = (sent({**text, "audio_latent": torch.zeros(1, 32, 2, 37)})
+             - sent({**text, "audio_latent": torch.zeros(1, 32, 2, 0)}))
+    split = packed_audio_traffic(layers=2, attention_width=128, audio_rows=74, rows=1, ulysses=2, ring=1,
+                                 element_bytes=4)["split"]
+    assert audio == split * H3["steps"] + 74 * 128 * 4 * H3["steps"] // 2  # and the heads' outputs' gather

@@ -231,18 +231,24 @@ def run_layout_bench(layouts: list[str], fields: dict, json_path: Path | None = 
 
 # LTX-2.3 at 720p × 121 frames (1280 × 704): 16 × 22 × 40 video tokens, 121 audio tokens, 48 blocks, audio 32 × 64
 LTX23_720P = {"layers": 48, "audio_width": 2048, "audio_heads": 32, "video_tokens": 14080, "audio_tokens": 121}
+# MiniMax-H3 at 768p × 124 frames: 50 blocks, attention 56 × 128, 414 audio rows (207 stereo frames)
+H3_768P = {"layers": 50, "attention_width": 7168, "audio_rows": 414}
 
 
 def audio_comparison(fields: dict, summaries: list[dict]) -> None:
-    """For a model with audio (LTX-2): each sequence-parallel layout's bytes per rank per step with the audio whole on
-    every rank (what runs: measured above, and its audio term by cost.audio_traffic) against split with the video
-    (modeled), at the bench's size and at 720p × 121 frames."""
-    from ..distributed.cost import audio_traffic
+    """For a model with audio: each sequence-parallel layout's bytes per rank per step for the audio whole on every
+    rank against split, at the bench's size and at full size (LTX-2: whole runs, measured above and by
+    cost.audio_traffic, split modeled; MiniMax-H3: split runs, whole modeled by cost.packed_audio_traffic)."""
     from ..models import registry
 
     spec = registry.spec(fields["model"])
     if spec.audio_part is None or fields["model"] not in registry.BUILTINS:
         return
+    if spec.family == "minimax_h3":
+        packed_audio_comparison(fields, summaries, spec)
+        return
+    from ..distributed.cost import audio_traffic
+
     config = registry.BUILTINS[fields["model"]].config
     tokens = spec.token_grid(fields["width"], fields["height"], fields.get("frames", 1))[0]
     here = {"layers": config["num_layers"], "audio_heads": config["audio_num_attention_heads"],
@@ -264,6 +270,34 @@ def audio_comparison(fields: dict, summaries: list[dict]) -> None:
         print(f"| {summary['layout']} | {summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
               f"{small['whole'] / 1024:.1f} | {small['split'] / 1024:.1f} | {large['whole'] / 2**20:.1f} | "
               f"{large['split'] / 2**20:.1f} |")
+
+
+def packed_audio_comparison(fields: dict, summaries: list[dict], spec) -> None:
+    """MiniMax-H3's audio rows in its one sequence: split with the rest (what runs) or whole on every rank."""
+    from ..distributed.cost import packed_audio_traffic
+    from ..models import registry
+
+    config = registry.BUILTINS[fields["model"]].config
+    here = {"layers": config["num_layers"],
+            "attention_width": config["num_attention_heads"] * config["attention_head_dim"],
+            "audio_rows": 2 * spec.audio_frames(fields.get("frames", 1))}
+    rows = fields["batch"] * (2 if fields["cfg"] != 1.0 else 1)
+    print("\nMiniMax-H3's audio rows, split with the sequence (what runs) or whole on every rank (MODELED), bytes a "
+          "rank sends per step for them: cost.packed_audio_traffic\n")
+    print("| layout | measured sent/rank/step KiB | audio split KiB | audio whole KiB | at 768p × 124, bf16, cfg 1: "
+          "split MiB | whole MiB |\n|---|---|---|---|---|---|")
+    for summary in summaries:
+        degrees = parse_layout(summary["layout"])
+        u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
+        if u * r == 1:
+            continue
+        element = getattr(torch, summary["dtype"]).itemsize
+        small = packed_audio_traffic(rows=rows // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=element,
+                                     **here)
+        large = packed_audio_traffic(rows=1, ulysses=u, ring=r, element_bytes=2, **H3_768P)
+        print(f"| {summary['layout']} | {summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
+              f"{small['split'] / 1024:.1f} | {small['whole'] / 1024:.1f} | {large['split'] / 2**20:.1f} | "
+              f"{large['whole'] / 2**20:.1f} |")
 
 
 def _ratio(value: float | None, unit: str) -> str:

@@ -93,6 +93,24 @@ def audio_traffic(layers: int, audio_width: int, audio_heads: int, video_tokens:
     return {"whole": whole, "split": split}
 
 
+def packed_audio_traffic(layers: int, attention_width: int, audio_rows: int, rows: int, ulysses: int, ring: int,
+                         element_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends per forward for MiniMax-H3's audio rows (Na) in its one packed sequence (A blocks, attention
+    width C, B rows, U·R = P ranks): split with the rest (models/minimax_h3.py: their share of every Ulysses all-to-all
+    of q, k, v and the output, and of the ring's K and V), or whole on every rank (their keys and values local for
+    every head, but each Ulysses rank attends with its H/U heads only, so the audio rows' output is all-gathered across
+    the Ulysses group; the ring passes the split rows' K/V past them anyway)."""
+    a, b, c, e, u, r = layers, rows, attention_width, element_bytes, ulysses, ring
+    p = u * r
+    split = 0
+    if u > 1:
+        split += 4 * a * b * (audio_rows // p) * c * e * (u - 1) // u
+    if r > 1:
+        split += 2 * a * b * (audio_rows // r) * (c // u) * e * (r - 1)
+    whole = a * b * audio_rows * c * e * (u - 1) // u
+    return {"whole": whole, "split": split}
+
+
 @dataclass(frozen=True)
 class Link:
     name: str
