@@ -126,7 +126,9 @@ class Sample:
         parser.add_argument("--noise-mask", type=Path, default=None, metavar="FILE",
                             help="inpainting: a safetensors file with 'mask' (or 'noise_mask') [N, 1, H, W], 1 where "
                                  "to make anew, 0 where to keep --latent (resized to the latent as ComfyUI does)")
-        parser.add_argument("--out", type=Path, required=True, help="output safetensors; the latent is under 'samples'")
+        parser.add_argument("--out", type=Path, required=True,
+                            help="output safetensors; the latent is under 'samples' (and the audio's under "
+                                 "'audio_samples' for LTX-2 and MiniMax-H3)")
         parser.add_argument("--info", type=Path, default=None, metavar="FILE.json",
                             help="write the result info (layout, times, step cache counts, LoRA reports) as JSON, "
                                  "for scripts")
@@ -179,10 +181,11 @@ class Sample:
         finally:
             if ephemeral:
                 launcher.stop(client.socket_path)
-        samples = result["samples"].to(torch.float32).contiguous()
+        outputs = {name: tensor.to(torch.float32).contiguous() for name, tensor in result.items()}  # + audio_samples
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"samples": samples}, str(args.out))
-        print(f"wrote {args.out}: samples {list(samples.shape)} in {elapsed:.2f} s, "
+        save_file(outputs, str(args.out))
+        shapes = ", ".join(f"{name} {list(tensor.shape)}" for name, tensor in outputs.items())
+        print(f"wrote {args.out}: {shapes} in {elapsed:.2f} s, "
               f"world {info.get('world_size')}: {info.get('layout', '')}", file=sys.stderr)
         if "cache" in info:
             print(f"step cache: {info['cache']['computed']} computed, {info['cache']['reused']} reused",
@@ -248,6 +251,9 @@ def sample_tensors(args) -> dict:
     tensors = load_file(args.embeds) if args.embeds else {}
     if args.latent:
         tensors["latent"] = latent(args.latent)
+        audio = load_file(args.latent).get("audio_samples")  # a video-with-audio model's (what --out writes)
+        if audio is not None:
+            tensors["audio_latent"] = audio
     if args.noise_mask:
         stored = load_file(args.noise_mask)
         mask = stored.get("mask", stored.get("noise_mask"))

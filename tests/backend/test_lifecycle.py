@@ -97,6 +97,21 @@ def test_sample_with_embeds_file_and_batch(started2, tmp_path):
     assert not torch.equal(samples[0], samples[1])
 
 
+def test_a_video_with_audio_writes_both_latents_and_takes_them_back(started2, tmp_path):
+    """LTX-2's result holds the video and the audio (samples, audio_samples in --out); given back as --latent, both
+    go in (a second pass at denoise 0 returns them as they were)."""
+    common = ["--model", "ltx2-tiny", "--width", 64, "--height", 64, "--frames", 9, "--seed", 3, "--socket", started2]
+    result = cli("sample", *common, "--steps", 2, "--out", tmp_path / "av.st")
+    assert result.returncode == 0, result.stderr
+    written = load_file(tmp_path / "av.st")
+    assert written["samples"].shape == (1, 128, 2, 2, 2) and written["audio_samples"].shape == (1, 8, 9, 16)
+    again = cli("sample", *common, "--steps", 2, "--denoise", 0, "--latent", tmp_path / "av.st",
+                "--out", tmp_path / "b.st")
+    assert again.returncode == 0, again.stderr
+    back = load_file(tmp_path / "b.st")
+    assert all(torch.equal(back[name], written[name]) for name in ("samples", "audio_samples"))
+
+
 def test_shutdown_is_answered_and_ends_every_process(backends):
     """The client that asks for the shutdown gets a result, not an error, and every rank exits."""
     client = backends.start(2)

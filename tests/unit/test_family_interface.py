@@ -75,11 +75,13 @@ def test_the_plans_name_modules_the_model_has(family):
 def test_joint_models_cut_their_text_and_the_others_do_not():
     """Flux, Chroma, Flux.2, SD3, HunyuanVideo 1.5, Qwen-Image and CogVideoX attend to text and image together, so
     their text is split; PixArt, Wan, HunyuanDiT and LTX-2 cross-attend; Z-Image's one sequence is cut as two segments, its
-    caption (with the image's pad tokens) as the text."""
+    caption (with the image's pad tokens) as the text; MiniMax-H3's packed sequence is cut as one segment, its text
+    rows with the rest."""
     cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
     assert cuts_text == {"flux": True, "chroma": True, "sd3": True, "pixart": False, "wan": False,
                          "wan_vace": False, "hunyuan_video15": True, "z_image": True, "hunyuan_dit": False,
-                         "flux2": True, "qwen_image": True, "cogvideox": True, "ltx2": False}
+                         "flux2": True, "qwen_image": True, "cogvideox": True, "ltx2": False,
+                         "minimax_h3": False}
 
 
 def family(**attributes):
