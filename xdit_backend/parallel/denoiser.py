@@ -28,6 +28,7 @@ class Denoiser:
         self.cfg_group = layout.group("cfg") if layout else None
         self.dp_group = layout.group("dp") if layout else None
         self.cache: StepCache | None = None  # the generation's step cache, when it asks for one (``attached``)
+        self.shards: list = []  # the sequence split's shards of the model and its ControlNets (``attached``)
 
     def rows(self, batch: int) -> slice:
         """The batch rows this rank's dp group generates."""
@@ -48,6 +49,7 @@ class Denoiser:
                 for each in attached:
                     stack.callback(each.detach)
                 shard = attached[0].shard
+                self.shards = [each.shard for each in attached]
             if gen is not None and gen.cache is not None:
                 plan = self.model.spec.cache_plan
                 self.cache = StepCache(gen.cache, gen.steps, plan.teacache,
@@ -71,7 +73,11 @@ class Denoiser:
             self.cache.step_done(done)
 
     def _call(self, slot: int, decides: bool, rows: slice | None):
-        """A model call, as the step cache sees it (parallel/step_cache.py: which call decides, and its cond rows)."""
+        """A model call, as the step cache sees it (parallel/step_cache.py: which call decides, and its cond rows). The
+        shards forget the last call's lengths: a family that runs its blocks from its own loop never calls the
+        transformer, whose forward would (sequence.attach), and sides of different lengths call one after the other."""
+        for shard in self.shards:
+            shard.clear()
         return nullcontext() if self.cache is None else self.cache.call(slot, decides, rows)
 
     def conditioning(self, positive: dict, negative: dict | None) -> dict | tuple[dict, dict]:
