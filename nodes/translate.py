@@ -121,7 +121,10 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
                                    "encode the prompt with this model's text encoders (CLIPTextEncode with its CLIP)")
         side.tensors["pooled"] = _to_batch(pooled, batch, "pooled", which)
     for option, (attribute, key) in family_options.items():
-        if options.get(option) is not None:
+        if option in STRUCTURED and options.get(option):
+            side.tensors.update({name: _to_batch(tensor, batch, name, which)
+                                 for name, tensor in STRUCTURED[option](options[option], which).items()})
+        elif options.get(option) is not None and option not in STRUCTURED:
             value = getattr(options[option], attribute) if attribute else options[option]
             side.tensors[key] = _to_batch(_entries(value), batch, key, which)
     if spec.takes_references and options.get("reference_latents"):
@@ -179,6 +182,27 @@ def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.T
         latent = pad_to_patch(latent.detach().to("cpu", torch.float32), spec.patch)
         out[f"reference_{i}"] = _to_batch(latent, batch, f"reference latent {i}", which)
     return out
+
+
+def _minimax_keyframes(entries: list, which: str) -> dict[str, torch.Tensor]:
+    """MiniMaxH3ImageToVideo's ``minimax_keyframes`` ([{resolved_frame_index, latent [1, 24, 1, h, w]}, …]: a first
+    and a last frame) → ``keyframe_latents`` [1, 24, K, h, w] and ``keyframe_frames`` [1, K]. MiniMaxH3AddGuide's clips
+    and audio anchors are refused by name."""
+    latents, frames = [], []
+    for entry in entries:
+        latent = entry.get("latent") if isinstance(entry, dict) else None
+        one_image = latent is not None and latent.dim() == 5 and latent.shape[2] == 1
+        if not one_image or set(entry) - {"resolved_frame_index", "latent"}:
+            raise TranslationError(f"the {which} conditioning carries a MiniMax-H3 keyframe other than one image "
+                                   "(MiniMaxH3AddGuide's clip or audio anchor), which the xDiT sampler does not run "
+                                   "yet", "anchor a first or last frame with MiniMaxH3ImageToVideo, or use KSampler")
+        latents.append(latent.detach().to("cpu", torch.float32))
+        frames.append(float(entry["resolved_frame_index"]))
+    return {"keyframe_latents": torch.cat(latents, dim=2), "keyframe_frames": torch.tensor([frames])}
+
+
+# ComfyUI options that are structures, not tensors: option → converter to request tensors
+STRUCTURED = {"minimax_keyframes": _minimax_keyframes}
 
 
 def _entries(value) -> torch.Tensor:

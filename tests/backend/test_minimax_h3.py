@@ -44,7 +44,8 @@ def test_video_and_audio_equal_serial(fields, world, degrees, backend):
 # 094c74c1 MiniMaxH3, model_sampling.py 2fd20839 ModelSamplingAV), apart from models/minimax_h3.py, on the same weights:
 # the packed layout, the rows' tags, timesteps and positions, the audio carried at its own σ, the negated velocity.
 
-def comfy_h3(t, video, carried, sigma_v, context, tags=None):
+def comfy_h3(t, video, carried, sigma_v, context, tags=None, keyframes=(), seed=0):
+    """``keyframes``: (pixel frame, latent [1, 24, 1, h, w]) pairs: MiniMaxH3ImageToVideo's first and last frame."""
     b, c, frames, h, w = video.shape
     steps = carried.shape[-1]
     base = sigma_v / (12 + sigma_v * (1 - 12))
@@ -55,11 +56,15 @@ def comfy_h3(t, video, carried, sigma_v, context, tags=None):
     length = text.shape[1]
     tags = torch.ones(length, dtype=torch.long) if tags is None else tags[0].long()
     v_rows = frames * (h // 2) * (w // 2)
-    tag = torch.cat([tags, torch.full((2 * steps,), 2), torch.zeros(v_rows, dtype=torch.long)])
+    k_rows = len(keyframes) * (h // 2) * (w // 2)
+    tag = torch.cat([tags, torch.zeros(k_rows, dtype=torch.long), torch.full((2 * steps,), 2),
+                     torch.zeros(v_rows, dtype=torch.long)])
     t_v, t_a = 1 - sigma_v, 1 - sigma_a
-    unique = sorted({float(t_v), float(t_a)})
+    t_k = max(float(t_v), 0.999)  # VISUAL_COND_TIMESTEP
+    unique = sorted({float(t_v), float(t_a), t_k})
     index = {value: i for i, value in enumerate(unique)}
-    row_t = torch.tensor([index[float(t_v)]] * length + [index[float(t_a)]] * 2 * steps + [index[float(t_v)]] * v_rows)
+    row_t = torch.tensor([index[float(t_v)]] * length + [index[t_k]] * k_rows + [index[float(t_a)]] * 2 * steps
+                         + [index[float(t_v)]] * v_rows)
     half = t.config.freq_dim // 2
     freqs = torch.exp(-math.log(10000) * torch.arange(half) / half)
     angle = torch.tensor(unique)[:, None] * freqs
@@ -74,22 +79,31 @@ def comfy_h3(t, video, carried, sigma_v, context, tags=None):
     per = [1, 4, 4, 4, 4]
     times = [length + 5 / 3 * sum(per[j % 5] for j in range(f)) for f in range(frames)]
     positions = [(i, 0.0, 0.0) for i in range(length)]
+    positions += [(length + 5 / 3 * frame, float(rows_h[r]), float(cols_w[q])) for frame, _ in keyframes
+                  for r in range(h // 2) for q in range(w // 2)]
     positions += [(length + j, 0.0, float(cols_w[0] if ch == 0 else cols_w[-1]))  # the grid's left and right edges
                   for ch in range(2) for j in range(steps)]
     positions += [(times[f], float(rows_h[r]), float(cols_w[q])) for f in range(frames) for r in range(h // 2)
                   for q in range(w // 2)]
     rope = t.rope(torch.tensor(positions, dtype=torch.float64))
-    v_in = torch.einsum("nctrhpwq->nthwcrpq", video.reshape(b, c, frames, 1, h // 2, 2, w // 2, 2))
-    v_in = v_in.reshape(b, v_rows, -1)
+    def patches(latent):
+        count = latent.shape[2] * (h // 2) * (w // 2)
+        rows = torch.einsum("nctrhpwq->nthwcrpq", latent.reshape(b, c, latent.shape[2], 1, h // 2, 2, w // 2, 2))
+        return rows.reshape(b, count, -1)
+
+    v_in = patches(video)
+    k_in = [0.999 * patches(z) + 0.001 * torch.randn(patches(z).shape[1:], generator=torch.Generator().manual_seed(seed))
+            for _, z in keyframes]
     a_in = audio.permute(0, 2, 3, 1).reshape(b, 2 * steps, 32)  # channel 0's frames, then channel 1's
-    x = torch.cat([text, t.audio_proj_in(a_in), t.proj_in(v_in)], dim=1)
+    x = torch.cat([text, *(t.proj_in(k) for k in k_in), t.audio_proj_in(a_in), t.proj_in(v_in)], dim=1)
     adaln = row_t * 3 + tag
     for block in t.transformer_blocks:
         x = block(x, temb, adaln, rope)
     shift, scale = t.norm_out.linear(torch.nn.functional.silu(temb)).chunk(2, dim=-1)
     x = t.norm_out.norm(x) * (1 + scale[row_t]) + shift[row_t]
-    v = -t.proj_out(x[:, length + 2 * steps:])
-    a = -t.audio_proj_out(x[:, length:length + 2 * steps]).reshape(b, 2, steps, 32).permute(0, 3, 1, 2)
+    v = -t.proj_out(x[:, length + k_rows + 2 * steps:])
+    a = -t.audio_proj_out(x[:, length + k_rows:length + k_rows + 2 * steps]).reshape(b, 2, steps, 32)
+    a = a.permute(0, 3, 1, 2)
     v = torch.einsum("nthwcrpq->nctrhpwq", v.reshape(b, frames, h // 2, w // 2, c, 1, 2, 2)).reshape(video.shape)
     return v, (1 - k) * audio + (1 + (k - 1) * sigma_a) * a
 
@@ -99,18 +113,24 @@ def h3():
     return registry.build("minimax-h3-tiny", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("tagged", [False, True], ids=["text", "vision-tokens"])
+@pytest.mark.parametrize("tagged", [False, True], ids=["text", "first-and-last-frame"])
 def test_the_model_is_comfyuis_minimax_h3(h3, tagged):
-    """The wrapper's forward equals ComfyUI's MiniMaxH3Model restated, text tags given (an image's vision tokens: 0)."""
+    """The wrapper's forward equals ComfyUI's MiniMaxH3Model restated: text to video, and with MiniMaxH3ImageToVideo's
+    first and last frame (the images' vision tokens tagged 0 in the text; two keyframe rows' blocks, seeded noise)."""
     g = torch.Generator().manual_seed(1)
     video, carried = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 11, generator=g)
     context = torch.randn(1, 9, 48, generator=g)
     tags = torch.tensor([[1.0, 0, 0, 0, 1, 1, 1, 1, 1]]) if tagged else None
     sigma = torch.tensor([0.7])
-    cond = {"context": context, **({"text_token_tags": tags} if tagged else {})}
+    keyframes = [(0, torch.randn(1, 24, 1, 4, 6, generator=g)), (22, torch.randn(1, 24, 1, 4, 6, generator=g))]
+    cond = {"context": context}
+    if tagged:
+        cond.update(text_token_tags=tags, keyframe_latents=torch.cat([z for _, z in keyframes], dim=2),
+                    keyframe_frames=torch.tensor([[0.0, 22.0]]))
+    h3.seed = 9
     with torch.no_grad():
         ours = h3.output((video, carried), sigma * 1000, cond, None)
-        theirs = comfy_h3(h3.transformer, video, carried, sigma[0], context, tags)
+        theirs = comfy_h3(h3.transformer, video, carried, sigma[0], context, tags, keyframes if tagged else (), seed=9)
     for mine, want, name in zip(ours, theirs, ("video", "audio")):
         assert (mine - want).abs().max() < 1e-5, name
 
@@ -244,3 +264,18 @@ def test_the_audio_rows_cost_what_their_formula_says(backend):
     split = packed_audio_traffic(layers=2, attention_width=128, audio_rows=74, rows=1, ulysses=2, ring=1,
                                  element_bytes=4)["split"]
     assert audio == split * H3["steps"] + 74 * 128 * 4 * H3["steps"] // 2  # and the heads' outputs' gather
+
+
+def test_first_and_last_frame_equal_serial(backend):
+    """MiniMaxH3ImageToVideo's keyframes on the prompt (rows of the packed sequence, cut with the rest), cfg 3 with a
+    negative that has none (the sides then run one after the other)."""
+    g = torch.Generator().manual_seed(8)
+    tensors = {"context": torch.randn(1, 8, 48, generator=g), "negative_context": torch.randn(1, 6, 48, generator=g),
+               "keyframe_latents": torch.randn(1, 24, 2, 4, 8, generator=g),
+               "keyframe_frames": torch.tensor([[0.0, 21.0]])}
+    expected = serial_parts(H3, tensors)
+    without = serial_parts(H3, {k: v for k, v in tensors.items() if not k.startswith("keyframe")})
+    assert (expected["samples"] - without["samples"]).abs().max() > 1e-3
+    result, _ = backend(4).sample({**H3, "parallel": {"ulysses": 2, "ring": 2}}, tensors)
+    for name in ("samples", "audio_samples"):
+        assert (result[name] - expected[name]).abs().max().item() <= 1e-4 * max(1.0, expected[name].abs().max())

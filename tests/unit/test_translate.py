@@ -359,7 +359,8 @@ def test_an_audio_video_latent_sends_both_parts_and_comes_back_nested(monkeypatc
 
 def test_a_minimax_h3_latent_and_its_token_tags_reach_the_request():
     """EmptyMiniMaxH3LatentAV's NestedTensor (video [B, 24, T, h, w], stereo audio [B, 32, 2, Ta]) and the text
-    encoder's per-token modality tags; its keyframes (image to video) are refused by name."""
+    encoder's per-token modality tags, MiniMaxH3ImageToVideo's first and last frame (their latents and frame indices);
+    MiniMaxH3AddGuide's clips and audio anchors refused by name."""
     h3 = registry.spec("minimax-h3-tiny")
     video, audio = torch.zeros(1, 24, 7, 4, 8), torch.zeros(1, 32, 2, 37)
     geometry, _ = translate.latent({"samples": Nested([video, audio])}, h3)
@@ -370,5 +371,12 @@ def test_a_minimax_h3_latent_and_its_token_tags_reach_the_request():
     tags = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     side = translate.conditioning([entry(dim=48, minimax_token_tags=tags)], h3, 1, "positive")
     assert torch.equal(side.tensors["text_token_tags"], tags)
-    with pytest.raises(translate.TranslationError, match="MiniMax-H3 keyframes"):
-        translate.conditioning([entry(dim=48, minimax_keyframes=[{}])], h3, 1, "positive")
+    first, last = torch.randn(1, 24, 1, 4, 8), torch.randn(1, 24, 1, 4, 8)
+    keyframes = [{"resolved_frame_index": 0, "latent": first}, {"resolved_frame_index": 21, "latent": last}]
+    side = translate.conditioning([entry(dim=48, minimax_keyframes=keyframes)], h3, 2, "positive")
+    assert torch.equal(side.tensors["keyframe_latents"][1], torch.cat([first, last], dim=2)[0])
+    assert side.tensors["keyframe_frames"].tolist() == [[0.0, 21.0], [0.0, 21.0]]
+    assert "keyframe_latents" not in translate.conditioning([entry(dim=48, minimax_keyframes=[])], h3, 1, "x").tensors
+    with pytest.raises(translate.TranslationError, match="keyframe other than one image"):
+        translate.conditioning([entry(dim=48, minimax_keyframes=[{"resolved_frame_index": 0, "audio": first}])], h3, 1,
+                               "positive")

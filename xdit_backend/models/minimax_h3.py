@@ -44,6 +44,7 @@ FPS, AUDIO_LATENTS_PER_SECOND = 24, 40  # nodes_minimax_h3: the video's frame ra
 AUDIO_CHANNELS, STEREO = 32, 2
 VIDEO, TEXT, AUDIO = 0, 1, 2  # the rows' modality tags (and their AdaLN row within a timestep's three)
 GRID_SCALE = 32.0  # the spatial positions' span (model.py _frame_grid)
+KEYFRAME_AUG = 0.999  # a keyframe's rows: 0.999·latent + 0.001·noise, at timestep max(t, 0.999) (VISUAL_COND_TIMESTEP)
 
 
 def time_shift_sigma(sigma: torch.Tensor, shift_from: float, shift_to: float) -> torch.Tensor:
@@ -114,9 +115,11 @@ class MiniMaxH3Spec(FamilySpec):
         "pipefusion": "its one sequence holds the text, the audio and the video, and every block attends over all "
                       "of it; use ulysses or ring, or cfg"}
     step_cache_refusal: ClassVar[str] = "its packed sequence's audio and text rows are not cached yet"
-    optional_conditioning = ("text_token_tags",)
-    # CLIP Text Encode with MiniMax-H3's Qwen3-VL tags each text token (1 text, 0 an image's vision tokens)
-    comfy_conditioning: ClassVar[dict[str, str]] = {"minimax_token_tags": "text_token_tags"}
+    optional_conditioning = ("text_token_tags", "keyframe_latents", "keyframe_frames")
+    # CLIP Text Encode with MiniMax-H3's Qwen3-VL tags each text token (1 text, 0 an image's vision tokens);
+    # MiniMaxH3ImageToVideo's first / last frame: their latents [B, 24, K, h, w] and pixel frame indices [B, K]
+    comfy_conditioning: ClassVar[dict[str, str]] = {"minimax_token_tags": "text_token_tags",
+                                                    "minimax_keyframes": "keyframe_latents"}
     sequence_plan = SequencePlan(
         cuts=(Cut("packed_tokens", 0, 1), Cut("packed_positions", 0, 0),  # [B, S, D], [S, 3]
               Cut("adaln_rows", 0, 0), Cut("timestep_rows", 0, 0)),  # [S], [S]
@@ -144,7 +147,8 @@ class MiniMaxH3Spec(FamilySpec):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """Qwen3-VL-32B's 50th layer as ComfyUI's MiniMax-H3 text encoder gives it (no template, no padding), and its
         per-token modality tags."""
-        return {"context": (batch, text_tokens, self.context_dim), "text_token_tags": (batch, text_tokens)}
+        return {"context": (batch, text_tokens, self.context_dim), "text_token_tags": (batch, text_tokens),
+                "keyframe_latents": (batch, 24, None, None, None), "keyframe_frames": (batch, None)}
 
     def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         return {"context": (batch, text_tokens, self.context_dim)}
@@ -172,15 +176,16 @@ class MiniMaxH3Spec(FamilySpec):
 
 @dataclass
 class Layout:
-    """One model call's packed sequence: [text (L rows) | audio (2·Ta rows) | video (N rows)]."""
+    """One model call's packed sequence: [text (L rows) | keyframes (K·n rows) | audio (2·Ta rows) | video (N rows)]."""
 
     text: int
+    keyframes: int
     audio: int
     video: int
 
     @property
     def rows(self) -> int:
-        return self.text + self.audio + self.video
+        return self.text + self.keyframes + self.audio + self.video
 
 
 class MiniMaxH3Model(DiffusionModel):
@@ -192,6 +197,7 @@ class MiniMaxH3Model(DiffusionModel):
         for name in ("packed_tokens", "packed_positions", "adaln_rows", "timestep_rows", "packed_output"):
             setattr(transformer, name, torch.nn.Identity())
         self.shift = SHIFT_VIDEO  # the running generation's video shift (predict_x0): the audio's σ and k follow
+        self.seed = 0  # and its seed: the keyframes' noise's
         self._refined: tuple | None = None  # (context, its refined text): the last conditioning's, reused
 
     @property
@@ -199,7 +205,7 @@ class MiniMaxH3Model(DiffusionModel):
         return self.transformer.config.hidden_size
 
     def predict_x0(self, x, sigma, cond, gen):
-        self.shift = gen.sampling.shift
+        self.shift, self.seed = gen.sampling.shift, gen.seed  # the keyframes' noise is seeded by the generation's
         return super().predict_x0(x, sigma, cond, gen)
 
     def output(self, x, timestep, cond, guidance):
@@ -217,27 +223,32 @@ class MiniMaxH3Model(DiffusionModel):
         k = self.shift / SHIFT_AUDIO
         audio = carried.to(self.device, torch.float32) * (sigma_a / sigma_v)  # x_a = y·σa/σv, [B, 32, 2, Ta]
         text = self._text(cond["context"])  # [B, L, D]
-        layout = Layout(text.shape[1], STEREO * audio.shape[3], frames * (h // 2) * (w // 2))
+        keyframes, keyframe_frames = self._keyframes(cond, h, w)  # [B, K·n, 96], [K]
+        layout = Layout(text.shape[1], keyframes.shape[1], STEREO * audio.shape[3], frames * (h // 2) * (w // 2))
         tags = self._tags(cond.get("text_token_tags"), layout)  # [S]
-        times = torch.stack([1 - sigma_v, 1 - sigma_a])  # [t_v, t_a], clean = 1
-        unique, time_index = torch.unique(times, sorted=True, return_inverse=True)  # [M], [2]
-        row_time = torch.cat([time_index[0].repeat(layout.text), time_index[1].repeat(layout.audio),
-                              time_index[0].repeat(layout.video)])  # [S]
+        times = torch.stack([1 - sigma_v, 1 - sigma_a, (1 - sigma_v).clamp(min=KEYFRAME_AUG)])  # t_v, t_a, the keys'
+        unique, time_index = torch.unique(times, sorted=True, return_inverse=True)  # [M], [3]
+        row_time = torch.cat([time_index[0].repeat(layout.text), time_index[2].repeat(layout.keyframes),
+                              time_index[1].repeat(layout.audio), time_index[0].repeat(layout.video)])  # [S]
         temb = t.time_embedder(t.time_proj(unique).to(self.device, torch.float32)).to(self.dtype)  # [M, Dt]
-        video_rows = self._patchify(video)  # [B, N, 24·4]
+        video_rows = torch.cat([keyframes, self._patchify(video)], dim=1)  # [B, K·n + N, 24·4]
         audio_rows = audio.permute(0, 2, 3, 1).reshape(b, layout.audio, AUDIO_CHANNELS)  # [B, 2·Ta, 32]
-        packed = torch.cat([text, t.audio_proj_in(audio_rows.to(t.audio_proj_in.weight.dtype)).to(self.dtype),
-                            t.proj_in(video_rows.to(t.proj_in.weight.dtype)).to(self.dtype)], dim=1)  # [B, S, D]
+        video_in = t.proj_in(video_rows.to(t.proj_in.weight.dtype)).to(self.dtype)
+        packed = torch.cat([text, video_in[:, :layout.keyframes],
+                            t.audio_proj_in(audio_rows.to(t.audio_proj_in.weight.dtype)).to(self.dtype),
+                            video_in[:, layout.keyframes:]], dim=1)  # [B, S, D]
         hidden = t.packed_tokens(packed)  # [B, n, D]: this rank's rows
-        rope = t.rope(t.packed_positions(self._positions(layout, frames, h, w)))  # cos, sin [n, 2·3·f]
+        positions = self._positions(layout, frames, h, w, keyframe_frames)
+        rope = t.rope(t.packed_positions(positions))  # cos, sin [n, 2·3·f]
         rows = t.adaln_rows(row_time * 3 + tags)  # [n]
         for block in t.transformer_blocks:
             hidden = block(hidden, temb, rows, rope)
         out = t.norm_out(hidden, temb, t.timestep_rows(row_time)).float()  # [B, n, D]
         heads = t.packed_output(torch.cat([t.proj_out(out.to(t.proj_out.weight.dtype)).float(),
                                            t.audio_proj_out(out.to(t.audio_proj_out.weight.dtype)).float()], dim=-1))
-        video_out = -heads[:, layout.text + layout.audio:, :channels * 4]  # [B, N, 96]: the sampler's sign
-        audio_out = -heads[:, layout.text:layout.text + layout.audio, channels * 4:]  # [B, 2·Ta, 32]
+        first_audio = layout.text + layout.keyframes
+        video_out = -heads[:, first_audio + layout.audio:, :channels * 4]  # [B, N, 96]: the sampler's sign
+        audio_out = -heads[:, first_audio:first_audio + layout.audio, channels * 4:]  # [B, 2·Ta, 32]
         audio_out = audio_out.reshape(b, STEREO, -1, AUDIO_CHANNELS).permute(0, 3, 1, 2)  # [B, 32, 2, Ta]
         carried_out = (1 - k) * audio + (1 + (k - 1) * sigma_a) * audio_out  # the velocity of y
         return self._unpatchify(video_out, video.shape), carried_out
@@ -252,6 +263,25 @@ class MiniMaxH3Model(DiffusionModel):
         self._refined = (context, text.to(self.dtype))
         return self._refined[1]
 
+    def _keyframes(self, cond: dict, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MiniMaxH3ImageToVideo's keyframes as conditioning rows: each one-frame latent [B, 24, 1, h, w] patchified,
+        0.999·z + 0.001·noise with the noise drawn from the generation's seed, alike for every keyframe and call
+        (model.py: a CPU generator seeded anew for each): [B, K·n, 96] and their pixel frame indices [K]."""
+        latents = cond.get("keyframe_latents")
+        if latents is None or latents.shape[2] == 0:
+            return torch.zeros(cond["context"].shape[0], 0, 96, device=self.device), torch.zeros(0)
+        frames = cond["keyframe_frames"]
+        if tuple(latents.shape[3:]) != (h, w) or bool((frames != frames[:1]).any()):
+            raise UserError(f"MiniMax-H3 keyframes of {latents.shape[3]}×{latents.shape[4]} latent cells for a "
+                            f"{h}×{w} latent, or rows that put them at different frames",
+                            "make the keyframes with MiniMaxH3ImageToVideo at the latent's size")
+        rows = []
+        for k in range(latents.shape[2]):
+            z = self._patchify(latents[:, :, k:k + 1].to(self.device, torch.float32))  # [B, n, 96]
+            noise = torch.randn(z.shape[1:], generator=torch.Generator().manual_seed(self.seed)).to(z)
+            rows.append(KEYFRAME_AUG * z + (1 - KEYFRAME_AUG) * noise)
+        return torch.cat(rows, dim=1), frames[0].float()
+
     def _tags(self, text_tags: torch.Tensor | None, layout: Layout) -> torch.Tensor:
         """Each row's modality [S]: the text's own tags (1, or 0 for an image's vision tokens), then audio, video."""
         if text_tags is None:
@@ -261,12 +291,17 @@ class MiniMaxH3Model(DiffusionModel):
                 raise UserError("the rows of one MiniMax-H3 call carry different text token tags",
                                 "sample prompts with different images apart")
             text = text_tags[0].to(self.device).round().long()
-        return torch.cat([text, torch.full((layout.audio,), AUDIO, device=self.device),
+        return torch.cat([text, torch.full((layout.keyframes,), VIDEO, device=self.device),
+                          torch.full((layout.audio,), AUDIO, device=self.device),
                           torch.full((layout.video,), VIDEO, device=self.device)]).long()
 
-    def _positions(self, layout: Layout, frames: int, h: int, w: int) -> torch.Tensor:
-        """Each row's (t, h, w) position [S, 3] (model.py PackedLayout, float64 then float32)."""
+    def _positions(self, layout: Layout, frames: int, h: int, w: int, keyframe_frames: torch.Tensor) -> torch.Tensor:
+        """Each row's (t, h, w) position [S, 3] (model.py PackedLayout, float64 then float32): a keyframe's rows on
+        the frame grid at 5/3 per pixel frame of its index."""
         rows, columns = frame_grid(h, w)
+        grid_rows, grid_columns = torch.meshgrid(rows, columns, indexing="ij")  # [h/2, w/2] each
+        keys = [torch.stack([torch.full_like(grid_rows, layout.text + TIME_PER_FRAME * float(frame)), grid_rows,
+                             grid_columns], dim=-1).reshape(-1, 3) for frame in keyframe_frames.tolist()]
         index = torch.arange(layout.text, dtype=torch.float64)
         text = torch.stack([index, torch.zeros_like(index), torch.zeros_like(index)], dim=1)  # (i, 0, 0)
         steps = layout.audio // STEREO
@@ -275,7 +310,7 @@ class MiniMaxH3Model(DiffusionModel):
         audio = torch.stack([audio_t, torch.zeros_like(audio_t), audio_w], dim=1)
         f, r, c = torch.meshgrid(layout.text + frame_times(frames), rows, columns, indexing="ij")
         video = torch.stack([f, r, c], dim=-1).reshape(-1, 3)
-        return torch.cat([text, audio, video]).to(self.device, torch.float32)  # [S, 3]
+        return torch.cat([text, *keys, audio, video]).to(self.device, torch.float32)  # [S, 3]
 
     @staticmethod
     def _patchify(video: torch.Tensor) -> torch.Tensor:
