@@ -92,8 +92,10 @@ def comfy_h3(t, video, carried, sigma_v, context, tags=None, keyframes=(), seed=
         return rows.reshape(b, count, -1)
 
     v_in = patches(video)
-    k_in = [0.999 * patches(z) + 0.001 * torch.randn(patches(z).shape[1:], generator=torch.Generator().manual_seed(seed))
-            for _, z in keyframes]
+    def noise(shape):  # a CPU generator seeded anew for every keyframe and call
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    k_in = [0.999 * patches(z) + 0.001 * noise(patches(z).shape[1:]) for _, z in keyframes]
     a_in = audio.permute(0, 2, 3, 1).reshape(b, 2 * steps, 32)  # channel 0's frames, then channel 1's
     x = torch.cat([text, *(t.proj_in(k) for k in k_in), t.audio_proj_in(a_in), t.proj_in(v_in)], dim=1)
     adaln = row_t * 3 + tag
