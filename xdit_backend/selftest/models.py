@@ -29,7 +29,7 @@ FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tin
             "flux-fill-tiny", "flux-kontext-tiny", "wan-i2v-tiny", "wan-ti2v-tiny", "qwen-image-edit-2511-tiny",
             "cogvideox-1.5-i2v-tiny",
             # issue 29's families
-            "chroma-tiny", "ltx2-tiny")
+            "chroma-tiny", "ltx2-tiny", "minimax-h3-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 
@@ -37,7 +37,7 @@ SAMPLER_TOLERANCE = 1e-3
 def fields(name: str, ctx: Context, **more) -> dict:
     size = 64 if ctx.quick else 128
     spec = registry.spec(name)
-    video = {"frames": 1 + spec.time_factor} if spec.video else {}  # two latent frames (LTX-2: 9 frames)
+    video = {"frames": 1 + spec.time_factor} if spec.video else {}  # two latent frames (LTX-2: 9; MiniMax-H3: 5)
     return {"model": name, "width": size, "height": size, "steps": 4, "seed": 5, "cfg": 3.5, **video, **more}
 
 
