@@ -61,6 +61,7 @@ class ModelChoice:
     cache_start: int = schema.FIELDS["cache_start"].default
     cache_end: int = schema.FIELDS["cache_end"].default
     controls: tuple[ControlChoice, ...] = ()  # model patches, in order
+    guidance: tuple[tuple[str, object], ...] = ()  # LTX-2's guidance fields (the xDiT LTX-2 Guidance node)
 
     def with_lora(self, path: str, strength: float) -> ModelChoice:
         return replace(self, loras=(*self.loras, (path, strength)))
@@ -71,20 +72,24 @@ class ModelChoice:
     def with_cache(self, method: str, threshold: float | None, start: int, end: int) -> ModelChoice:
         return replace(self, cache=method, cache_threshold=threshold, cache_start=start, cache_end=end)
 
+    def with_guidance(self, **fields) -> ModelChoice:
+        return replace(self, guidance=tuple(sorted(fields.items())))
+
     def request_fields(self) -> dict:
         return schema.fields(model=self.ref, dtype=self.dtype, weight_dtype=self.weight_dtype, compile=self.compile,
                              shift=self.shift,
                              loras=[{"path": path, "strength": strength} for path, strength in self.loras],
                              cache=self.cache, cache_threshold=self.cache_threshold, cache_start=self.cache_start,
                              cache_end=self.cache_end,
-                             controls=[c.request_entry() for c in self.controls] or None)
+                             controls=[c.request_entry() for c in self.controls] or None, **dict(self.guidance))
 
     def fingerprint(self) -> str:
         """The choice and each file's modification time: a replaced model or LoRA file re-runs what
         uses it. A string: ComfyUI stores it in the prompt, which SaveLatent writes out as JSON."""
         files = [self.ref, *(path for path, _ in self.loras)]
         return repr((self.ref, self.dtype, self.weight_dtype, self.loras, self.shift, self.compile, self.cache,
-                     self.cache_threshold, self.cache_start, self.cache_end, [_mtime(path) for path in files]))
+                     self.cache_threshold, self.cache_start, self.cache_end, self.guidance,
+                     [_mtime(path) for path in files]))
 
 
 def _mtime(path: str) -> int:

@@ -5,13 +5,14 @@ from comfy_api.latest import ComfyExtension, io
 from .backend_node import XDiTBackend
 from .control import XDiTControlNet, XDiTDiffSynthControlNet, XDiTZImageFunControlNet
 from .loader import XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTStandInConditioning
+from .ltx2_guidance import XDiTLTX2Guidance
 from .parallel_config import XDiTParallelConfig
 from .remote_model import XDiTModelNode
 from .sampler import XDiTSampler, XDiTSamplerAdvanced
 from .step_cache import XDiTStepCache
 
 NODES = [XDiTLoadDiffusionModel, XDiTLoraLoader, XDiTControlNet, XDiTDiffSynthControlNet, XDiTZImageFunControlNet,
-         XDiTStepCache,
+         XDiTStepCache, XDiTLTX2Guidance,
          XDiTParallelConfig,
          XDiTSampler, XDiTSamplerAdvanced, XDiTModelNode, XDiTBackend, XDiTStandInConditioning]
 

@@ -128,6 +128,20 @@ SAMPLE: tuple[Field, ...] = (
                + ", ".join(f"{method} {threshold}" for method, threshold in CACHE_THRESHOLDS.items()) + ")"),
     Field("cache_start", int, "int", 2, 0, MAX_STEPS, help="steps always computed at the start"),
     Field("cache_end", int, "int", 1, 0, MAX_STEPS, help="steps always computed at the end"),
+    # LTX-2's guidance beyond CFG (sampling/guidance.py: ComfyUI's LTXV guider and guidance nodes)
+    Field("audio_cfg", NUMBER, "float", None, 0.0, 100.0,
+          help="LTX-2: the audio's CFG scale (LTXVDualCFGGuider's audio_cfg; cfg is the video's; default: cfg)"),
+    Field("stg_scale", NUMBER, "float", 0.0, 0.0, 100.0,
+          help="LTX-2: spatio-temporal guidance (LTXVSpatioTemporalGuidance's scale; 0: off): one pass more a step, "
+               "the self-attention of --stg-blocks a value passthrough"),
+    Field("stg_blocks", str, "text", "29", help="LTX-2: the blocks STG perturbs (numbers, comma-separated)"),
+    Field("stg_start", NUMBER, "float", 0.0, 0.0, 1.0, help="LTX-2: STG's start percent"),
+    Field("stg_end", NUMBER, "float", 1.0, 0.0, 1.0, help="LTX-2: STG's end percent"),
+    Field("modality_scale", NUMBER, "float", 1.0, 1.0, 100.0,
+          help="LTX-2: modality guidance (LTXVModalityGuidance's scale; 1: off): one pass more a step, the "
+               "audio↔video attention cut"),
+    Field("modality_start", NUMBER, "float", 0.0, 0.0, 1.0, help="LTX-2: modality guidance's start percent"),
+    Field("modality_end", NUMBER, "float", 1.0, 0.0, 1.0, help="LTX-2: modality guidance's end percent"),
 )
 FIELDS = {field.name: field for field in SAMPLE}
 

@@ -153,8 +153,9 @@ def connect(connector, x):
     return rms(h)
 
 
-def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0, keyframes=None):
-    """ComfyUI's LTXAVModel forward for LTX-2.3 (split RoPE, gates, the text's modulation): (video, audio) velocity."""
+def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0, keyframes=None, stg_blocks=(), isolated=False):
+    """ComfyUI's LTXAVModel forward for LTX-2.3 (split RoPE, gates, the text's modulation): (video, audio) velocity.
+    ``stg_blocks``: their self-attention a value passthrough (stg_skip_self_attn); ``isolated``: no a2v / v2a."""
     b, channels, frames, h, w = video.shape
     T = audio.shape[2]
     if mask is None:
@@ -203,25 +204,34 @@ def comfy_ltxav(t, video, audio, sigma, context, mask=None, rate=25.0, keyframes
         shift_kv, scale_kv = values(prompt_table, prompt_temb, slice(None))
         return attend(attn, rms(x) * (1 + scale_q) + shift_q, ctx * (1 + scale_kv) + shift_kv) * gate
 
-    for block in t.transformer_blocks:
+    def self_attend(attn, x, pe, index):
+        if index not in stg_blocks:
+            return attend(attn, x, pe=pe)
+        v = attn.to_v(x).unflatten(2, (attn.heads, -1))  # [B, N, H, d]: the value passthrough
+        if attn.to_gate_logits is not None:
+            v = v * (2 * torch.sigmoid(attn.to_gate_logits(x))).unsqueeze(-1)
+        return attn.to_out[0](v.flatten(2))
+
+    for index, block in enumerate(t.transformer_blocks):
         shift, scale, gate = values(block.scale_shift_table, v_temb, slice(0, 3))
-        vx = vx + attend(block.attn1, rms(vx) * (1 + scale) + shift, pe=v_pe) * gate
+        vx = vx + self_attend(block.attn1, rms(vx) * (1 + scale) + shift, v_pe, index) * gate
         vx = vx + text(vx, v_ctx, block.attn2, block.scale_shift_table, v_temb, block.prompt_scale_shift_table,
                        v_prompt)
         shift, scale, gate = values(block.audio_scale_shift_table, a_temb, slice(0, 3))
-        ax = ax + attend(block.audio_attn1, rms(ax) * (1 + scale) + shift, pe=a_pe) * gate
+        ax = ax + self_attend(block.audio_attn1, rms(ax) * (1 + scale) + shift, a_pe, index) * gate
         ax = ax + text(ax, a_ctx, block.audio_attn2, block.audio_scale_shift_table, a_temb,
                        block.audio_prompt_scale_shift_table, a_prompt)
-        a_norm = rms(ax)
-        a_tab, v_tab = block.audio_a2v_cross_attn_scale_shift_table, block.video_a2v_cross_attn_scale_shift_table
-        a_sc, a_sh = values(a_tab[:4], a_ss, slice(0, 2))
-        v_sc, v_sh = values(v_tab[:4], v_ss, slice(0, 2))
-        vx = vx + attend(block.audio_to_video_attn, rms(vx) * (1 + v_sc) + v_sh, a_norm * (1 + a_sc) + a_sh,
-                         pe=v_cross_pe, k_pe=a_cross_pe) * values(v_tab[4:], v_gate, slice(None))[0]
-        a_sc, a_sh = values(a_tab[:4], a_ss, slice(2, 4))
-        v_sc, v_sh = values(v_tab[:4], v_ss, slice(2, 4))
-        ax = ax + attend(block.video_to_audio_attn, a_norm * (1 + a_sc) + a_sh, rms(vx) * (1 + v_sc) + v_sh,
-                         pe=a_cross_pe, k_pe=v_cross_pe) * values(a_tab[4:], a_gate, slice(None))[0]
+        if not isolated:  # LTXVModalityGuidance's pass: transformer_options a2v_cross_attn = v2a_cross_attn = False
+            a_norm = rms(ax)
+            a_tab, v_tab = block.audio_a2v_cross_attn_scale_shift_table, block.video_a2v_cross_attn_scale_shift_table
+            a_sc, a_sh = values(a_tab[:4], a_ss, slice(0, 2))
+            v_sc, v_sh = values(v_tab[:4], v_ss, slice(0, 2))
+            vx = vx + attend(block.audio_to_video_attn, rms(vx) * (1 + v_sc) + v_sh, a_norm * (1 + a_sc) + a_sh,
+                             pe=v_cross_pe, k_pe=a_cross_pe) * values(v_tab[4:], v_gate, slice(None))[0]
+            a_sc, a_sh = values(a_tab[:4], a_ss, slice(2, 4))
+            v_sc, v_sh = values(v_tab[:4], v_ss, slice(2, 4))
+            ax = ax + attend(block.video_to_audio_attn, a_norm * (1 + a_sc) + a_sh, rms(vx) * (1 + v_sc) + v_sh,
+                             pe=a_cross_pe, k_pe=v_cross_pe) * values(a_tab[4:], a_gate, slice(None))[0]
         shift, scale, gate = values(block.scale_shift_table, v_temb, slice(3, 6))
         vx = vx + block.ff(rms(vx) * (1 + scale) + shift) * gate
         shift, scale, gate = values(block.audio_scale_shift_table, a_temb, slice(3, 6))
@@ -450,3 +460,68 @@ def test_a_lora_in_lightricks_names_patches_the_blocks_and_a_connector(ltx23, tm
         ours = patched.output((video, audio), torch.tensor([0.5]), cond, None)
         base = ltx23.output((video, audio), torch.tensor([0.5]), cond, None)
     assert all((a - b).abs().max() > 1e-4 for a, b in zip(ours, base))
+
+
+@pytest.mark.parametrize("kind", ["perturbed", "isolated"])
+def test_a_guidance_pass_is_comfyuis(ltx23, kind):
+    """STG's pass (block 1's self-attention, both streams, a value passthrough) and modality guidance's (no audio↔video
+    attention) equal ComfyUI's LTXAV restated with stg_self_attn_blocks / a2v_cross_attn and v2a_cross_attn off."""
+    from xdit_backend.sampling.guidance import Passes
+
+    g = torch.Generator().manual_seed(3)
+    video, audio = torch.randn(1, 128, 3, 2, 2, generator=g), torch.randn(1, 8, 9, 16, generator=g)
+    context = torch.randn(1, 7, ltx23.spec.context_dim, generator=g)
+    with torch.no_grad(), ltx23.guidance_pass(kind, Passes(stg_scale=1.0, stg_blocks=frozenset({1}))):
+        ours = ltx23.output((video, audio), torch.tensor([0.4]), {"context": context}, None)
+    theirs = comfy_ltxav(ltx23.transformer, video, audio, torch.tensor([0.4]), context,
+                         stg_blocks=(1,) if kind == "perturbed" else (), isolated=kind == "isolated")
+    with torch.no_grad():
+        plain = ltx23.output((video, audio), torch.tensor([0.4]), {"context": context}, None)
+    for mine, want, base in zip(ours, theirs, plain):
+        assert (mine - want).abs().max() < 1e-5 and (mine - base).abs().max() > 1e-4
+
+
+def test_the_passes_combine_as_comfyuis_guider_and_post_cfg_functions():
+    """LTXVDualCFGGuider's per-part scales, then STG's and modality guidance's terms (nodes_lt.py's post-CFG
+    functions), in x0 space."""
+    from xdit_backend.sampling.guidance import Passes
+    from xdit_backend.sampling.packed import LatentParts
+
+    g = torch.Generator().manual_seed(4)
+    parts = LatentParts(((2, 3), (4,)))
+    c, u, p, i = (torch.randn(1, 10, generator=g) for _ in range(4))
+    passes = Passes(audio_cfg=7.0, stg_scale=1.5, modality_scale=3.0)
+    got = passes.combine({"cond": c, "uncond": u, "perturbed": p, "isolated": i}, 3.0, parts)
+    video = u[:, :6] + (c[:, :6] - u[:, :6]) * 3.0
+    audio = u[:, 6:] + (c[:, 6:] - u[:, 6:]) * 7.0
+    want = torch.cat([video, audio], dim=1) + (c - p) * 1.5 + (c - i) * (3.0 - 1.0)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert passes.extra(0.5) == ["perturbed", "isolated"]
+    assert Passes(stg_scale=1.0, stg_sigmas=(0.9, 0.6)).extra(0.5) == []  # outside STG's σ range
+
+
+# the guidance passes' layouts: STG on block 1 and modality guidance, the audio at its own CFG scale; four passes a step
+PASSES = {"stg_scale": 1.0, "stg_blocks": "1", "modality_scale": 3.0, "audio_cfg": 6.0, "stg_end": 0.6}
+
+
+@pytest.mark.parametrize("world,degrees", [(2, {"cfg": 2}), (2, {"ulysses": 2}), (4, {"cfg": 2, "ring": 2})],
+                         ids=["cfg2", "ulysses2", "cfg2xring2"])
+def test_the_guidance_passes_equal_serial(world, degrees, backend):
+    """Up to four passes a step (cond, uncond, perturbed, isolated), over the CFG ranks two each, or one after the
+    other on a sequence-parallel group: serial's video and audio."""
+    fields = {**EVEN, **PASSES}
+    expected = serial_parts(fields)
+    plain = serial_parts(EVEN)
+    assert (expected["samples"] - plain["samples"]).abs().max() > 1e-3
+    result, _ = backend(world).sample({**fields, "parallel": degrees})
+    for name in ("samples", "audio_samples"):
+        assert (result[name] - expected[name]).abs().max().item() <= 1e-4 * max(1.0, expected[name].abs().max())
+
+
+def test_guidance_passes_are_refused_on_another_family_and_off_the_blocks(backend):
+    from xdit_backend.wire.endpoint import BackendError
+
+    with pytest.raises(BackendError, match="has no such guidance"):
+        backend(2).sample({"model": "flux-tiny", "width": 64, "height": 64, "steps": 2, "stg_scale": 1.0})
+    with pytest.raises(BackendError, match="has blocks 0 to 1"):
+        backend(2).sample({**EVEN, "stg_scale": 1.0, "stg_blocks": "29"})

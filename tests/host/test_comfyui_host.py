@@ -30,7 +30,8 @@ def nodes_of(prompt: dict, class_type: str) -> list[str]:
 
 def test_the_pack_registers_its_nodes_in_comfyui(host):
     info = host.get("/object_info")
-    for node in ("XDiTLoadDiffusionModel", "XDiTLoraLoader", "XDiTStepCache", "XDiTParallelConfig", "XDiTSampler",
+    for node in ("XDiTLoadDiffusionModel", "XDiTLoraLoader", "XDiTStepCache", "XDiTLTX2Guidance", "XDiTParallelConfig",
+                 "XDiTSampler",
                  "XDiTSamplerAdvanced", "XDiTBackend", "XDiTStandInConditioning"):
         assert node in info, node
     sampler = info["XDiTSampler"]["input"]

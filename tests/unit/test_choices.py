@@ -52,3 +52,21 @@ def test_each_cache_setting_changes_the_fingerprint():
     prints = {choice.fingerprint() for choice in [base, *changed]}
     assert len(prints) == 1 + len(changed)
     assert base.with_cache("fbcache", None, 2, 1).fingerprint() == base.fingerprint()
+
+
+def test_the_ltx2_guidance_node_settings_reach_the_request():
+    """The xDiT LTX-2 Guidance node's values (its choice: the node's own test is in the real ComfyUI) become the
+    request's, and the backend's passes (the σ ranges from the percents by the model's sampling)."""
+    from xdit_backend.models import registry
+
+    choice = ModelChoice("ltx2-tiny").with_guidance(audio_cfg=None, stg_scale=1.5, stg_blocks="0, 1", stg_start=0.0,
+                                                    stg_end=0.5, modality_scale=3.0, modality_start=0.0,
+                                                    modality_end=1.0)
+    request = SampleRequest.parse(Message("sample", {**choice.request_fields(), "width": 64, "height": 64,
+                                                     "frames": 9}, {}))
+    spec = registry.spec("ltx2-tiny")
+    passes = request.passes(spec.model_sampling(None))
+    assert (passes.audio_cfg, passes.stg_scale, passes.stg_blocks, passes.modality_scale) == (
+        None, 1.5, frozenset({0, 1}), 3.0)
+    assert passes.stg_sigmas == (1.0, spec.model_sampling(None).percent_to_sigma(0.5))
+    assert ModelChoice("ltx2-tiny").fingerprint() != choice.fingerprint()

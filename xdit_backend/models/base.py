@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -101,6 +102,7 @@ class FamilySpec(ABC):
     takes_controlnets: ClassVar[bool] = False
     step_cache_refusal: ClassVar[str | None] = None  # why the step cache cannot run on the family, if it cannot
     method_refusals: ClassVar[dict[str, str]] = {}  # a degree left out of parallel_methods → why, for the message
+    guidance_passes: ClassVar[bool] = False  # the model runs LTX-2's extra guidance passes (DiffusionModel.guidance_pass)
     control_plan: ClassVar[SequencePlan | None] = None
     comfy_model_inputs: ClassVar[dict[str, str] | None] = None
     # ComfyUI conditioning options the family needs set True (option → (what it means when not, the fix)): LTX-2's
@@ -313,6 +315,14 @@ class DiffusionModel(ABC):
         """The model input: ``x`` with the concatenated channels where x is the latent alone."""
         extra = self.concat(tuple(x.shape), cond) if x.shape[1] == self.spec.latent_format.channels else None
         return x if extra is None else torch.cat([x, extra.to(x)], dim=1)  # [B, C + concat_channels, ...]
+
+    @contextmanager
+    def guidance_pass(self, kind: str | None, passes):
+        """Calls in the block run ``kind``'s pass of LTX-2's guidance (sampling/guidance.py: "perturbed", "isolated";
+        None: the model as it is): a family with ``guidance_passes`` implements it."""
+        if kind is not None:
+            raise NotImplementedError(f"{self.spec.family} runs no {kind} guidance pass")
+        yield
 
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
         """x0 for ``x`` (model space) at noise levels ``sigma`` [B]; a latent of parts (``gen.parts``: LTX-2's video

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..sampling.guidance import ISOLATED, PERTURBED
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
 from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
@@ -155,6 +157,7 @@ class LTX2Spec(FamilySpec):
         "encode the prompt with the current LTXAVTextEncoderLoader / CLIP Text Encode: the connectors run on the "
         "backend, inside the model")}
     step_cache_refusal: ClassVar[str] = "its audio stream is not cached yet"
+    guidance_passes: ClassVar[bool] = True  # STG, modality guidance, the audio's own CFG scale (sampling/guidance.py)
     method_refusals: ClassVar[dict[str, str]] = {
         "pipefusion": "every block's video-to-audio attention reads all of the video, so PipeFusion's one-step-stale "
                       "video keys would change the audio at every step; use ulysses or ring (the audio stays whole on "
@@ -235,22 +238,26 @@ class Modulation:
     a_text: torch.Tensor  # [B, L', Da]
     v_embedded: torch.Tensor  # [B, n | 1, D]: the output layer's timestep
     a_embedded: torch.Tensor  # [B, T | 1, Da]
+    perturbed: frozenset = frozenset()  # STG's blocks: their self-attention a value passthrough (guidance.PERTURBED)
+    isolated: bool = False  # the audio↔video attention cut (guidance.ISOLATED)
 
 
 def av_block(block, vx: torch.Tensor, ax: torch.Tensor, m: Modulation):
     """ComfyUI's BasicAVTransformerBlock on diffusers' block modules: the forward of each of the model's blocks
     (LTX2Model), so FSDP2's gathers and compile see a block call."""
+    perturbed = block.ltx_index in m.perturbed  # ComfyUI's stg_skip_self_attn, on both streams' self-attention
     shift, scale, gate = ada(block.scale_shift_table, m.v_temb, slice(0, 3))
-    vx = vx + block.attn1(rms(vx) * (1 + scale) + shift, query_rotary_emb=m.v_rope) * gate
+    vx = vx + self_attention(block.attn1, rms(vx) * (1 + scale) + shift, m.v_rope, perturbed) * gate
     vx = vx + text_attention(vx, m.v_text, block.attn2, block.scale_shift_table, m.v_temb,
                              getattr(block, "prompt_scale_shift_table", None), m.v_prompt)
     if ax.shape[1] == 0:  # a video without audio (ComfyUI's model given a video latent alone): the video's stream
-        shift, scale, gate = ada(block.scale_shift_table, m.v_temb, slice(3, 6))
-        return vx + block.ff(rms(vx) * (1 + scale) + shift) * gate, ax
+        return _feed_forward(block, vx, ax, m)
     shift, scale, gate = ada(block.audio_scale_shift_table, m.a_temb, slice(0, 3))
-    ax = ax + block.audio_attn1(rms(ax) * (1 + scale) + shift, query_rotary_emb=m.a_rope) * gate
+    ax = ax + self_attention(block.audio_attn1, rms(ax) * (1 + scale) + shift, m.a_rope, perturbed) * gate
     ax = ax + text_attention(ax, m.a_text, block.audio_attn2, block.audio_scale_shift_table, m.a_temb,
                              getattr(block, "audio_prompt_scale_shift_table", None), m.a_prompt)
+    if m.isolated:  # LTXVModalityGuidance's pass: no audio↔video attention
+        return _feed_forward(block, vx, ax, m)
     # audio to video (queries video, keys audio), then video to audio (keys: the video after that update)
     a_norm = rms(ax)
     a_scale, a_shift, a_scale2, a_shift2 = ada(block.audio_a2v_cross_attn_scale_shift_table[:4], m.a_cross)
@@ -261,11 +268,24 @@ def av_block(block, vx: torch.Tensor, ax: torch.Tensor, m: Modulation):
     v2a = block.video_to_audio_attn(a_norm * (1 + a_scale2) + a_shift2, rms(vx) * (1 + v_scale2) + v_shift2,
                                     query_rotary_emb=m.a_cross_rope, key_rotary_emb=m.v_cross_rope)
     ax = ax + v2a * ada(block.audio_a2v_cross_attn_scale_shift_table[4:], m.a_gate)[0]
+    return _feed_forward(block, vx, ax, m)
+
+
+def _feed_forward(block, vx, ax, m: Modulation):
+    """Each stream's modulated feed-forward, the block's last step."""
     shift, scale, gate = ada(block.scale_shift_table, m.v_temb, slice(3, 6))
     vx = vx + block.ff(rms(vx) * (1 + scale) + shift) * gate
     shift, scale, gate = ada(block.audio_scale_shift_table, m.a_temb, slice(3, 6))
     ax = ax + block.audio_ff(rms(ax) * (1 + scale) + shift) * gate
     return vx, ax
+
+
+def self_attention(attn, x: torch.Tensor, rope, perturbed: bool) -> torch.Tensor:
+    """A stream's self-attention; perturbed (STG's pass), the value projection gated and projected out, without
+    queries, keys or softmax (ComfyUI's CrossAttention under stg_skip_self_attn)."""
+    if perturbed:
+        return finished(attn, x, attn.to_v(x).unflatten(2, (attn.heads, -1)))
+    return attn(x, query_rotary_emb=rope)
 
 
 def text_attention(x, text, attn, table, temb, prompt_table, prompt_temb):
@@ -291,12 +311,24 @@ class LTX2Model(DiffusionModel):
         # where sequence parallelism cuts the video (output; the sequence plan)
         for name in ("video_tokens", "video_coords", "video_timestep"):
             setattr(transformer, name, torch.nn.Identity())
-        for block in transformer.transformer_blocks:
+        for index, block in enumerate(transformer.transformer_blocks):
             block.forward = types.MethodType(av_block, block)  # block(vx, ax, m): ComfyUI's block
+            block.ltx_index = index  # STG names its blocks by index
         for module in transformer.modules():
             if isinstance(module, LTX2Attention):
                 module.norm_q.eps = module.norm_k.eps = QK_NORM_EPS
         self._texts: tuple | None = None  # (context, its connected texts): the last conditioning's, reused
+        self._pass: tuple = (None, None)  # the guidance pass the calls run now (guidance_pass)
+
+    @contextmanager
+    def guidance_pass(self, kind: str | None, passes):
+        """Calls in the block run ``kind``'s pass: "perturbed" (STG: ``passes.stg_blocks``' self-attention a value
+        passthrough), "isolated" (no audio↔video attention), None (the model as it is)."""
+        self._pass = (kind, passes)
+        try:
+            yield
+        finally:
+            self._pass = (None, None)
 
     def output(self, x, timestep, cond, guidance):
         """The velocities (video [B, 128, F, h, w], audio [B, 8, T, 16]) for x = (video, audio) at σ ``timestep``
@@ -357,6 +389,9 @@ class LTX2Model(DiffusionModel):
             t.cross_attn_rope(coords[:, 0:1]), t.cross_attn_audio_rope(a_coords[:, 0:1]) if audio else None,
             v_text, a_text,
             v_embedded, a_embedded)
+        kind, passes = self._pass
+        m.perturbed = passes.stg_blocks if kind == PERTURBED else frozenset()
+        m.isolated = kind == ISOLATED
         return m
 
     def _positions(self, coords: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,8 @@ class Denoiser:
                 for each in attached:
                     stack.callback(each.detach)
                 shard = attached[0].shard
-                self.shards = [each.shard for each in attached]
+                self.shards = [each.shard for each in attached]  # they hold the sequence group: dropped after
+                stack.callback(self.shards.clear)
             if gen is not None and gen.cache is not None:
                 plan = self.model.spec.cache_plan
                 self.cache = StepCache(gen.cache, gen.steps, plan.teacache,
@@ -67,6 +68,7 @@ class Denoiser:
         failure at once (agreement.py); this object can outlive the generation (a closure cell of the failed
         sampler loop kept it, seen under Ulysses)."""
         self.layout = self.cfg_group = self.dp_group = None
+        self.shards = []  # each holds the sequence group
 
     def step_done(self, done: int) -> None:
         if self.cache is not None:
@@ -80,11 +82,14 @@ class Denoiser:
             shard.clear()
         return nullcontext() if self.cache is None else self.cache.call(slot, decides, rows)
 
-    def conditioning(self, positive: dict, negative: dict | None) -> dict | tuple[dict, dict]:
+    def conditioning(self, positive: dict, negative: dict | None, both: bool = False) -> dict | tuple[dict, dict]:
         """What this rank's model calls take, built once per generation from the sides on the device
         (generate.start): its side of the guidance under CFG parallel, else the two sides batched
         [2B, ...] (cond first) when there is a negative one, or the pair (positive, negative) where
-        they cannot batch (generate.side_differences), else the positive."""
+        they cannot batch (generate.side_differences), else the positive. ``both``: the generation runs passes
+        beyond cond and uncond (LTX-2's guidance), so every rank keeps the pair, whichever passes it runs."""
+        if both:
+            return positive, negative
         if self.cfg_group is not None:
             return positive if self.layout.index("cfg") == 0 else negative
         if negative is None:
@@ -96,6 +101,8 @@ class Denoiser:
     def x0(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: dict | tuple[dict, dict], gen) -> torch.Tensor:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B],
         from ``conditioning`` (``self.conditioning``)."""
+        if gen.passes is not None:
+            return self._guided_passes(x, sigma, conditioning, gen)
         if self.cfg_group is not None:
             cond = self.layout.index("cfg") == 0
             with self._call(0, True, slice(None) if cond else None):
@@ -115,6 +122,33 @@ class Denoiser:
             with self._call(0, True, slice(0, x.shape[0])):  # the cond rows come first
                 both = self.model.predict_x0(torch.cat([x, x]), torch.cat([sigma, sigma]), conditioning, gen)  # [2B, ...]
         return guided(both, gen.cfg)
+
+    def _guided_passes(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: tuple[dict, dict | None],
+                       gen) -> torch.Tensor:
+        """LTX-2's guidance (sampling/guidance.py): cond, uncond where it runs, and the extra passes active at σ, each
+        one model call, spread over the CFG ranks (rank i runs passes i, i + 2, …) or run one after the other;
+        combined as ComfyUI's guider and post-CFG functions combine them."""
+        positive, negative = conditioning
+        kinds = ["cond", *(["uncond"] if gen.uses_cfg else []), *gen.passes.extra(float(sigma[0]))]
+        mine = kinds if self.cfg_group is None else kinds[self.layout.index("cfg")::2]
+        outputs = {}
+        for slot, kind in enumerate(mine):
+            extra = None if kind in ("cond", "uncond") else kind
+            with self._call(slot, slot == 0, None), self.model.guidance_pass(extra, gen.passes):
+                outputs[kind] = self.model.predict_x0(x, sigma, negative if kind == "uncond" else positive, gen)
+        if self.cfg_group is not None:
+            outputs = self._gather_passes(outputs, kinds, mine, x)
+        return gen.passes.combine(outputs, gen.cfg, gen.parts)
+
+    def _gather_passes(self, outputs: dict, kinds: list[str], mine: list[str], x: torch.Tensor) -> dict:
+        """Every pass's x0 on both CFG ranks: each rank's, stacked and all-gathered (a rank with fewer passes pads)."""
+        count = -(-len(kinds) // 2)
+        stacked = torch.stack([outputs[kind] for kind in mine]
+                              + [torch.zeros_like(x, dtype=torch.float32)] * (count - len(mine)))  # [count, B, ...]
+        both = [torch.empty_like(stacked) for _ in range(2)]
+        dist.all_gather(both, stacked.contiguous(), group=self.cfg_group)  # by cfg index, [count, B, ...] each
+        return {kinds[rank + 2 * j]: both[rank][j] for rank in range(2) for j in range(count)
+                if rank + 2 * j < len(kinds)}
 
     def gather_rows(self, latent: torch.Tensor) -> torch.Tensor:
         """[B/dp, C, ...] from each dp group → [B, C, ...] on every rank."""

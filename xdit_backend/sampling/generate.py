@@ -15,6 +15,7 @@ import torch
 
 from . import samplers
 from .inpaint import Inpaint, prepare_mask
+from .guidance import Passes
 from .packed import LatentParts
 from .stop import GenerationStopped  # noqa: F401  (callers import it from here)
 
@@ -44,6 +45,7 @@ class Generation:
     # a latent of several parts (LTX-2's video and audio), ``latent`` their packed [B, Σ n_i] (packed.py); the noise
     # mask is the first part's (the video's), the others are made whole
     parts: LatentParts | None = None
+    passes: Passes | None = None  # LTX-2's guidance beyond CFG (guidance.py): passes more than cond and uncond
 
     @property
     def steps(self) -> int:
@@ -51,7 +53,9 @@ class Generation:
 
     @property
     def uses_cfg(self) -> bool:
-        return self.cfg != 1.0 and self.negative is not None
+        """The uncond pass runs: cfg ≠ 1, or the audio at a scale of its own (LTXVDualCFGGuider), with a negative."""
+        dual = self.passes is not None and self.passes.dual(self.cfg)
+        return (self.cfg != 1.0 or dual) and self.negative is not None
 
 
 def side_differences(positive: dict[str, torch.Tensor], negative: dict[str, torch.Tensor]) -> list[str]:
@@ -152,7 +156,7 @@ def generate(denoiser, gen: Generation, after_step: Callable[[int, int], bool] =
         return gen.latent.float()
     fmt = denoiser.latent_format
     begin = start(gen, fmt, denoiser.rows(gen.latent.shape[0]), denoiser.device)
-    conditioning = denoiser.conditioning(begin.positive, begin.negative)  # once per generation
+    conditioning = denoiser.conditioning(begin.positive, begin.negative, gen.passes is not None)  # once
 
     def x0(x, sigma):  # sigma [B]
         if begin.inpaint is None:

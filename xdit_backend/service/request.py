@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..models import lora, model_patch, registry
 from ..models.base import shape_fits, shape_text
 from ..parallel.step_cache import CacheOptions
-from ..sampling import samplers, schedulers
+from ..sampling import guidance, samplers, schedulers
 from ..sampling.generate import Generation, cut
 from ..sampling.packed import LatentParts
 from ..wire import protocol
@@ -70,6 +70,14 @@ class SampleRequest:
     cache_threshold: float | None  # None: the method's, schema.CACHE_THRESHOLDS
     cache_start: int
     cache_end: int
+    audio_cfg: float | None  # None: cfg
+    stg_scale: float
+    stg_blocks: str
+    stg_start: float
+    stg_end: float
+    modality_scale: float
+    modality_start: float
+    modality_end: float
     tensors: dict[str, torch.Tensor]
 
     def latent_shape(self, spec) -> tuple[int, ...]:
@@ -180,6 +188,7 @@ class SampleRequest:
         if self.shift is not None and not spec.takes_shift:
             raise RequestError(f"shift {self.shift}: model {self.model} samples with discrete noise levels, "
                                "which have no flow shift", "leave shift out")
+        self._check_passes(spec)
         if self.end_step is not None and self.end_step > self.steps:
             raise RequestError(f"end_step {self.end_step} is past the last of {self.steps} steps",
                                f"use end_step ≤ {self.steps}, or leave it out")
@@ -188,6 +197,29 @@ class SampleRequest:
         """The controls against the model (check_controls)."""
         check_controls(self.controls, self.control_latent, spec, self.model, self.cache, self.parallel,
                        any(REFERENCE.fullmatch(name) for name in self.tensors), self.latent_shape(spec)[-2:])
+
+    @property
+    def asks_passes(self) -> bool:
+        """LTX-2's guidance beyond CFG asked for (sampling/guidance.py)."""
+        return self.audio_cfg is not None or self.stg_scale != 0 or self.modality_scale != 1.0
+
+    def _check_passes(self, spec) -> None:
+        if self.asks_passes and not spec.guidance_passes:
+            raise RequestError(f"audio_cfg, stg_scale or modality_scale: model {self.model} ({spec.family}) has no "
+                               "such guidance (LTX-2's: its audio, its blocks' self-attention, its audio↔video "
+                               "attention)", "leave them at their defaults")
+        if self.stg_scale != 0 and not guidance.blocks(self.stg_blocks) <= set(range(spec.blocks)):
+            raise RequestError(f"stg_blocks {self.stg_blocks!r}: model {self.model} has blocks 0 to {spec.blocks - 1}",
+                               f"perturb blocks of 0..{spec.blocks - 1} (ComfyUI's default 29 is LTX-2's)")
+
+    def passes(self, sampling) -> guidance.Passes | None:
+        """The guidance beyond CFG the request asks for, its σ ranges from the model sampling's percents."""
+        if not self.asks_passes:
+            return None
+        return guidance.Passes(self.audio_cfg, self.stg_scale, guidance.blocks(self.stg_blocks),
+                               (sampling.percent_to_sigma(self.stg_start), sampling.percent_to_sigma(self.stg_end)),
+                               self.modality_scale, (sampling.percent_to_sigma(self.modality_start),
+                                                     sampling.percent_to_sigma(self.modality_end)))
 
     def _check_audio_latent(self, spec) -> None:
         """An audio latent only for a family with audio, in its layout (LTX-2's [B, 8, T, 16]), T at most
@@ -373,6 +405,7 @@ class SampleRequest:
         return Generation(
             latent=latent,
             parts=parts,
+            passes=self.passes(sampling),
             seed=self.seed,
             sigmas=cut(sigmas.float(), self.start_step, self.end_step, self.leftover_noise),
             sampling=sampling,
