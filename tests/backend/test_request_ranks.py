@@ -27,8 +27,8 @@ def common(lora: str) -> dict:
 
 @pytest.fixture
 def requests(tmp_path) -> list[dict]:
-    """Flux (guidance, ulysses), Wan (frames, cfg parallel) and Qwen-Image (a model patch and a ControlNet, ring; not
-    compiled: the others compile): together, every field away from its default."""
+    """Flux (guidance, ulysses), Wan (frames, cfg parallel), Qwen-Image (a model patch and a ControlNet, ring; not
+    compiled: the others compile) and LTX-2 (its guidance passes): together, every field away from its default."""
     lora = tmp_path / "empty-lora.safetensors"
     save_file({}, str(lora))  # a LoRA file that matches nothing: merged as zero modules
     path = str(lora.resolve())
@@ -41,7 +41,12 @@ def requests(tmp_path) -> list[dict]:
             "parallel": ParallelConfig(ring=2).to_json(),
             "controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.5},
                          {"path": "qwen-image-controlnet-tiny", "strength": 0.3, "start": 0.1, "end": 0.9, "type": 2}]}
-    return [flux, wan, qwen]
+    # LTX-2's guidance beyond CFG (no step cache on LTX-2)
+    ltx2 = {"model": "ltx2-tiny", **common(path), "width": 64, "height": 64, "frames": 9, "compile": False,
+            "cache": "none", "parallel": ParallelConfig(ulysses=2).to_json(), "audio_cfg": 6.5, "stg_scale": 1.25,
+            "stg_blocks": "0, 1", "stg_start": 0.125, "stg_end": 0.75, "modality_scale": 2.5, "modality_start": 0.25,
+            "modality_end": 0.875}
+    return [flux, wan, qwen, ltx2]
 
 
 def test_the_requests_set_every_field(requests):

@@ -26,7 +26,9 @@ def every_field(tmp_path) -> dict:
             "frames": 5,
             "start_step": 1, "end_step": 4, "add_noise": False, "return_with_leftover_noise": True,
             "sampler": "heun", "scheduler": "karras", "denoise": 0.5, "compile": True,
-            "cache": "teacache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 0}
+            "cache": "teacache", "cache_threshold": 0.5, "cache_start": 1, "cache_end": 0,
+            "audio_cfg": 6.5, "stg_scale": 1.25, "stg_blocks": "0, 1", "stg_start": 0.125, "stg_end": 0.75,
+            "modality_scale": 2.5, "modality_start": 0.25, "modality_end": 0.875}
 
 
 def through_the_wire(fields: dict) -> Message:

@@ -239,65 +239,51 @@ def audio_comparison(fields: dict, summaries: list[dict]) -> None:
     """For a model with audio: each sequence-parallel layout's bytes per rank per step for the audio whole on every
     rank against split, at the bench's size and at full size (LTX-2: whole runs, measured above and by
     cost.audio_traffic, split modeled; MiniMax-H3: split runs, whole modeled by cost.packed_audio_traffic)."""
+    from ..distributed.cost import audio_traffic, packed_audio_traffic
     from ..models import registry
 
     spec = registry.spec(fields["model"])
     if spec.audio_part is None or fields["model"] not in registry.BUILTINS:
         return
-    if spec.family == "minimax_h3":
-        packed_audio_comparison(fields, summaries, spec)
-        return
-    from ..distributed.cost import audio_traffic
-
     config = registry.BUILTINS[fields["model"]].config
-    tokens = spec.token_grid(fields["width"], fields["height"], fields.get("frames", 1))[0]
+    frames = fields.get("frames", 1)
+    if spec.family == "minimax_h3":
+        here = {"layers": config["num_layers"], "audio_rows": 2 * spec.audio_frames(frames),
+                "attention_width": config["num_attention_heads"] * config["attention_head_dim"]}
+        _audio_table(fields, summaries, packed_audio_traffic, here, H3_768P, 1, ("split", "whole"),
+                     "MiniMax-H3's audio rows, split with the sequence (what runs) or whole on every rank (MODELED), "
+                     "bytes a rank sends per step for them: cost.packed_audio_traffic", "768p × 124, bf16, cfg 1")
+        return
     here = {"layers": config["num_layers"], "audio_heads": config["audio_num_attention_heads"],
             "audio_width": config["audio_num_attention_heads"] * config["audio_attention_head_dim"],
-            "video_tokens": tokens, "audio_tokens": spec.audio_frames(fields.get("frames", 1))}
+            "video_tokens": spec.token_grid(fields["width"], fields["height"], frames)[0],
+            "audio_tokens": spec.audio_frames(frames)}
+    _audio_table(fields, summaries, audio_traffic, here, LTX23_720P, 2, ("whole", "split"),
+                 "LTX-2's audio, whole on every rank (what runs) or split with the video (MODELED), bytes a rank "
+                 "sends per step for the audio (the video's own attention the same both ways): cost.audio_traffic",
+                 "720p × 121, LTX-2.3, bf16")
+
+
+def _audio_table(fields: dict, summaries: list[dict], traffic, here: dict, full: dict, full_rows: int,
+                 columns: tuple[str, str], title: str, full_size: str) -> None:
+    """The audio's two placements' bytes per layout: ``traffic`` (a cost formula) at the bench's size (``here``) and at
+    full size (``full``, ``full_rows`` rows a forward), in ``columns``' order (the one that runs first)."""
     rows = fields["batch"] * (2 if fields["cfg"] != 1.0 else 1)
-    print("\nLTX-2's audio, whole on every rank (what runs) or split with the video (MODELED), bytes a rank sends per "
-          "step for the audio (the video's own attention the same both ways): cost.audio_traffic\n")
-    print("| layout | measured sent/rank/step KiB | audio whole KiB | audio split KiB | at 720p × 121, LTX-2.3, "
-          "bf16: whole MiB | split MiB |\n|---|---|---|---|---|---|")
+    first, second = columns
+    print(f"\n{title}\n")
+    print(f"| layout | measured sent/rank/step KiB | audio {first} KiB | audio {second} KiB | at {full_size}: {first} "
+          f"MiB | {second} MiB |\n|---|---|---|---|---|---|")
     for summary in summaries:
         degrees = parse_layout(summary["layout"])
-        u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
+        u, r, cfg = degrees.get("ulysses", 1), degrees.get("ring", 1), degrees.get("cfg", 1)
         if u * r == 1:
             continue
         element = getattr(torch, summary["dtype"]).itemsize
-        small = audio_traffic(rows=rows // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=element, **here)
-        large = audio_traffic(rows=2 // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=2, **LTX23_720P)
+        small = traffic(rows=rows // cfg, ulysses=u, ring=r, element_bytes=element, **here)
+        large = traffic(rows=full_rows // cfg, ulysses=u, ring=r, element_bytes=2, **full)
         print(f"| {summary['layout']} | {summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
-              f"{small['whole'] / 1024:.1f} | {small['split'] / 1024:.1f} | {large['whole'] / 2**20:.1f} | "
-              f"{large['split'] / 2**20:.1f} |")
-
-
-def packed_audio_comparison(fields: dict, summaries: list[dict], spec) -> None:
-    """MiniMax-H3's audio rows in its one sequence: split with the rest (what runs) or whole on every rank."""
-    from ..distributed.cost import packed_audio_traffic
-    from ..models import registry
-
-    config = registry.BUILTINS[fields["model"]].config
-    here = {"layers": config["num_layers"],
-            "attention_width": config["num_attention_heads"] * config["attention_head_dim"],
-            "audio_rows": 2 * spec.audio_frames(fields.get("frames", 1))}
-    rows = fields["batch"] * (2 if fields["cfg"] != 1.0 else 1)
-    print("\nMiniMax-H3's audio rows, split with the sequence (what runs) or whole on every rank (MODELED), bytes a "
-          "rank sends per step for them: cost.packed_audio_traffic\n")
-    print("| layout | measured sent/rank/step KiB | audio split KiB | audio whole KiB | at 768p × 124, bf16, cfg 1: "
-          "split MiB | whole MiB |\n|---|---|---|---|---|---|")
-    for summary in summaries:
-        degrees = parse_layout(summary["layout"])
-        u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
-        if u * r == 1:
-            continue
-        element = getattr(torch, summary["dtype"]).itemsize
-        small = packed_audio_traffic(rows=rows // degrees.get("cfg", 1), ulysses=u, ring=r, element_bytes=element,
-                                     **here)
-        large = packed_audio_traffic(rows=1, ulysses=u, ring=r, element_bytes=2, **H3_768P)
-        print(f"| {summary['layout']} | {summary['sent_bytes_per_rank_per_step'] / 1024:.1f} | "
-              f"{small['split'] / 1024:.1f} | {small['whole'] / 1024:.1f} | {large['split'] / 2**20:.1f} | "
-              f"{large['whole'] / 2**20:.1f} |")
+              f"{small[first] / 1024:.1f} | {small[second] / 1024:.1f} | {large[first] / 2**20:.1f} | "
+              f"{large[second] / 2**20:.1f} |")
 
 
 def _ratio(value: float | None, unit: str) -> str:
