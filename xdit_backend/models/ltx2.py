@@ -21,7 +21,8 @@ video-to-audio gives every rank the whole audio's queries over its share of the 
 their partial attentions by their log-sum-exp (``AudioQueryProcessor``): audio-sized traffic, where splitting the
 audio too would move the video's keys and values. PipeFusion is refused (every block's video-to-audio attention
 reads all the video, so a patch's stale keys would change the audio at every step), as is the step cache (its
-audio stream is not cached yet).
+audio stream is not cached yet). Its guidance beyond CFG (sampling/guidance.py: STG's pass, the self-attention of some
+blocks a value passthrough; modality guidance's, no audio↔video attention) runs through ``guidance_pass``.
 """
 
 from __future__ import annotations
