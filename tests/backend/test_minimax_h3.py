@@ -15,6 +15,7 @@ from xdit_backend.wire.protocol import Message
 # 128 × 64 px × 22 frames: 7 latent frames of 2 × 4 tokens (56 video rows), 37 audio frames (74 rows, stereo) and 8
 # text rows: 138 rows, which no degree below divides by 4 (padded shares); cfg 3 with the built-in's negative
 H3 = {"model": "minimax-h3-tiny", "width": 128, "height": 64, "frames": 22, "steps": 3, "seed": 7, "cfg": 3.0}
+PRUNED = {**H3, "model": "minimax-h3-pruned-tiny"}  # the curve form of a pruned file (its time table, AdaLN rank 8)
 
 
 def serial_parts(fields: dict, tensors: dict | None = None) -> dict[str, torch.Tensor]:
@@ -24,11 +25,12 @@ def serial_parts(fields: dict, tensors: dict | None = None) -> dict[str, torch.T
 
 ROWS = [(H3, 2, {"ulysses": 2}), (H3, 2, {"ring": 2}), (H3, 2, {"cfg": 2}), (H3, 4, {"ulysses": 2, "ring": 2}),
         (H3, 4, {"ulysses": 4}), ({**H3, "batch": 2}, 2, {"dp": 2}),
-        (H3, 2, {"ulysses": 2, "shard_weights": True})]
+        (H3, 2, {"ulysses": 2, "shard_weights": True}), (PRUNED, 2, {"ulysses": 2})]
 
 
 @pytest.mark.parametrize("fields,world,degrees", [
-    pytest.param(*row, id=f"b{row[0].get('batch', 1)}-world{row[1]}-" + "x".join(f"{k}{v}" for k, v in row[2].items()))
+    pytest.param(*row, id=f"{row[0]['model']}-b{row[0].get('batch', 1)}-world{row[1]}-"
+                 + "x".join(f"{k}{v}" for k, v in row[2].items()))
     for row in ROWS])
 def test_video_and_audio_equal_serial(fields, world, degrees, backend):
     expected = serial_parts(fields)
@@ -65,10 +67,18 @@ def comfy_h3(t, video, carried, sigma_v, context, tags=None, keyframes=(), seed=
     index = {value: i for i, value in enumerate(unique)}
     row_t = torch.tensor([index[float(t_v)]] * length + [index[t_k]] * k_rows + [index[float(t_a)]] * 2 * steps
                          + [index[float(t_v)]] * v_rows)
-    half = t.config.freq_dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half) / half)
-    angle = torch.tensor(unique)[:, None] * freqs
-    temb = t.time_embedder(torch.cat([angle.cos(), angle.sin()], dim=-1))
+    if hasattr(t.time_embedder, "table"):  # a pruned file's curve form: the table read by linear interpolation
+        table = t.time_embedder.table
+        position = torch.tensor(unique).clamp(0, 1) * (table.shape[0] - 1)
+        lower = position.floor().long().clamp(max=table.shape[0] - 2)
+        temb = table[lower] + (position - lower)[:, None] * (table[lower + 1] - table[lower])
+        activation = torch.nn.Identity()  # the AdaLN projections run on it without SiLU
+    else:
+        half = t.config.freq_dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half) / half)
+        angle = torch.tensor(unique)[:, None] * freqs
+        temb = t.time_embedder(torch.cat([angle.cos(), angle.sin()], dim=-1))
+        activation = torch.nn.SiLU()
     side = math.sqrt(h * w)
 
     def axis(cells):
@@ -100,8 +110,10 @@ def comfy_h3(t, video, carried, sigma_v, context, tags=None, keyframes=(), seed=
     x = torch.cat([text, *(t.proj_in(k) for k in k_in), t.audio_proj_in(a_in), t.proj_in(v_in)], dim=1)
     adaln = row_t * 3 + tag
     for block in t.transformer_blocks:
+        modulation = block.adaln_proj.linear(activation(temb)).view(-1, 6 * t.config.hidden_size).chunk(6, dim=-1)
+        assert all(torch.equal(a, b) for a, b in zip(block.adaln_proj(temb), modulation))
         x = block(x, temb, adaln, rope)
-    shift, scale = t.norm_out.linear(torch.nn.functional.silu(temb)).chunk(2, dim=-1)
+    shift, scale = t.norm_out.linear(activation(temb)).chunk(2, dim=-1)
     x = t.norm_out.norm(x) * (1 + scale[row_t]) + shift[row_t]
     v = -t.proj_out(x[:, length + k_rows + 2 * steps:])
     a = -t.audio_proj_out(x[:, length + k_rows:length + k_rows + 2 * steps]).reshape(b, 2, steps, 32)
@@ -115,10 +127,18 @@ def h3():
     return registry.build("minimax-h3-tiny", torch.device("cpu"))
 
 
+@pytest.fixture(scope="module")
+def pruned():
+    return registry.build("minimax-h3-pruned-tiny", torch.device("cpu"))
+
+
 @pytest.mark.parametrize("tagged", [False, True], ids=["text", "first-and-last-frame"])
-def test_the_model_is_comfyuis_minimax_h3(h3, tagged):
+@pytest.mark.parametrize("form", ["full", "pruned"])
+def test_the_model_is_comfyuis_minimax_h3(h3, pruned, tagged, form):
     """The wrapper's forward equals ComfyUI's MiniMaxH3Model restated: text to video, and with MiniMaxH3ImageToVideo's
-    first and last frame (the images' vision tokens tagged 0 in the text; two keyframe rows' blocks, seeded noise)."""
+    first and last frame (the images' vision tokens tagged 0 in the text; two keyframe rows' blocks, seeded noise);
+    a pruned file's curve form as its use_adaln_curves branch runs it."""
+    h3 = pruned if form == "pruned" else h3
     g = torch.Generator().manual_seed(1)
     video, carried = torch.randn(1, 24, 7, 4, 6, generator=g), torch.randn(1, 32, 2, 11, generator=g)
     context = torch.randn(1, 9, 48, generator=g)
@@ -172,7 +192,7 @@ def test_one_euler_step_moves_the_audio_on_its_own_schedule(h3):
 
 
 PREFIXES = [("token_refiner.refiner_blocks.", "token_refiner.blocks."), ("transformer_blocks.", "blocks."),
-            ("time_embedder.linear_1.", "time_embedder.proj_in."),
+            ("time_embedder.table", "adaln_t_table"), ("time_embedder.linear_1.", "time_embedder.proj_in."),
             ("time_embedder.linear_2.", "time_embedder.proj_out."),
             ("audio_proj_in.", "audio_patch_proj."), ("proj_in.", "video_patch_proj."),
             ("context_embedder.", "condition_proj."), ("norm_out.norm.", "final_layer.norm."),
@@ -215,29 +235,33 @@ def test_the_original_names_are_those_diffusers_converts(h3):
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
-def test_a_comfy_org_file_loads_as_the_built_in(h3, tmp_path, stored):
+@pytest.mark.parametrize("form", ["full", "pruned"])
+def test_a_comfy_org_file_loads_as_the_built_in(h3, pruned, tmp_path, stored, form):
     """Its config read off the shapes as ComfyUI's model detection reads it; its latents the built-in's (fp8: every
-    matrix stored so, each tensor the fp8-rounded one)."""
+    matrix stored so, each tensor the fp8-rounded one; a pruned file's curve table kept float32, as Comfy-Org's)."""
     from safetensors.torch import save_file
 
-    path = tmp_path / "minimax-h3-tiny.safetensors"
-    weights = {key: value.to(stored) if value.dim() == 2 else value
+    h3, name = (pruned, "minimax-h3-pruned-tiny") if form == "pruned" else (h3, "minimax-h3-tiny")
+    path = tmp_path / f"{name}.safetensors"
+    stored_as = {key: stored if value.dim() == 2 and key != "time_embedder.table" else value.dtype
+                 for key, value in h3.transformer.state_dict().items()}
+    weights = {key: value.to(stored) if value.dim() == 2 and key != "adaln_t_table" else value
                for key, value in original_state_dict(h3.transformer).items()}
     save_file({f"model.diffusion_model.{key}": value for key, value in weights.items()}, str(path))
     source = registry.resolve(str(path))
-    built_in = registry.BUILTINS["minimax-h3-tiny"].config
+    built_in = registry.BUILTINS[name].config
     assert source.family == "minimax_h3"
     assert {key: source.config[key] for key in built_in if key != "patch_size"} == {
         key: value for key, value in built_in.items() if key != "patch_size"}
     if stored == torch.float32:
         g = torch.Generator().manual_seed(2)
         tensors = {"context": torch.randn(1, 8, 48, generator=g)}
-        fields = {**H3, "cfg": 1.0, "steps": 2}
+        fields = {**H3, "model": name, "cfg": 1.0, "steps": 2}
         assert torch.equal(serial_latent({**fields, "model": str(path)}, tensors), serial_latent(fields, tensors))
         return
     loaded = registry.build(str(path), torch.device("cpu")).transformer.state_dict()
     for key, value in h3.transformer.state_dict().items():
-        want = value.to(stored).float() if value.dim() == 2 else value
+        want = value.to(stored_as[key]).float()
         assert torch.equal(loaded[key].float(), want), key
 
 

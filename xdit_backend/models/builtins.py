@@ -109,6 +109,17 @@ BUILTINS: dict[str, BuiltinModel] = {
         description="MiniMax-H3 architecture (video with audio, one packed sequence), 2 blocks, width 64, random "
                     "weights (a test model)",
     ),
+    "minimax-h3-pruned-tiny": BuiltinModel(
+        family="minimax_h3",
+        # the same in curve form (a pruned file's): a 17-row table of 8 values for the time embedder, the AdaLN
+        # projections 8 wide and run without SiLU
+        config=dict(num_attention_heads=4, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1,
+                    ffn_dim=128, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=48,
+                    time_embed_dim=8, rope_freq_dim=4, adaln_curve_grid=17),
+        text_tokens=8,
+        description="MiniMax-H3 architecture in a pruned file's curve form, 2 blocks, width 64, random weights "
+                    "(a test model)",
+    ),
     "ltx2.0-tiny": BuiltinModel(
         family="ltx2",
         config=LTX20_TINY,

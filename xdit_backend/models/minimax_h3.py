@@ -27,6 +27,7 @@ are gathered. PipeFusion and the step cache are refused (each says why).
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -94,6 +95,48 @@ class PackedProcessor:
             q, k = _apply_rotary_emb(q, *rotary_emb), _apply_rotary_emb(k, *rotary_emb)
         out = self.core(q, k, v, text_tokens=0).flatten(2, 3).type_as(q)  # [B, n, H·D]
         return attn.to_out[1](attn.to_out[0](out))
+
+
+class CurveTable(torch.nn.Module):
+    """A pruned (curve-form) file's time embedding: ``adaln_t_table`` [grid, k], rows over t in [0, 1], read by linear
+    interpolation (model.py's use_adaln_curves: the full time embedder and AdaLN widths folded into a rank-k basis)."""
+
+    def __init__(self, grid: int, width: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(grid, width))  # a built-in's: drawn from its seed
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        table = self.table.float()
+        position = t.float().clamp(0.0, 1.0) * (table.shape[0] - 1)
+        lower = position.floor().long().clamp(max=table.shape[0] - 2)
+        return torch.lerp(table[lower], table[lower + 1], (position - lower).unsqueeze(1))  # [M, k]
+
+
+def _curve_modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's AdaLN projection of a curve-form model: linear on the interpolated basis, no SiLU (model.py's
+    apply_silu off for curves)."""
+    return self.linear(temb.to(self.linear.weight.dtype)).view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
+
+
+def _curve_norm_out(self, hidden_states: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor):
+    """The final norm of a curve-form model: its shift and scale without SiLU."""
+    shift, scale = self.linear(temb.to(self.linear.weight.dtype)).chunk(2, dim=-1)
+    hidden_states = self.norm(hidden_states)
+    return hidden_states * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
+
+
+def build_transformer(adaln_curve_grid: int | None = None, **config):
+    """diffusers' MiniMax-H3 transformer; a pruned (curve-form) file's with its curve table for the time embedder and
+    its AdaLN projections run without SiLU, as ComfyUI runs such files."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    transformer = MiniMaxH3Transformer3DModel(**config)
+    if adaln_curve_grid is not None:
+        transformer.time_embedder = CurveTable(adaln_curve_grid, transformer.config.time_embed_dim)
+        for block in transformer.transformer_blocks:
+            block.adaln_proj.forward = types.MethodType(_curve_modulation, block.adaln_proj)
+        transformer.norm_out.forward = types.MethodType(_curve_norm_out, transformer.norm_out)
+    return transformer
 
 
 @dataclass(frozen=True)
@@ -230,7 +273,7 @@ class MiniMaxH3Model(DiffusionModel):
         unique, time_index = torch.unique(times, sorted=True, return_inverse=True)  # [M], [3]
         row_time = torch.cat([time_index[0].repeat(layout.text), time_index[2].repeat(layout.keyframes),
                               time_index[1].repeat(layout.audio), time_index[0].repeat(layout.video)])  # [S]
-        temb = t.time_embedder(t.time_proj(unique).to(self.device, torch.float32)).to(self.dtype)  # [M, Dt]
+        temb = self._time_embedding(unique)  # [M, Dt]
         video_rows = torch.cat([keyframes, self._patchify(video)], dim=1)  # [B, K·n + N, 24·4]
         audio_rows = audio.permute(0, 2, 3, 1).reshape(b, layout.audio, AUDIO_CHANNELS)  # [B, 2·Ta, 32]
         video_in = t.proj_in(video_rows.to(t.proj_in.weight.dtype)).to(self.dtype)
@@ -252,6 +295,14 @@ class MiniMaxH3Model(DiffusionModel):
         audio_out = audio_out.reshape(b, STEREO, -1, AUDIO_CHANNELS).permute(0, 3, 1, 2)  # [B, 32, 2, Ta]
         carried_out = (1 - k) * audio + (1 + (k - 1) * sigma_a) * audio_out  # the velocity of y
         return self._unpatchify(video_out, video.shape), carried_out
+
+    def _time_embedding(self, unique: torch.Tensor) -> torch.Tensor:
+        """The distinct timesteps' embedding [M, Dt], cast to the model's dtype before the AdaLN's SiLU as ComfyUI casts
+        it; a curve-form model's interpolated from its table, kept float32 (model.py never downcasts it)."""
+        t = self.transformer
+        if isinstance(t.time_embedder, CurveTable):
+            return t.time_embedder(unique.to(self.device))
+        return t.time_embedder(t.time_proj(unique).to(self.device, torch.float32)).to(self.dtype)
 
     def _text(self, context: torch.Tensor) -> torch.Tensor:
         """The text's rows [B, L, D]: Qwen3-VL's states projected and refined (ComfyUI's preprocess_text_embeds, once

@@ -33,6 +33,9 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource
     table = {}
     for key in diffusers_keys:
         module, param = key.rsplit(".", 1)
+        if key == "time_embedder.table":  # a pruned (curve-form) file's
+            table[key] = TensorSource(f"{prefix}adaln_t_table")
+            continue
         if module in _GLOBAL:
             table[key] = TensorSource(f"{prefix}{_GLOBAL[module]}.{param}")
             continue
@@ -57,24 +60,29 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource
 def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> dict:
     """diffusers' MiniMaxH3Transformer3DModel config, read off the shapes as comfy/model_detection.py reads them."""
     shape = FileShapes(shapes, prefix)
-    for marker, what in (("adaln_t_table", "a pruned (curve) checkpoint"),
-                         ("blocks.0.attn.to_gate_compress.weight", "a gate-compressed (VSA) checkpoint")):
-        if marker in shape:
-            raise UserError(f"{path}: {what}, which is not run yet", "use the full MiniMax-H3 file (Comfy-Org's)")
+    if "blocks.0.attn.to_gate_compress.weight" in shape:
+        raise UserError(f"{path}: a gate-compressed (VSA) MiniMax-H3 checkpoint, which is not run yet",
+                        "use Comfy-Org's MiniMax-H3 file (bf16, or pruned fp8)")
     head_dim = shape("blocks.0.attn.q_norm.weight")[0]
     hidden, video_in = shape("video_patch_proj.weight")
-    freq_hidden, freq_dim = shape("time_embedder.proj_in.weight")
-    return dict(
+    if "adaln_t_table" in shape:  # pruned: a curve table [grid, k] for the time embedder, k-wide AdaLN projections
+        grid, width = shape("adaln_t_table")
+        time = dict(adaln_curve_grid=grid, time_embed_dim=width)
+    else:
+        freq_hidden, freq_dim = shape("time_embedder.proj_in.weight")
+        time = dict(freq_dim=freq_dim, time_embed_hidden_dim=freq_hidden,
+                    time_embed_dim=shape("time_embedder.proj_out.weight")[0])
+    return dict(**time,
         num_attention_heads=shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim), attention_head_dim=head_dim,
         hidden_size=hidden, num_layers=count_blocks(shapes, "blocks", prefix),
         num_refiner_layers=count_blocks(shapes, "token_refiner.blocks", prefix),
         ffn_dim=shape("blocks.0.mlp.fc1.weight")[0] // 2, in_channels=shape("final_layer.video_out.weight")[0] // 4,
         audio_in_channels=shape("final_layer.audio_out.weight")[0], text_dim=shape("condition_proj.weight")[1],
-        freq_dim=freq_dim, time_embed_hidden_dim=freq_hidden, time_embed_dim=shape("time_embedder.proj_out.weight")[0],
         rope_freq_dim=shape("rope.inv_freq")[0] if "rope.inv_freq" in shape else 16)
 
 
 def variant(config: dict) -> str:
+    pruned = ", pruned" if config.get("adaln_curve_grid") else ""
     if (config["hidden_size"], config["num_layers"]) == (5376, 50):
-        return "MiniMax-H3"
-    return f"MiniMax-H3 architecture, width {config['hidden_size']}, {config['num_layers']} blocks"
+        return f"MiniMax-H3{pruned}"
+    return f"MiniMax-H3 architecture{pruned}, width {config['hidden_size']}, {config['num_layers']} blocks"

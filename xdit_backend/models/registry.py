@@ -48,6 +48,7 @@ from .hunyuan_dit import HunyuanDiTModel, HunyuanDiTSpec
 from .hunyuan_video15 import HunyuanVideo15Model, HunyuanVideo15Spec
 from .ltx2 import LTX2Model, LTX2Spec, build_transformer
 from .minimax_h3 import MiniMaxH3Model, MiniMaxH3Spec
+from .minimax_h3 import build_transformer as build_minimax_h3
 from .pixart import PixArtModel, PixArtSpec
 from .qwen_image import QwenImageModel, QwenImageSpec
 from .sd3 import SD3Model, SD3Spec
@@ -96,7 +97,7 @@ FAMILIES = {family.name: family for family in (
     Family(LTX2Spec, LTX2Model, ltx2_checkpoint, "LTX2VideoTransformer3DModel", "LTX-2 (2.0, 2.3; video with audio)",
            build_transformer),
     Family(MiniMaxH3Spec, MiniMaxH3Model, minimax_h3_checkpoint, "MiniMaxH3Transformer3DModel",
-           "MiniMax-H3 (video with audio)"),
+           "MiniMax-H3 (video with audio; full or pruned)", build_minimax_h3),
     Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
     Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
     Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",
