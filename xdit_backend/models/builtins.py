@@ -120,6 +120,15 @@ BUILTINS: dict[str, BuiltinModel] = {
         description="MiniMax-H3 architecture in a pruned file's curve form, 2 blocks, width 64, random weights "
                     "(a test model)",
     ),
+    "qwen-image-2.1-tiny": BuiltinModel(
+        family="qwen_image21",
+        # Qwen-Image 2.1's single blocks at width 64: 4 heads of 16 (RoPE 4 + 6 + 6), the 64-channel latent
+        config=dict(in_channels=64, out_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+                    context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6)),
+        text_tokens=8,
+        description="Qwen-Image 2.1 architecture (a text prefix, block-causal), 2 blocks, width 64, random weights "
+                    "(a test model)",
+    ),
     "ltx2.0-tiny": BuiltinModel(
         family="ltx2",
         config=LTX20_TINY,

@@ -27,6 +27,7 @@ from . import (
     ltx2_checkpoint,
     minimax_h3_checkpoint,
     pixart_checkpoint,
+    qwen_image21_checkpoint,
     qwen_image_checkpoint,
     safetensors_file,
     scaled_fp8,
@@ -51,6 +52,8 @@ from .minimax_h3 import MiniMaxH3Model, MiniMaxH3Spec
 from .minimax_h3 import build_transformer as build_minimax_h3
 from .pixart import PixArtModel, PixArtSpec
 from .qwen_image import QwenImageModel, QwenImageSpec
+from .qwen_image21 import QwenImage21Model, QwenImage21Spec
+from .qwen_image21 import build_transformer as build_qwen_image21
 from .sd3 import SD3Model, SD3Spec
 from .wan import WanModel, WanSpec
 from .wan_vace import WanVaceModel, WanVaceSpec
@@ -100,6 +103,8 @@ FAMILIES = {family.name: family for family in (
            "MiniMax-H3 (video with audio; full or pruned)", build_minimax_h3),
     Family(ZImageSpec, ZImageModel, z_image_checkpoint, "ZImageTransformer2DModel", "Z-Image (Turbo, Base)"),
     Family(HunyuanDiTSpec, HunyuanDiTModel, hunyuan_dit_checkpoint, "HunyuanDiT2DModel", "HunyuanDiT 1.0, 1.1, 1.2"),
+    Family(QwenImage21Spec, QwenImage21Model, qwen_image21_checkpoint, "QwenImage21Transformer2DModel",
+           "Qwen-Image 2.1 (text to image)", build_qwen_image21),
     Family(QwenImageSpec, QwenImageModel, qwen_image_checkpoint, "QwenImageTransformer2DModel",
            "Qwen-Image, Qwen-Image-Edit (-2509)"),
     Family(CogVideoXSpec, CogVideoXModel, cogvideox_checkpoint, "CogVideoXTransformer3DModel",

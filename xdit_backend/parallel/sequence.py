@@ -48,10 +48,11 @@ class USPAttention:
         self.all_to_all, self.ring_attention = SeqAllToAll4D.apply, ring_flash_attn_func
         self.padded_keys: dict[tuple, PaddedKeys] = {}  # by (local length, text tokens, whole lengths)
 
-    def __call__(self, q, k, v, text_tokens: int = 0):
+    def __call__(self, q, k, v, text_tokens: int = 0, prefix: tuple | None = None):
         """q, k, v: [B, S/P, H, D], this rank's share of the sequence laid out [text share (``text_tokens``,
         or the whole text share when it is there and 0 is given: Flux's single-stream blocks); image
-        share]; returns the same shape."""
+        share]; returns the same shape. ``prefix``: keys and values [B, Lp, H, D] whole on every rank that
+        every query attends to besides the sequence's (Qwen-Image 2.1's text, computed once per prompt)."""
         padding = self.shard.padding  # None unless a share is padded (set by the cuts, outside compiled blocks)
         keys = None if padding is None else self._padded_keys(padding, q.shape[1], text_tokens, q.device)
         heads = q.shape[2]
@@ -62,7 +63,13 @@ class USPAttention:
                 q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v))  # [B, S/P, H', D]
             # scatter heads (dim 2), gather sequence (dim 1): [B, S/P, H', D] → [B, S/R, H'/U, D]
             q, k, v = (self.all_to_all(ug, t.contiguous(), 2, 1, False) for t in (q, k, v))
-        kernel = self.kernel if keys is None else keys.kernel(self.kernel)
+            if prefix is not None:  # this Ulysses rank's heads of it, as the all-to-all gave it q's
+                share = q.shape[2]
+                first = dist.get_rank(ug) * share
+                prefix = tuple(torch.nn.functional.pad(t, (0, 0, 0, padded))[:, :, first:first + share]
+                               for t in prefix)  # [B, Lp, H'/U, D]
+        kernel = self.kernel if prefix is None else with_prefix(self.kernel, *prefix)
+        kernel = kernel if keys is None else keys.kernel(kernel)
         if self.ring_group is not None:
             out, _, _ = self.ring_attention(q, k, v, causal=False, return_attn_probs=True, group=self.ring_group,
                                              attn_type=None, attn_processor=kernel)  # [B, S/R, H'/U, D]
@@ -82,6 +89,20 @@ class USPAttention:
             self.padded_keys[key] = PaddedKeys.build(self.shard, local, text_tokens, self.ulysses, self.ring_group,
                                                      device)
         return self.padded_keys[key]
+
+
+def with_prefix(kernel: attention.Kernel, prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> attention.Kernel:
+    """``kernel`` whose first call (a ring's own K/V block, or the one call without a ring) attends over the prefix
+    [B, Lp, h, D] too, joined before the block's keys: every query then sees the prefix once, exactly."""
+    first = [True]
+
+    def attend(q, k, v, **kwargs):
+        if first[0]:
+            first[0] = False
+            k, v = torch.cat([prefix_k, k], dim=1), torch.cat([prefix_v, v], dim=1)  # [B, Lp + s, h, D]
+        return kernel(q, k, v, **kwargs)
+
+    return attend
 
 
 class PaddedKeys:
