@@ -102,6 +102,12 @@ ARCHITECTURES = (
                  "the text's modulation, per-stream text features, connectors of 8 layers (32 × 128, 32 × 64); the "
                  "published 22 B counts the text features' projections too (3840·49 → 4096 and → 2048: 1.16 B), "
                  "which ComfyUI runs in its text encoder: 21 B here"),
+    # 1024²: 64 × 64 latent cells, a token each; the text prefix whole on every rank (its keys and values kept per
+    # prompt: 2 · 32 blocks · 4096 · 2 B = 0.5 MiB a token, 0.25 GiB for 512 tokens; not counted)
+    Architecture("Qwen-Image 2.1", "QwenImage21Transformer2DModel", {}, 7.0, 4096, 0, "1024²", WAN_VAE,
+                 "diffusers 0.42.1 QwenImage21Transformer2DModel's defaults (32 single blocks, 32 heads × 128, MLP "
+                 "ratio 3, text width 4096) = ComfyUI's qwen_image21/model.py defaults; Qwen-Image 2.x is published "
+                 "as 7 B; VAE decode budgeted as Wan's"),
     # 1344 × 768 × 124 frames (the node's default, 5 s at 24 fps): 37 latent frames of 24 × 42 tokens, and in the same
     # sequence 414 audio rows (207 stereo frames) and the prompt (up to 512 rows here)
     Architecture("MiniMax-H3", "MiniMaxH3Transformer3DModel", {}, 33.0, 37296, 414 + 512, "768p × 124", WAN_VAE,
