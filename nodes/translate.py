@@ -41,6 +41,7 @@ REFUSED = {
     "ref_audio": "a reference voice (LTXVReferenceAudio)",
     "minimax_keyframes": "MiniMax-H3 keyframes (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide)",
     "minimax_refs": "MiniMax-H3 references (MiniMaxH3ReferenceToVideo)",
+    "image_slots": "reference images' places in the prompt (Text Encode Qwen Image 2.1's images: an edit)",
 }
 
 

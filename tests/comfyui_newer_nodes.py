@@ -14,7 +14,8 @@ comfy_extras/nodes_hunyuan.py (EmptyHunyuanVideo15Latent: ComfyUI 0.3.68, as
 templates/video_hunyuan_video_1.5_720p_t2v.json @ 0025b3f8 records it), nodes.py (CLIPLoader and
 DualCLIPLoader's type lists). Read 2026-11-27: comfy_extras/nodes_hunyuan.py HunyuanVideo15ImageToVideo (the same
 release as EmptyHunyuanVideo15Latent), comfy_extras/nodes_flux.py's reference method index_timestep_zero (the
-Qwen-Image-Edit-2511 workflows in the index set it), and LTX-2's audio nodes (below).
+Qwen-Image-Edit-2511 workflows in the index set it), and LTX-2's audio nodes (below); comfy_extras/nodes_qwen.py's
+TextEncodeQwenImage21 (Qwen-Image 2.1).
 """
 
 MAX_RESOLUTION = 16384  # nodes.MAX_RESOLUTION
@@ -152,6 +153,21 @@ NEWER_NODES = {
             "vae": ["VAE", {}],
         }},
         "output": ["AUDIO"],
+    },
+    # Qwen-Image 2.1: comfy_extras/nodes_qwen.py @ed26919d. Its autogrow "images" (image_1 … image_16, references for
+    # an edit) is left out: the snapshot's /object_info has no such input type, and the text-to-image workflow sets none
+    "TextEncodeQwenImage21": {  # both prompts through Qwen3-VL, and the empty 64-channel latent at 1/16
+        "source": "comfy_extras/nodes_qwen.py: class TextEncodeQwenImage21 (@ed26919d)",
+        "input": {"required": {
+            "clip": ["CLIP", {}],
+            "prompt": ["STRING", {"multiline": True, "dynamicPrompts": True}],
+            "negative_prompt": ["STRING", {"multiline": True, "dynamicPrompts": True}],
+            "resolution": ["INT", {"default": 1024, "min": 0, "max": 4096, "step": 32}],
+        }, "optional": {
+            "vae": ["VAE", {}],
+        }},
+        "output": ["CONDITIONING", "CONDITIONING", "LATENT"],
+        "output_name": ["positive", "negative", "latent"],
     },
 }
 

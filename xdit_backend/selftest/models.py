@@ -29,7 +29,7 @@ FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tin
             "flux-fill-tiny", "flux-kontext-tiny", "wan-i2v-tiny", "wan-ti2v-tiny", "qwen-image-edit-2511-tiny",
             "cogvideox-1.5-i2v-tiny",
             # issue 29's families
-            "chroma-tiny", "ltx2-tiny", "minimax-h3-tiny")
+            "chroma-tiny", "ltx2-tiny", "minimax-h3-tiny", "qwen-image-2.1-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
 SAMPLER_TOLERANCE = 1e-3
 
