@@ -76,12 +76,12 @@ def test_joint_models_cut_their_text_and_the_others_do_not():
     """Flux, Chroma, Flux.2, SD3, HunyuanVideo 1.5, Qwen-Image and CogVideoX attend to text and image together, so
     their text is split; PixArt, Wan, HunyuanDiT and LTX-2 cross-attend; Z-Image's one sequence is cut as two segments, its
     caption (with the image's pad tokens) as the text; MiniMax-H3's packed sequence is cut as one segment, its text
-    rows with the rest."""
+    rows with the rest; Qwen-Image 2.1's text is a prefix whole on every rank (its keys joined to each rank's)."""
     cuts_text = {family: registry.spec(TINY[family]).sequence_plan.cuts_text for family in registry.FAMILIES}
     assert cuts_text == {"flux": True, "chroma": True, "sd3": True, "pixart": False, "wan": False,
                          "wan_vace": False, "hunyuan_video15": True, "z_image": True, "hunyuan_dit": False,
                          "flux2": True, "qwen_image": True, "cogvideox": True, "ltx2": False,
-                         "minimax_h3": False}
+                         "minimax_h3": False, "qwen_image21": False}
 
 
 def family(**attributes):
