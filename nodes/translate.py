@@ -41,7 +41,6 @@ REFUSED = {
     "ref_audio": "a reference voice (LTXVReferenceAudio)",
     "minimax_keyframes": "MiniMax-H3 keyframes (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide)",
     "minimax_refs": "MiniMax-H3 references (MiniMaxH3ReferenceToVideo)",
-    "image_slots": "reference images' places in the prompt (Text Encode Qwen Image 2.1's images: an edit)",
 }
 
 
@@ -125,7 +124,7 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
         if option in STRUCTURED and options.get(option):
             side.tensors.update({name: _to_batch(tensor, batch, name, which)
                                  for name, tensor in STRUCTURED[option](options[option], which).items()})
-        elif options.get(option) is not None and option not in STRUCTURED:
+        elif options.get(option) is not None and option not in STRUCTURED and not _nothing(options[option]):
             value = getattr(options[option], attribute) if attribute else options[option]
             side.tensors[key] = _to_batch(_entries(value), batch, key, which)
     if spec.takes_references and options.get("reference_latents"):
@@ -204,6 +203,11 @@ def _minimax_keyframes(entries: list, which: str) -> dict[str, torch.Tensor]:
 
 # ComfyUI options that are structures, not tensors: option → converter to request tensors
 STRUCTURED = {"minimax_keyframes": _minimax_keyframes}
+
+
+def _nothing(value) -> bool:
+    """An option set to an empty list (Text Encode Qwen Image 2.1's image_slots without images)."""
+    return isinstance(value, (list, tuple)) and not value
 
 
 def _entries(value) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from xdit_backend.models import registry
 from xdit_backend.service.reference import serial_latent
 
-# 112 × 80 px: 7 × 5 = 35 image tokens, which no degree below divides (padded shares); cfg 3 with the built-in's negative
+# 80 × 112 px: 5 × 7 = 35 image tokens, which no degree below divides (padded shares); cfg 3, the built-in's negative
 Q21 = {"model": "qwen-image-2.1-tiny", "width": 80, "height": 112, "steps": 3, "seed": 5, "cfg": 3.0}
 
 ROWS = [(Q21, 2, {"ulysses": 2}), (Q21, 2, {"ring": 2}), (Q21, 2, {"cfg": 2}), (Q21, 4, {"ulysses": 2, "ring": 2}),
@@ -62,18 +62,30 @@ def apply_rope1(x, cos, sin):
     return out.flatten(3).type_as(x)
 
 
-def comfy_qwen_image21(t, x, sigma, context):
+def comfy_qwen_image21(t, x, sigma, context, refs=(), slots=()):
+    """``refs``: reference latents [B, 64, h', w'] already in model space; ``slots``: their places in the text."""
     b, c, h, w = x.shape
-    length, n = context.shape[1], h * w
+    n = h * w
     text = t.txt_in(context)
-    image = t.img_in(x.flatten(2).transpose(1, 2))
-    hidden = torch.cat([text, image], dim=1)  # [B, L + N, D]
-    rows = torch.arange(h, dtype=torch.float32) - (h - h // 2)
-    cols = torch.arange(w, dtype=torch.float32) - (w - w // 2)
-    ids = torch.cat([torch.arange(length, dtype=torch.float32)[:, None].expand(length, 3),
-                     torch.stack([torch.full((h, w), float(length)), rows[:, None].expand(h, w),
-                                  cols[None].expand(h, w)], dim=-1).reshape(n, 3)])
-    cos, sin = comfy_rope(ids, t.config.axes_dims_rope)
+    bounds = [0, *(list(slots) + [context.shape[1]] * len(refs))[:len(refs)], context.shape[1]]
+    parts, ids, segments, pos, length = [], [], [], 0, 0
+    for (start, end), img in zip(zip(bounds[:-1], bounds[1:]), [*refs, x]):  # build_sequence
+        if end > start:
+            parts.append(text[:, start:end])
+            ids.append(torch.arange(pos, pos + end - start, dtype=torch.float32)[:, None].expand(end - start, 3))
+            segments.append((length, length + end - start, True))
+            pos, length = pos + end - start, length + end - start
+        hh, ww = img.shape[-2:]
+        rows = torch.arange(hh, dtype=torch.float32) - (hh - hh // 2) + 0.5 * (hh % 2 - h % 2)
+        cols = torch.arange(ww, dtype=torch.float32) - (ww - ww // 2) + 0.5 * (ww % 2 - w % 2)
+        parts.append(t.img_in(img.flatten(2).transpose(1, 2)))
+        ids.append(torch.stack([torch.full((hh, ww), float(pos)), rows[:, None].expand(hh, ww),
+                                cols[None].expand(hh, ww)], dim=-1).reshape(-1, 3))
+        segments.append((length, length + hh * ww, False))
+        pos, length = pos + max(hh, ww), length + hh * ww
+    hidden = torch.cat(parts, dim=1)  # [B, Lp + N, D]
+    prefix = hidden.shape[1] - n
+    cos, sin = comfy_rope(torch.cat(ids), t.config.axes_dims_rope)
     half = 128  # timestep_embedding(t, 256): cos then sin of 1000·t · 10000^(−k/128)
     freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
     times = torch.cat([sigma, torch.zeros(1)])
@@ -81,24 +93,29 @@ def comfy_qwen_image21(t, x, sigma, context):
     emb = t.time_text_embed.timestep_embedder(torch.cat([angle.cos(), angle.sin()], dim=-1))  # [B + 1, D]
     scale1, gate1, scale2, gate2 = t.modulation(emb).chunk(4, dim=-1)
 
-    def rows_of(p):  # the text's rows from t = 0 (the last), the image's from its own t
-        return torch.cat([p[-1:, None].expand(b, length, -1), p[:-1, None].expand(b, n, -1)], dim=1)
+    def rows_of(p):  # the prefix's rows from t = 0 (the last), the target's from its own t
+        return torch.cat([p[-1:, None].expand(b, prefix, -1), p[:-1, None].expand(b, n, -1)], dim=1)
 
-    allowed = torch.ones(length + n, length + n, dtype=torch.bool).tril()
-    allowed[length:, :] = True  # the image sees everything: the prefix and its own block
+    def block_causal(q, k, v):  # block_causal_attention: each segment's queries over the keys up to its end
+        outs = []
+        for start, end, causal in segments:
+            mask = torch.ones(end - start, end, dtype=torch.bool).tril(start) if causal else None
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, :end], v[:, :, :end], attn_mask=mask))
+        return torch.cat(outs, dim=2)
+
     for block in t.transformer_blocks:
         attn = block.attn
         y = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:], eps=1e-6) * (1 + rows_of(scale1))
         q, k, v = (proj(y).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))
         q, k = apply_rope1(attn.norm_q(q), cos, sin), apply_rope1(attn.norm_k(k), cos, sin)
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                               attn_mask=allowed).transpose(1, 2).flatten(2)
+        out = block_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).flatten(2)
         hidden = hidden + rows_of(gate1.tanh()) * attn.to_out[0](out)
         y = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:], eps=1e-6) * (1 + rows_of(scale2))
         mlp = block.img_mlp
         hidden = hidden + rows_of(gate2.tanh()) * mlp.out(torch.nn.functional.silu(mlp.gate_layer(y)) * mlp.proj(y))
     last = t.norm_out.linear(torch.nn.functional.silu(emb[:-1]))[:, None]
-    out = t.proj_out(torch.nn.functional.layer_norm(hidden[:, length:], hidden.shape[-1:], eps=1e-6) * (1 + last))
+    out = t.proj_out(torch.nn.functional.layer_norm(hidden[:, prefix:], hidden.shape[-1:], eps=1e-6) * (1 + last))
     return out.transpose(1, 2).reshape(b, c, h, w)
 
 
@@ -107,14 +124,38 @@ def q21():
     return registry.build("qwen-image-2.1-tiny", torch.device("cpu"))
 
 
-def test_the_model_is_comfyuis_qwen_image21(q21):
+@pytest.mark.parametrize("edit", ["text", "two-references"])
+def test_the_model_is_comfyuis_qwen_image21(q21, edit):
+    """Text to image, and an edit: two reference images at their places in the text (one of odd size: its grid half a
+    token off the target's), each block-causal in the prefix, modulated at t = 0."""
     g = torch.Generator().manual_seed(1)
     x, context = torch.randn(2, 64, 5, 7, generator=g), torch.randn(2, 9, 32, generator=g)
     sigma = torch.tensor([0.7, 0.3])
+    cond, refs, slots = {"context": context}, [], []
+    if edit != "text":
+        refs = [torch.randn(1, 64, 4, 6, generator=g), torch.randn(1, 64, 3, 3, generator=g)]
+        slots = [2, 5]
+        cond.update(reference_0=refs[0], reference_1=refs[1], image_slots=torch.tensor([[2.0, 5.0], [2.0, 5.0]]))
+    fmt = q21.latent_format
     with torch.no_grad():
-        ours = q21.output(x, sigma, {"context": context}, None)
-        theirs = comfy_qwen_image21(q21.transformer, x, sigma, context)
+        ours = q21.output(x, sigma, cond, None)
+        theirs = comfy_qwen_image21(q21.transformer, x, sigma, context,
+                                    [fmt.process_in(r).expand(2, -1, -1, -1) for r in refs], slots)
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_an_edit_equals_serial_under_ulysses_and_ring(backend):
+    """Two reference images in the prefix (whole on every rank), the image's tokens split over u2 × r2."""
+    g = torch.Generator().manual_seed(6)
+    tensors = {"context": torch.randn(1, 8, 32, generator=g), "negative_context": torch.randn(1, 8, 32, generator=g),
+               "reference_0": torch.randn(1, 64, 7, 5, generator=g),
+               "reference_1": torch.randn(1, 64, 4, 4, generator=g),
+               "image_slots": torch.tensor([[1.0, 6.0]]), "negative_image_slots": torch.tensor([[1.0, 6.0]])}
+    expected = serial_latent(Q21, tensors)
+    plain = serial_latent(Q21, {k: v for k, v in tensors.items() if "context" in k})
+    assert not close(plain, expected)  # the references change the picture
+    result, _ = backend(4).sample({**Q21, "parallel": {"ulysses": 2, "ring": 2}}, tensors)
+    assert close(result["samples"], expected)
 
 
 def test_the_image_reads_the_text_and_the_text_not_the_image(q21):
@@ -128,10 +169,10 @@ def test_the_image_reads_the_text_and_the_text_not_the_image(q21):
     with torch.no_grad():
         base = q21.output(x, sigma, {"context": context}, None)
         moved = q21.output(x, sigma, {"context": other}, None)
-        kept = q21._prefix(context, None, None)  # kept from the first call: no recomputation (its inputs unused)
+        kept = q21._prefix({"context": context}, 1, (4, 4), None)  # the first call's: nothing computed again
         again = q21.output(torch.randn(1, 64, 4, 4, generator=g), torch.tensor([0.2]), {"context": context}, None)
     assert (base - moved).abs().max() > 1e-3
-    assert q21._prefix(context, None, None) is kept and again.isfinite().all()
+    assert q21._prefix({"context": context}, 1, (4, 4), None) is kept and again.isfinite().all()
 
 
 def comfy_file_state_dict(transformer) -> dict[str, torch.Tensor]:

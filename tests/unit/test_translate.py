@@ -382,12 +382,14 @@ def test_a_minimax_h3_latent_and_its_token_tags_reach_the_request():
                                "positive")
 
 
-def test_a_qwen_image21_prompt_reaches_the_request_and_its_reference_images_are_refused_by_name():
-    """Text Encode Qwen Image 2.1's conditioning: Qwen3-VL's states, and with images (an edit, not run yet) the
-    images' places in the prompt and their latents, refused by name; an empty slot list is a prompt without images."""
+def test_a_qwen_image21_prompt_and_its_reference_images_reach_the_request():
+    """Text Encode Qwen Image 2.1's conditioning: Qwen3-VL's states; with images (an edit) the images' places in the
+    text (its image_slots) and their latents as references; an empty slot list is a prompt without images."""
     q21 = registry.spec("qwen-image-2.1-tiny")
     side = translate.conditioning([entry(dim=32, image_slots=[])], q21, 1, "positive")
     assert set(side.tensors) == {"context"}
-    with pytest.raises(translate.TranslationError, match="Text Encode Qwen Image 2.1's images"):
-        translate.conditioning([entry(dim=32, image_slots=[3], reference_latents=[torch.zeros(1, 64, 4, 4)])], q21,
-                               1, "positive")
+    reference = torch.randn(1, 64, 4, 6)
+    side = translate.conditioning([entry(dim=32, image_slots=[0, 3], reference_latents=[reference, reference])], q21,
+                                  2, "positive")
+    assert side.tensors["image_slots"].tolist() == [[0.0, 3.0], [0.0, 3.0]]
+    assert torch.equal(side.tensors["reference_1"][1], reference[0])

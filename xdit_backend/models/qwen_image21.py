@@ -1,13 +1,16 @@
 """Qwen-Image 2.1: diffusers ``QwenImage21Transformer2DModel`` run the way ComfyUI runs it (Comfy-Org/ComfyUI
-comfy/ldm/qwen_image21/model.py 08f68f09 ``QwenImage21Transformer2DModel``).
+comfy/ldm/qwen_image21/model.py 08f68f09 ``QwenImage21Transformer2DModel``; comfy/model_base.py 094c74c1
+``QwenImage21``; comfy_extras/nodes_qwen.py ed26919d ``TextEncodeQwenImage21``).
 
-One stream of single blocks over [text | target image]: the text (Qwen3-VL's states through ``txt_in``) is a prefix
-the image follows. Attention is block-causal: a text token sees the tokens up to itself, an image token sees the
-whole prefix and its own image. The prefix is modulated at t = 0 (the shared modulation at [t; 0]: its last row), so
-it depends on neither the latent nor the step: its keys and values in every block are computed once per prompt
-(ComfyUI's prefix cache does the same) and each step runs the image's tokens alone, attending over [prefix; image].
+One stream of single blocks over [prefix | target image]. The prefix is the text (Qwen3-VL's states through
+``txt_in``) with, for an edit, each reference image spliced in at its place in the text (the text encoder's
+``image_slots``). Attention is block-causal: a text token sees the tokens up to itself, an image (reference or target)
+everything before it and its own block. The prefix is modulated at t = 0 (the shared modulation at [t; 0]: its last
+row), so it depends on neither the latent nor the step: its keys and values in every block are computed once per
+prompt (ComfyUI's prefix cache does the same) and each step runs the target's tokens alone, attending over [prefix;
+image].
 
-Sequence parallelism therefore cuts the image's tokens only (and their positions); the prefix's keys and values are
+Sequence parallelism therefore cuts the target's tokens only (and their positions); the prefix's keys and values are
 whole on every rank (``USPAttention``'s ``prefix``: each rank's Ulysses heads of them, joined to its own K/V block),
 and the output is gathered after ``proj_out``. The latent is ComfyUI's [B, 64, H/16, W/16] (no patches: a token per
 latent cell). PipeFusion and the step cache are refused (each says why).
@@ -23,7 +26,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan, reference_rows, references
 
 ROPE_THETA = 10000  # model.py's EmbedND
 DEFAULT_SHIFT = 0.69  # supported_models.QwenImage21 sampling_settings (01f03bbd): ModelSamplingFlux, multiplier 1
@@ -41,30 +44,70 @@ def rope_angles(positions: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     return torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
 
 
-def sequence_positions(text: int, rows: int, columns: int) -> torch.Tensor:
-    """(frame, row, column) of every token [L + N, 3] (model.py build_sequence): text token i at (i, i, i); the image
-    at frame L, its rows and columns centred on zero."""
-    index = torch.arange(text, dtype=torch.float64)
-    r = torch.arange(rows, dtype=torch.float64) - (rows - rows // 2)
-    c = torch.arange(columns, dtype=torch.float64) - (columns - columns // 2)
-    grid_r, grid_c = torch.meshgrid(r, c, indexing="ij")
-    image = torch.stack([torch.full_like(grid_r, text), grid_r, grid_c], dim=-1).reshape(-1, 3)
-    return torch.cat([index[:, None].expand(text, 3), image])
+@dataclass
+class Layout:
+    """One call's sequence (model.py build_sequence): the text cut at each reference image's slot with the image put
+    there, the target image last. ``positions`` (frame, row, column) [Lp + N, 3]: text token i at (p, p, p) for a
+    running p, an image at frame p on a grid centred on the target's (half a token off where its parity differs),
+    after which p moves on by its longer side; ``allowed`` [Lp, Lp]: which prefix keys each prefix token sees (the text
+    causally, an image its own block, both all that comes before)."""
+
+    positions: torch.Tensor
+    allowed: torch.Tensor
+    parts: list[tuple[str, int, int]]  # ("text", start, stop) of the text, ("reference", index, tokens)
+
+    @property
+    def prefix(self) -> int:
+        return self.allowed.shape[0]
+
+    @classmethod
+    def of(cls, text: int, slots: list[int], references: list[tuple[int, int]], target: tuple[int, int]) -> Layout:
+        bounds = [0, *slots, text]
+        positions, parts, blocks = [], [], []  # blocks: (start, stop, causal) in the prefix
+        p, length = 0.0, 0
+        for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if stop > start:
+                positions.append(torch.arange(p, p + stop - start, dtype=torch.float64)[:, None].expand(-1, 3))
+                parts.append(("text", start, stop))
+                blocks.append((length, length + stop - start, True))
+                p, length = p + stop - start, length + stop - start
+            h, w = references[index] if index < len(references) else target
+            rows = torch.arange(h, dtype=torch.float64) - (h - h // 2) + 0.5 * (h % 2 - target[0] % 2)
+            cols = torch.arange(w, dtype=torch.float64) - (w - w // 2) + 0.5 * (w % 2 - target[1] % 2)
+            grid_r, grid_c = torch.meshgrid(rows, cols, indexing="ij")
+            positions.append(torch.stack([torch.full_like(grid_r, p), grid_r, grid_c], dim=-1).reshape(-1, 3))
+            if index < len(references):
+                parts.append(("reference", index, h * w))
+                blocks.append((length, length + h * w, False))
+                length += h * w
+            p += max(h, w)
+        allowed = torch.zeros(length, length, dtype=torch.bool)
+        for start, stop, causal in blocks:
+            allowed[start:stop, :stop] = True
+            if causal:
+                allowed[start:stop, start:stop] = torch.ones(stop - start, stop - start, dtype=torch.bool).tril()
+        return cls(torch.cat(positions), allowed, parts)
 
 
 class PrefixCache:
-    """One prompt's prefix keys and values, one (k, v) [B, L, H, D] per block, filled by the prefix pass."""
+    """One prompt's prefix: what it was made from (``key``), its layout, and its keys and values, one (k, v)
+    [B, Lp, H, D] per block, filled by the prefix pass."""
 
-    def __init__(self, context: torch.Tensor):
-        self.context = context
+    def __init__(self, key: tuple, layout: Layout):
+        self.key, self.layout = key, layout
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def made_from(self, key: tuple) -> bool:
+        return len(key) == len(self.key) and all(
+            a == b if not isinstance(a, torch.Tensor) else (a.shape == b.shape and torch.equal(a, b))
+            for a, b in zip(key, self.key))
 
 
 class PrefixedAttention:
-    """The blocks' attention (a diffusers processor for their ``attn`` modules). In the prefix pass (``prefix`` a
-    list being filled) the text's tokens attend causally among themselves, whole on every rank, and their keys and
-    values are kept; in a step (``prefix`` the block's kept pair) the image's tokens attend over [prefix; image]
-    through ``core(q, k, v, prefix=(k, v))`` (USPAttention, or one device's attention)."""
+    """The blocks' attention (a diffusers processor for their ``attn`` modules). In the prefix pass (``layer_cache``
+    the PrefixCache being filled) the prefix's tokens attend as its layout allows, whole on every rank, and their keys
+    and values are kept; in a step (``layer_cache`` the block's kept pair) the image's tokens attend over [prefix;
+    image] through ``core(q, k, v, prefix=(k, v))`` (USPAttention, or one device's attention)."""
 
     def __init__(self, core):
         self.core = core
@@ -78,14 +121,13 @@ class PrefixedAttention:
         q, k = attn.norm_q(q).to(v.dtype), attn.norm_k(k).to(v.dtype)  # [B, n, H, D] each
         q = apply_rotary_emb_qwen(q, rotary_emb, use_real=False)
         k = apply_rotary_emb_qwen(k, rotary_emb, use_real=False)
-        prefix = layer_cache
-        if isinstance(prefix, list):  # the prefix pass: causal over the text, kept for the steps
-            prefix.append((k, v))
-            causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
+        if isinstance(layer_cache, PrefixCache):  # the prefix pass: block-causal, kept for the steps
+            layer_cache.blocks.append((k, v))
+            allowed = layer_cache.layout.allowed.to(q.device)  # [Lp, Lp]
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=causal).transpose(1, 2)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed).transpose(1, 2)
         else:
-            out = self.core(q, k, v, prefix=prefix)  # [B, n, H, D]
+            out = self.core(q, k, v, prefix=layer_cache)  # [B, n, H, D]
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -118,6 +160,11 @@ class QwenImage21Spec(FamilySpec):
     vae_factor = 16
     patch = (1, 1, 1)  # a token per latent cell
     parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    # Text Encode Qwen Image 2.1's reference images (an edit): their latents (ComfyUI's reference_latents, in its raw
+    # VAE space: the model applies process_in, as model_base.QwenImage does) and their places in the text
+    takes_references: ClassVar[bool] = True
+    optional_conditioning = ("image_slots",)
+    comfy_conditioning: ClassVar[dict[str, str]] = {"image_slots": "image_slots"}
     method_refusals: ClassVar[dict[str, str]] = {
         "pipefusion": "its image attends over a text prefix whose keys each stage would have to compute and keep for "
                       "its own blocks, which is not built; use ulysses or ring, or cfg"}
@@ -142,7 +189,11 @@ class QwenImage21Spec(FamilySpec):
         return FlowSampling(DEFAULT_SHIFT if shift is None else shift, flux=True)
 
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
-        """Qwen3-VL's hidden states as ComfyUI's Qwen-Image 2.1 text encoder gives them (no padding)."""
+        """Qwen3-VL's hidden states as ComfyUI's Qwen-Image 2.1 text encoder gives them (no padding, the images'
+        vision tokens taken out), and where each reference image goes in them (its ``image_slots``: a text index)."""
+        return {"context": (batch, text_tokens, self.context_dim), "image_slots": (batch, None)}
+
+    def drawn_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         return {"context": (batch, text_tokens, self.context_dim)}
 
     def split_text_tokens(self, cond: dict) -> int:
@@ -171,17 +222,15 @@ class QwenImage21Model(DiffusionModel):
         """The velocity for x [B, 64, h, w] at σ = ``timestep`` [B], as ComfyUI's Qwen-Image 2.1 computes it."""
         t = self.transformer
         b, channels, h, w = x.shape
-        context = cond["context"]
         sigma = ((timestep.to(self.device) * 1000).to(self.dtype) / 1000).to(self.dtype)  # model.py's rounding
         dtype_of = sigma.new_empty(0)  # the embedding's input dtype: the compute dtype
         temb = t.time_text_embed(torch.cat([sigma, sigma.new_zeros(1)]), dtype_of)  # [B + 1, D]: [t; 0]
         modulation = t.modulation(temb)  # [B + 1, 4·D]: scale1, gate1, scale2, gate2 of each row
-        positions = sequence_positions(context.shape[1], h, w).to(self.device)
-        text_rope = rope_angles(positions[:context.shape[1]], self._axes)  # [L, D/2]
-        prefix = self._prefix(context, modulation[-1:].expand(b, -1), text_rope)
+        prefix = self._prefix(cond, b, (h, w), modulation[-1:].expand(b, -1))
         tokens = x.flatten(2).transpose(1, 2).to(self.device, self.dtype)  # [B, N, 64]
         image = t.image_tokens(t.img_in(tokens))  # [B, n, D]: this rank's tokens
-        rope = t.image_rope(rope_angles(positions[context.shape[1]:], self._axes).to(self.device))  # [n, D/2]
+        target = prefix.layout.positions[prefix.layout.prefix:]  # [N, 3]
+        rope = t.image_rope(rope_angles(target, self._axes).to(self.device))  # [n, D/2]
         for block, kept in zip(t.transformer_blocks, prefix.blocks):
             image = block(hidden_states=image, modulation=modulation[:-1], rotary_emb=rope, layer_cache=kept)
         out = t.proj_out(t.norm_out(image, temb[:-1]))  # [B, N, 64]: gathered under sequence parallelism
@@ -191,20 +240,41 @@ class QwenImage21Model(DiffusionModel):
     def _axes(self) -> tuple[int, ...]:
         return tuple(self.transformer.config.axes_dims_rope)
 
-    def _prefix(self, context: torch.Tensor, zero_modulation: torch.Tensor, rope: torch.Tensor) -> PrefixCache:
-        """The prompt's prefix keys and values in every block, computed once per prompt in a generation (the text at
-        t = 0, whole on every rank, causal)."""
+    def _prefix(self, cond: dict, batch: int, target: tuple[int, int], zero_modulation: torch.Tensor) -> PrefixCache:
+        """The prompt's prefix (its text, and its reference images at their slots) through every block at t = 0,
+        whole on every rank: its keys and values, computed once per prompt, references and target size in a
+        generation (the references' positions are centred on the target's)."""
+        context = cond["context"]
+        refs = [reference_rows(latent, batch, i) for i, latent in enumerate(references(cond))]  # [B, 64, h', w']
+        slots = self._slots(cond.get("image_slots"), context.shape[1], len(refs))
+        key = (context, *refs, tuple(slots), target)
         for kept in self._prefixes:
-            if kept.context.shape == context.shape and torch.equal(kept.context, context):
+            if kept.made_from(key):
                 return kept
         if not torch.isfinite(context).all():
             raise UserError("the prompt's conditioning holds NaN or infinite values",
-                            "re-encode the prompt (CLIP Text Encode) with the Qwen-Image 2.1 text encoder")
+                            "re-encode the prompt with the Qwen-Image 2.1 text encoder (Text Encode Qwen Image 2.1)")
         t = self.transformer
-        kept = PrefixCache(context)
+        layout = Layout.of(context.shape[1], slots, [tuple(r.shape[-2:]) for r in refs], target)
         text = t.txt_in(context.to(self.device, self.dtype))  # [B, L, D]
+        parts = [text[:, start:stop] if kind == "text" else
+                 t.img_in(self.latent_format.process_in(refs[start].to(self.device, torch.float32))
+                          .flatten(2).transpose(1, 2).to(self.dtype))  # [B, h'·w', D]
+                 for kind, start, stop in layout.parts]
+        hidden = torch.cat(parts, dim=1)  # [B, Lp, D]
+        rope = rope_angles(layout.positions[:layout.prefix], self._axes).to(self.device)  # [Lp, D/2]
+        kept = PrefixCache(key, layout)
         for block in t.transformer_blocks:
-            text = block(hidden_states=text, modulation=zero_modulation, rotary_emb=rope.to(self.device),
-                         layer_cache=kept.blocks)
+            hidden = block(hidden_states=hidden, modulation=zero_modulation, rotary_emb=rope, layer_cache=kept)
         self._prefixes = [kept, *self._prefixes][:PREFIX_CACHE]
         return kept
+
+    @staticmethod
+    def _slots(slots: torch.Tensor | None, text: int, count: int) -> list[int]:
+        """Each reference's place in the text (the text encoder's image_slots; one missing: the text's end)."""
+        given = [] if slots is None else slots[0].round().long().tolist()
+        if slots is not None and (bool((slots != slots[:1]).any()) or any(not 0 <= s <= text for s in given)
+                                  or given != sorted(given)):
+            raise UserError(f"image_slots {given} are not ascending places in a text of {text} tokens (or differ "
+                            "between the rows)", "encode the prompt and its images with Text Encode Qwen Image 2.1")
+        return (given + [text] * count)[:count]

@@ -29,7 +29,8 @@ def sources(diffusers_keys, prefix: str, config: dict) -> dict[str, TensorSource
         block, _, inside = module.partition(".img_mlp.")
         half = _HALVES.get(f"img_mlp.{inside}") if inside else None
         if half is not None and config.get("fused_mlp", True):
-            table[key] = TensorSource(f"{prefix}{block}.img_mlp.gate_up.{param}", rows=(half * hidden, (half + 1) * hidden))
+            table[key] = TensorSource(f"{prefix}{block}.img_mlp.gate_up.{param}",
+                                      rows=(half * hidden, (half + 1) * hidden))
         else:
             table[key] = TensorSource(prefix + key)
     return table
