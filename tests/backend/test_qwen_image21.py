@@ -13,8 +13,12 @@ from xdit_backend.service.reference import serial_latent
 # 80 × 112 px: 5 × 7 = 35 image tokens, which no degree below divides (padded shares); cfg 3, the built-in's negative
 Q21 = {"model": "qwen-image-2.1-tiny", "width": 80, "height": 112, "steps": 3, "seed": 5, "cfg": 3.0}
 
+FULL_WARMUP = {"warmup_steps": Q21["steps"]}  # PipeFusion exact: every step one chunk
 ROWS = [(Q21, 2, {"ulysses": 2}), (Q21, 2, {"ring": 2}), (Q21, 2, {"cfg": 2}), (Q21, 4, {"ulysses": 2, "ring": 2}),
-        (Q21, 4, {"ulysses": 4}), ({**Q21, "batch": 2}, 2, {"dp": 2}), (Q21, 2, {"ulysses": 2, "shard_weights": True})]
+        (Q21, 4, {"ulysses": 4}), ({**Q21, "batch": 2}, 2, {"dp": 2}), (Q21, 2, {"ulysses": 2, "shard_weights": True}),
+        (Q21, 2, {"pipefusion": 2, **FULL_WARMUP}),
+        # 96 px: 6 tokens a row, so every band of rows splits over Ulysses' 2 ranks
+        ({**Q21, "width": 96}, 4, {"pipefusion": 2, "ulysses": 2, **FULL_WARMUP})]
 
 
 def close(result: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -38,6 +42,14 @@ def test_prompts_of_different_lengths_under_ulysses_and_ring(backend):
     expected = serial_latent(Q21, tensors)
     result, _ = backend(4).sample({**Q21, "parallel": {"ulysses": 2, "ring": 2}}, tensors)
     assert close(result["samples"], expected)
+
+
+def test_pipefusion_with_patches_is_near_serial(backend):
+    """Two patches after one warm-up step: each attends over the prefix and the other's one-step-stale keys."""
+    expected = serial_latent(Q21)
+    result, _ = backend(2).sample({**Q21, "parallel": {"pipefusion": 2, "num_pipeline_patch": 2, "warmup_steps": 1}})
+    error = (result["samples"] - expected).abs().max().item() / expected.abs().max().item()
+    assert result["samples"].isfinite().all() and 0 < error < 0.5
 
 
 # ComfyUI's Qwen-Image 2.1 forward restated (Comfy-Org/ComfyUI comfy/ldm/qwen_image21/model.py 08f68f09), apart from
@@ -144,17 +156,21 @@ def test_the_model_is_comfyuis_qwen_image21(q21, edit):
     assert (ours - theirs).abs().max() < 1e-5
 
 
-def test_an_edit_equals_serial_under_ulysses_and_ring(backend):
-    """Two reference images in the prefix (whole on every rank), the image's tokens split over u2 × r2."""
+@pytest.mark.parametrize("world,degrees", [(4, {"ulysses": 2, "ring": 2}), (2, {"pipefusion": 2, **FULL_WARMUP})],
+                         ids=["u2xr2", "pipefusion2"])
+def test_an_edit_equals_serial(backend, world, degrees):
+    """Two reference images in the prefix (whole on every rank; under PipeFusion it travels with each step's first
+    chunk), the image's tokens split over the ranks."""
     g = torch.Generator().manual_seed(6)
     tensors = {"context": torch.randn(1, 8, 32, generator=g), "negative_context": torch.randn(1, 8, 32, generator=g),
                "reference_0": torch.randn(1, 64, 7, 5, generator=g),
                "reference_1": torch.randn(1, 64, 4, 4, generator=g),
                "image_slots": torch.tensor([[1.0, 6.0]]), "negative_image_slots": torch.tensor([[1.0, 6.0]])}
+    tensors.update(negative_reference_0=tensors["reference_0"], negative_reference_1=tensors["reference_1"])  # the node's
     expected = serial_latent(Q21, tensors)
     plain = serial_latent(Q21, {k: v for k, v in tensors.items() if "context" in k})
     assert not close(plain, expected)  # the references change the picture
-    result, _ = backend(4).sample({**Q21, "parallel": {"ulysses": 2, "ring": 2}}, tensors)
+    result, _ = backend(world).sample({**Q21, "parallel": degrees}, tensors)
     assert close(result["samples"], expected)
 
 
@@ -239,10 +255,8 @@ def test_the_sampling_and_latent_constants_are_comfyuis():
     assert spec.latent_shape(1, 1024, 768) == (1, 64, 48, 64)
 
 
-def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
+def test_the_step_cache_is_refused_with_the_reason(backend):
     from xdit_backend.wire.endpoint import BackendError
 
-    with pytest.raises(BackendError, match="text prefix"):
-        backend(2).sample({**Q21, "parallel": {"pipefusion": 2}})
     with pytest.raises(BackendError, match="not cached yet"):
         backend(2).sample({**Q21, "parallel": {"ulysses": 2}, "cache": "fbcache"})

@@ -13,7 +13,8 @@ image].
 Sequence parallelism therefore cuts the target's tokens only (and their positions); the prefix's keys and values are
 whole on every rank (``USPAttention``'s ``prefix``: each rank's Ulysses heads of them, joined to its own K/V block),
 and the output is gathered after ``proj_out``. The latent is ComfyUI's [B, 64, H/16, W/16] (no patches: a token per
-latent cell). PipeFusion and the step cache are refused (each says why).
+latent cell). PipeFusion carries the prefix as a joint text with each step's first chunk (the stage methods
+below). The step cache is refused (it says why).
 """
 
 from __future__ import annotations
@@ -159,20 +160,19 @@ class QwenImage21Spec(FamilySpec):
     latent_format = latent_formats.QWEN_IMAGE21
     vae_factor = 16
     patch = (1, 1, 1)  # a token per latent cell
-    parallel_methods = frozenset({"dp", "cfg", "ring", "ulysses"})
+    parallel_methods = frozenset({"dp", "cfg", "pipefusion", "ring", "ulysses"})
     # Text Encode Qwen Image 2.1's reference images (an edit): their latents (ComfyUI's reference_latents, in its raw
     # VAE space: the model applies process_in, as model_base.QwenImage does) and their places in the text
     takes_references: ClassVar[bool] = True
     optional_conditioning = ("image_slots",)
     comfy_conditioning: ClassVar[dict[str, str]] = {"image_slots": "image_slots"}
-    method_refusals: ClassVar[dict[str, str]] = {
-        "pipefusion": "its image attends over a text prefix whose keys each stage would have to compute and keep for "
-                      "its own blocks, which is not built; use ulysses or ring, or cfg"}
     step_cache_refusal: ClassVar[str] = "its blocks run from its own loop over the image's tokens, not cached yet"
     sequence_plan = SequencePlan(
         cuts=(Cut("image_tokens", None, 1), Cut("image_rope", None, 0)),  # [B, N, D], [N, D/2]
         attention=(("attn", PrefixedAttention),))
-    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=())
+    # PipeFusion: the prefix travels as the joint text with each step's first chunk (the model's stage methods)
+    stage_plan = StagePlan(block_lists=("transformer_blocks",), attention=(("attn", PrefixedAttention, True),),
+                           joint_text=True)
     cache_plan = CachePlan(blocks=("transformer_blocks",), returns={"transformer_blocks": ("hidden_states",)},
                            probe="modulation", teacache=(1.0, 0.0))  # refused (step_cache_refusal)
 
@@ -256,18 +256,23 @@ class QwenImage21Model(DiffusionModel):
                             "re-encode the prompt with the Qwen-Image 2.1 text encoder (Text Encode Qwen Image 2.1)")
         t = self.transformer
         layout = Layout.of(context.shape[1], slots, [tuple(r.shape[-2:]) for r in refs], target)
-        text = t.txt_in(context.to(self.device, self.dtype))  # [B, L, D]
-        parts = [text[:, start:stop] if kind == "text" else
-                 t.img_in(self.latent_format.process_in(refs[start].to(self.device, torch.float32))
-                          .flatten(2).transpose(1, 2).to(self.dtype))  # [B, h'·w', D]
-                 for kind, start, stop in layout.parts]
-        hidden = torch.cat(parts, dim=1)  # [B, Lp, D]
+        hidden = self._prefix_tokens(context, refs, layout)  # [B, Lp, D]
         rope = rope_angles(layout.positions[:layout.prefix], self._axes).to(self.device)  # [Lp, D/2]
         kept = PrefixCache(key, layout)
         for block in t.transformer_blocks:
             hidden = block(hidden_states=hidden, modulation=zero_modulation, rotary_emb=rope, layer_cache=kept)
         self._prefixes = [kept, *self._prefixes][:PREFIX_CACHE]
         return kept
+
+    def _prefix_tokens(self, context: torch.Tensor, refs: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+        """The prefix's input [B, Lp, D]: the text's pieces (Qwen3-VL's states through ``txt_in``) and the references
+        (in model space, through ``img_in``) in the layout's order."""
+        t = self.transformer
+        text = t.txt_in(context.to(self.device, self.dtype))  # [B, L, D]
+        return torch.cat([text[:, start:stop] if kind == "text" else
+                          t.img_in(self.latent_format.process_in(refs[start].to(self.device, torch.float32))
+                                   .flatten(2).transpose(1, 2).to(self.dtype))  # [B, h'·w', D]
+                          for kind, start, stop in layout.parts], dim=1)
 
     @staticmethod
     def _slots(slots: torch.Tensor | None, text: int, count: int) -> list[int]:
@@ -278,3 +283,56 @@ class QwenImage21Model(DiffusionModel):
             raise UserError(f"image_slots {given} are not ascending places in a text of {text} tokens (or differ "
                             "between the rows)", "encode the prompt and its images with Text Encode Qwen Image 2.1")
         return (given + [text] * count)[:count]
+
+    # PipeFusion's stage methods (base.DiffusionModel): the prefix (text and references) is the joint text, travelling
+    # with each step's first chunk through every stage's blocks (computed again each step: it is the same every step);
+    # each chunk of the target attends over [prefix; every patch, stale or fresh] (stale_kv.StaleKV's prefix)
+
+    def positions(self, shape):
+        return None  # the target's positions follow the prefix's layout (step_inputs)
+
+    def step_inputs(self, shape, timestep, cond, guidance) -> dict:
+        """The time embedding and shared modulation ([t; 0]), the sequence's layout and every token's rotation."""
+        t = self.transformer
+        sigma = ((timestep.to(self.device) * 1000).to(self.dtype) / 1000).to(self.dtype)  # model.py's rounding
+        temb = t.time_text_embed(torch.cat([sigma, sigma.new_zeros(1)]), sigma.new_empty(0))  # [B + 1, D]
+        context = cond["context"]
+        refs = [reference_rows(latent, context.shape[0], i) for i, latent in enumerate(references(cond))]
+        layout = Layout.of(context.shape[1], self._slots(cond.get("image_slots"), context.shape[1], len(refs)),
+                           [tuple(r.shape[-2:]) for r in refs], tuple(shape[-2:]))
+        return {"temb": temb, "modulation": t.modulation(temb), "layout": layout, "context": context, "refs": refs,
+                "rope": rope_angles(layout.positions, self._axes).to(self.device)}  # [Lp + N, D/2]
+
+    def joint_text_tokens(self, cond) -> int:
+        return cond["context"].shape[1] + sum(r.shape[-2] * r.shape[-1] for r in references(cond))
+
+    def embed(self, x, tokens, inputs, positions):
+        return self.transformer.img_in(x.flatten(2).transpose(1, 2).to(self.device, self.dtype))  # [B, n, D]
+
+    def embed_text(self, inputs):
+        return self._prefix_tokens(inputs["context"], inputs["refs"], inputs["layout"])  # [B, Lp, D]
+
+    def block_kwargs(self, inputs, positions, tokens, text_tokens):
+        prefix = inputs["layout"].prefix
+        return {"modulation": inputs["modulation"], "layout": inputs["layout"], "prefix_rope": inputs["rope"][:prefix],
+                "image_rope": inputs["rope"][prefix:][tokens]}  # [Lp, D/2], [n, D/2]
+
+    def run_block(self, block, image, text, kwargs):
+        """The prefix through the block when it travels with this chunk (its keys and values then join the chunk's),
+        then the chunk's tokens."""
+        modulation, kept = kwargs["modulation"], None
+        if text.shape[1]:
+            pass_ = PrefixCache((), kwargs["layout"])
+            text = block(hidden_states=text, modulation=modulation[-1:].expand(text.shape[0], -1),
+                         rotary_emb=kwargs["prefix_rope"], layer_cache=pass_)
+            kept = pass_.blocks[0]
+        image = block(hidden_states=image, modulation=modulation[:-1], rotary_emb=kwargs["image_rope"],
+                      layer_cache=kept)
+        return image, text
+
+    def head(self, image, inputs, tokens):
+        t = self.transformer
+        return t.proj_out(t.norm_out(image, inputs["temb"][:-1]))  # [B, n, 64]
+
+    def unpatchify(self, tokens, shape):
+        return tokens.transpose(1, 2).reshape(shape)  # [B, n, 64] → [B, 64, rows, w]

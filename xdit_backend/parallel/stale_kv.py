@@ -127,7 +127,11 @@ class StaleKV:
         self.chunk, self.sp_group, self.kernel, self.sees_text = chunk, sp_group, kernel, sees_text
         self.buffer = buffer
 
-    def __call__(self, query, key, value, text_tokens: int = 0):
+    def __call__(self, query, key, value, text_tokens: int = 0, prefix: tuple | None = None):
+        """``prefix``: keys and values [B, L, H, D] that come ahead of the chunk's rather than with its queries
+        (Qwen-Image 2.1's prefix, which attends apart: its queries are not the core's); the chunk carries them."""
+        if prefix is not None:
+            key, value = torch.cat([prefix[0], key], dim=1), torch.cat([prefix[1], value], dim=1)  # [B, L + s, H, D]
         chunk = self.chunk
         L = chunk.text_tokens if self.sees_text else 0  # what the module was given, whatever the caller says
         if L:  # the text's K/V: the same on every sequence rank
