@@ -166,7 +166,8 @@ def test_an_edit_equals_serial(backend, world, degrees):
                "reference_0": torch.randn(1, 64, 7, 5, generator=g),
                "reference_1": torch.randn(1, 64, 4, 4, generator=g),
                "image_slots": torch.tensor([[1.0, 6.0]]), "negative_image_slots": torch.tensor([[1.0, 6.0]])}
-    tensors.update(negative_reference_0=tensors["reference_0"], negative_reference_1=tensors["reference_1"])  # the node's
+    # both prompts carry the references, as Text Encode Qwen Image 2.1 puts them on both
+    tensors.update(negative_reference_0=tensors["reference_0"], negative_reference_1=tensors["reference_1"])
     expected = serial_latent(Q21, tensors)
     plain = serial_latent(Q21, {k: v for k, v in tensors.items() if "context" in k})
     assert not close(plain, expected)  # the references change the picture
