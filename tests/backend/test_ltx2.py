@@ -385,15 +385,43 @@ def test_a_lightricks_file_loads_as_the_built_in(ltx23, tmp_path, stored):
 
 
 def test_a_file_without_metadata_gets_comfyuis_defaults(ltx23, tmp_path):
-    """As ComfyUI gives it: positions from cell starts, not causal; the cross-modal gates' scale 1; interleaved RoPE."""
+    """As ComfyUI gives it: positions from cell starts, not causal; the cross-modal gates' scale 1; interleaved RoPE.
+    A 2.3 file (gated attention) without it is refused by name: its RoPE layout and positions are only there."""
     from safetensors.torch import save_file
 
+    from xdit_backend.models.registry import ModelError
+
     path = tmp_path / "bare.safetensors"
-    save_file(lightricks_state_dict(ltx23.transformer), str(path))
+    save_file(lightricks_state_dict(registry.build("ltx2.0-tiny", torch.device("cpu")).transformer), str(path))
     config = registry.resolve(str(path)).config
     assert config["positions"] == {"causal": False, "middle": False}
     assert (config["cross_attn_timestep_scale_multiplier"], config["rope_type"]) == (1.0, "interleaved")
     assert (config["num_attention_heads"], config["attention_head_dim"]) == (32, 2)  # 64 wide: 32 heads of 2
+    save_file(lightricks_state_dict(ltx23.transformer), str(tmp_path / "bare-2.3.safetensors"))
+    with pytest.raises(ModelError, match="LTX-2.3 file .gated attention. without the config"):
+        registry.resolve(str(tmp_path / "bare-2.3.safetensors"))
+
+
+def test_a_gguf_file_reads_its_config_and_matches_the_dequantized_model(ltx23, tmp_path):
+    """A Q8_0 GGUF of LTX-2.3 in city96's layout with the config in its metadata (as ComfyUI-GGUF reads it since
+    city96/ComfyUI-GGUF#399): the built-in's config, and the latent of the same values dequantized."""
+    pytest.importorskip("gguf")  # the optional extra "gguf" (installed in CI)
+    from safetensors.torch import save_file
+
+    from xdit_backend.selftest.files import gguf_file
+
+    config = json.dumps({"transformer": LTX23_METADATA})
+    reference = gguf_file(lightricks_state_dict(ltx23.transformer), tmp_path / "ltx-2.3-q8_0.gguf", "Q8_0",
+                          plain=lambda key, value: value.dim() < 2 or "_embeddings_connector." in key,
+                          metadata={"config": config})
+    save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"config": config})
+    source = registry.resolve(str(tmp_path / "ltx-2.3-q8_0.gguf"))
+    assert source.gguf and (source.config["gated_attn"], source.config["rope_type"]) == (True, "split")
+    fields, g = {**EVEN, "steps": 2}, torch.Generator().manual_seed(2)
+    tensors = {"context": torch.randn(1, 8, 96, generator=g), "negative_context": torch.randn(1, 8, 96, generator=g)}
+    out = serial_latent({**fields, "model": source.ref}, tensors)
+    want = serial_latent({**fields, "model": str(tmp_path / "reference.safetensors")}, tensors)
+    assert (out - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
 def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):

@@ -36,6 +36,18 @@ def shapes(reader, path: str) -> dict[str, list[int]]:
     return {tensor.name: original_shape(reader, tensor) for tensor in reader.tensors}
 
 
+def string_field(reader, name: str) -> str | None:
+    """A string of the file's metadata (``config``: the JSON a model's safetensors header held, which ComfyUI-GGUF
+    hands ComfyUI's loader as that header since city96/ComfyUI-GGUF#399), None where the file has none."""
+    field = reader.get_field(name)
+    if field is None:
+        return None
+    if field.types != [gguf_package().GGUFValueType.STRING]:
+        raise UserError(f"the GGUF metadata field {name!r} is not a string ({field.types})",
+                        "the file may be damaged or written by another tool; re-download it")
+    return bytes(field.parts[field.data[-1]]).decode("utf-8")
+
+
 def original_shape(reader, tensor) -> list[int]:
     """A tensor's torch shape: city96's ``comfy.gguf.orig_shape.<name>`` where the converter stored
     one (a tensor it reshaped), else the file's dims reversed."""

@@ -7,8 +7,10 @@ the connectors, which its pipeline holds). The table here is that renaming, back
 
 The config is ComfyUI's: the sizes from the shapes (comfy/model_detection.py: 32 heads, head size from attn2's keys),
 then everything the file's embedded metadata says (its ``config`` JSON's ``transformer``: 2.0 or 2.3, positions,
-RoPE, the cross-modal timestep scale, the connectors), each mapped to diffusers' name. A file without that metadata
-(a GGUF) gets ComfyUI's LTXAVModel defaults, as ComfyUI gives it.
+RoPE, the cross-modal timestep scale, the connectors), each mapped to diffusers' name: a safetensors header's, or a
+GGUF's ``config`` string (ComfyUI-GGUF hands it to ComfyUI as the header). A file without that metadata gets ComfyUI's
+LTXAVModel defaults, as ComfyUI gives it; one whose weights are 2.3's (gated attention) is refused: its RoPE layout and
+positions are only in that config.
 """
 
 from __future__ import annotations
@@ -76,14 +78,17 @@ DEFAULTS = {"caption_channels": 3840, "positional_embedding_theta": 10000.0,
 
 
 def metadata_config(path: str) -> dict:
-    """The ``transformer`` part of the ``config`` JSON a Lightricks file embeds in its safetensors metadata; {} for a
-    file without (a GGUF, a file re-saved without its metadata)."""
+    """The ``transformer`` part of the ``config`` JSON a Lightricks file embeds in its safetensors metadata (or a GGUF
+    in its ``config`` field); {} for a file without (one re-saved or converted without its metadata)."""
     from . import gguf_blocks, safetensors_file
 
     if gguf_blocks.is_gguf(path):
-        return {}
-    with safetensors_file.open_file(path) as handle:
-        metadata = handle.metadata() or {}
+        from .gguf_file import string_field
+
+        metadata = {"config": string_field(gguf_blocks.open_reader(path), "config") or "{}"}
+    else:
+        with safetensors_file.open_file(path) as handle:
+            metadata = handle.metadata() or {}
     try:
         config = json.loads(metadata.get("config", "{}"))
     except json.JSONDecodeError as exc:
@@ -100,6 +105,11 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
              "cross_attention_dim": shape("transformer_blocks.0.attn2.to_k.weight")[1],
              "audio_cross_attention_dim": shape("transformer_blocks.0.audio_attn2.to_k.weight")[1],
              **metadata_config(path)}
+    if not comfy["apply_gated_attention"] and "transformer_blocks.0.attn1.to_gate_logits.weight" in shape:
+        raise UserError(f"{path}: an LTX-2.3 file (gated attention) without the config Lightricks embeds in it, which "
+                        "holds its RoPE layout and positions",
+                        "use Lightricks' or Comfy-Org's LTX-2.3 file as released, or a GGUF converted with its config "
+                        "kept (a 'config' metadata field, as ComfyUI-GGUF reads it)")
     if comfy["caption_proj_before_connector"] and comfy["caption_projection_first_linear"]:
         raise UserError(f"{path}: an LTX-2 variant with a text projection before its connectors "
                         "(caption_projection_first_linear), which is not run yet", "use an LTX-2.0 or 2.3 file")

@@ -78,15 +78,18 @@ def k_quant_blocks(rows: int, columns: int, kind, generator: torch.Generator, sc
     return raw.reshape(rows, -1).numpy()
 
 
-def gguf_file(original: dict, path: Path, kind: str = "Q8_0", plain=None) -> dict[str, torch.Tensor]:
+def gguf_file(original: dict, path: Path, kind: str = "Q8_0", plain=None,
+              metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """A GGUF file in city96's layout: matrices whose rows are whole blocks in ``kind`` (Q8_0 and the other legacy
     types: the gguf package's quantizer; a K-quant: random blocks, k_quant_blocks), the rest F32, as are the tensors
-    ``plain(key, value)`` names (by default every one that is not a matrix); returns what the gguf package
-    dequantises, float32."""
+    ``plain(key, value)`` names (by default every one that is not a matrix), and ``metadata``'s strings (LTX-2's
+    ``config``); returns what the gguf package dequantises, float32."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="flux")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, text in (metadata or {}).items():
+        writer.add_string(name, text)
     chosen = gguf.GGMLQuantizationType[kind]
     reference, block = {}, gguf.GGML_QUANT_SIZES[chosen][0]
     generator = torch.Generator().manual_seed(0)
