@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Protocol
 
 from . import schema
 from .bench.commands import BENCHES, Demo
+from .errors import UsageError
 from .launch import status_text
 from .launch.options import LaunchError, LaunchOptions, int_list
 from .selftest.command import Selftest
@@ -161,12 +163,14 @@ class Sample:
 
         fields = sample_fields(args)
         if args.info is not None and not args.info.parent.is_dir():  # before the request, not after its work is done
-            raise SystemExit(f"--info {args.info}: the folder {args.info.parent} does not exist; "
+            raise UsageError(f"--info {args.info}: the folder {args.info.parent} does not exist",
                              "create it or name another")
         layout = fields["parallel"]
         tensors = sample_tensors(args)
         client = Client(args.socket)
         ephemeral = client.hello_or_none() is None
+        if not ephemeral:
+            refuse_other_launch_flags(args, client.status(), client.socket_path)
         if ephemeral:
             options = LaunchOptions.from_args(args)
             if isinstance(layout, dict) and args.nproc is None:  # as many ranks as the layout needs
@@ -207,22 +211,44 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
     print(f"\r  step {step}/{total}  {elapsed:6.2f} s", end=end, file=sys.stderr, flush=True)
 
 
+def refuse_other_launch_flags(args, status: dict, socket_path) -> None:
+    """Launch flags given to ``sample`` while a backend already serves the socket are its own or refused: they
+    would be silently ignored, the running backend's ranks serving the request."""
+    ranks = status.get("ranks", [])
+    running = {"nproc": status.get("world_size"), "device": ranks[0]["device"] if ranks else None,
+               "gpus": tuple(r["gpu"] for r in ranks) if ranks and all(r.get("gpu") is not None for r in ranks)
+               else None}
+    differ = [(name, given, running[name]) for name, given in (("nproc", args.nproc), ("device", args.device),
+                                                               ("gpus", args.gpus))
+              if given is not None and given != running[name]]
+    if differ:
+        asked = ", ".join(f"--{name} {','.join(map(str, given)) if isinstance(given, tuple) else given}"
+                          for name, given, _ in differ)
+        has = ", ".join(f"{name} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
+                        for name, _, value in differ)
+        raise UsageError(f"a backend already serves {socket_path} ({has}), and {asked} would be ignored",
+                         "stop it first (`xdit-backend stop`) to start one with these flags, or leave them out to "
+                         "use the running one")
+
+
 def requested_layout(args) -> dict | str:
     """Explicit degrees from the flags, or "auto"."""
     degrees = {"ulysses": args.ulysses, "ring": args.ring, "dp": args.dp, "cfg": 2 if args.cfg_parallel else None,
                "pipefusion": args.pipefusion}
     degrees = {name: value for name, value in degrees.items() if value is not None}
     if degrees and args.parallel == "auto":
-        raise SystemExit("xdit-backend: give degrees (--ulysses, --ring, --cfg-parallel, --dp, --pipefusion) "
-                         "or --parallel auto, not both")
+        raise UsageError("degrees (--ulysses, --ring, --cfg-parallel, --dp, --pipefusion) and --parallel auto "
+                         "given together", "give the degrees, or --parallel auto, not both")
     pipeline = {"num_pipeline_patch": args.patches, "warmup_steps": args.warmup_steps,
                 "pipefusion_blocks": list(args.stage_blocks) if args.stage_blocks else None}
     pipeline = {name: value for name, value in pipeline.items() if value is not None}
     if pipeline and not degrees.get("pipefusion"):
-        raise SystemExit("xdit-backend: --patches, --warmup-steps and --stage-blocks go with --pipefusion")
+        raise UsageError("--patches, --warmup-steps and --stage-blocks given without --pipefusion",
+                         "add --pipefusion N, or leave them out")
     if args.shard_weights and not degrees:
-        raise SystemExit("xdit-backend: --shard-weights goes with degrees (e.g. --ulysses 2 --shard-weights); "
-                         "with --parallel auto the backend shards by itself when the model would not fit")
+        raise UsageError("--shard-weights without degrees",
+                         "give degrees with it (e.g. --ulysses 2 --shard-weights); with --parallel auto the backend "
+                         "shards by itself when the model would not fit")
     sharding = {"shard_weights": True} if args.shard_weights else {}
     return {**degrees, **pipeline, **sharding} if degrees else "auto"
 
@@ -239,29 +265,29 @@ def sample_tensors(args) -> dict:
     """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, its --noise-mask, and
     each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side), each
     each --control-image as control_<i>."""
-    from safetensors.torch import load_file
-
-    def latent(path: Path):
-        stored = load_file(path)
+    def latent(path: Path, flag: str):
+        stored = read_tensors(path, flag)
         samples = stored.get("samples", stored.get("latent"))
         if samples is None:
-            raise SystemExit(f"{path} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})")
+            raise UsageError(f"{flag} {path} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})",
+                             "give a latent written by `xdit-backend sample --out`, or ComfyUI's Save Latent file")
         return samples
 
-    tensors = load_file(args.embeds) if args.embeds else {}
+    tensors = read_tensors(args.embeds, "--embeds") if args.embeds else {}
     if args.latent:
-        tensors["latent"] = latent(args.latent)
-        audio = load_file(args.latent).get("audio_samples")  # a video-with-audio model's (what --out writes)
+        tensors["latent"] = latent(args.latent, "--latent")
+        audio = read_tensors(args.latent, "--latent").get("audio_samples")  # a video-with-audio model's (--out's)
         if audio is not None:
             tensors["audio_latent"] = audio
     if args.noise_mask:
-        stored = load_file(args.noise_mask)
+        stored = read_tensors(args.noise_mask, "--noise-mask")
         mask = stored.get("mask", stored.get("noise_mask"))
         if mask is None:
-            raise SystemExit(f"{args.noise_mask} holds neither 'mask' nor 'noise_mask' (it has: {', '.join(stored)})")
+            raise UsageError(f"--noise-mask {args.noise_mask} holds neither 'mask' nor 'noise_mask' (it has: "
+                             f"{', '.join(stored)})", "give a safetensors file with a 'mask' [B, 1, H, W] in [0, 1]")
         tensors["noise_mask"] = mask
     for i, path in enumerate(args.reference_latent):
-        tensors[f"reference_{i}"] = latent(path)
+        tensors[f"reference_{i}"] = latent(path, "--reference-latent")
         if "negative_context" in tensors:
             tensors[f"negative_reference_{i}"] = tensors[f"reference_{i}"]
     for i, control in enumerate(args.controls or ()):
@@ -271,30 +297,44 @@ def sample_tensors(args) -> dict:
     return tensors
 
 
+def read_tensors(path: Path, flag: str) -> dict:
+    """A safetensors file a flag names, or a message saying what is wrong with it (missing, not a file, damaged)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise UsageError(f"{flag} {path}: {'no such file' if not path.exists() else 'not a file'}",
+                         f"give {flag} an existing .safetensors file")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {path} is not a readable safetensors file ({str(exc).splitlines()[0]})",
+                         "the file may be damaged or of another format; write it again (e.g. with "
+                         "`xdit-backend sample --out`)") from None
+
+
 def control_input(path: Path, control: str):
     """A --control-image: a latent (a safetensors file with 'samples' or 'latent', or ComfyUI's SaveLatent file), at
     the generation's latent size; or, for a control that takes pixels (an XLabs ControlNet), an image file at the
     generation's size, as [1, 3, H, W] in [0, 1]."""
-    from safetensors.torch import load_file
-
     if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
         from .models.model_patch import PatchSpec, takes_pixels
 
         if not takes_pixels(PatchSpec(control, 1.0)):
-            raise SystemExit(f"--control-image {path}: an image; {control} takes the image's VAE latent, and the "
-                             "backend has no VAE. Encode it at the generation's size (ComfyUI: Load Image, VAE Encode, "
-                             "Save Latent) and give that file")
+            raise UsageError(f"--control-image {path}: an image; {control} takes the image's VAE latent, and the "
+                             "backend has no VAE", "encode it at the generation's size (ComfyUI: Load Image, VAE "
+                             "Encode, Save Latent) and give that file")
         import numpy
         import torch
         from PIL import Image
 
         pixels = numpy.asarray(Image.open(path).convert("RGB"), dtype=numpy.float32) / 255.0  # [H, W, 3]
         return torch.from_numpy(pixels).permute(2, 0, 1)[None].contiguous()  # [1, 3, H, W]
-    stored = load_file(path)
+    stored = read_tensors(path, "--control-image")
     samples = stored.get("samples", stored.get("latent", stored.get("latent_tensor")))
     if samples is None:
-        raise SystemExit(f"{path} holds no latent ('samples', 'latent' or SaveLatent's 'latent_tensor'; it has: "
-                         f"{', '.join(stored)})")
+        raise UsageError(f"--control-image {path} holds no latent ('samples', 'latent' or SaveLatent's "
+                         f"'latent_tensor'; it has: {', '.join(stored)})", "give the control image's VAE latent")
     return samples
 
 
@@ -355,14 +395,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit code: 2 for a mistake in what was asked (argparse's code for its own), 1 when the backend
+    or its start failed, 130 on Ctrl-C; a message, never a traceback, for each."""
     args = build_parser().parse_args(argv)
     try:
         return named(COMMANDS, args.command).run(args)
+    except UsageError as exc:
+        print(f"xdit-backend: {exc}", file=sys.stderr)
+        return 2
     except (BackendError, LaunchError, paths.UnsafeDirectoryError) as exc:
         print(f"xdit-backend: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`status --json | head`): the rest is not wanted
+        quiet_stdout()
+        return 0
+
+
+def quiet_stdout() -> None:
+    """stdout onto /dev/null, so the interpreter's flush at exit does not raise on the closed pipe again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ class LaunchError(Exception):
     """The backend could not be started; the message names the rank and what it said."""
 
 
+class UsageError(UserError, LaunchError):
+    """A flag or file the user gave that cannot work, found before anything starts (the CLI exits 2 on it; a
+    launcher's caller that catches LaunchError catches it too)."""
+
+
 # A rank that loses a peer inside a collective exits with this code; the launcher then looks for
 # the rank that failed first (launcher._root_cause). Here, not in control.py, so that the launcher
 # (and through it the client) reads it without importing torch.distributed's side of the backend.

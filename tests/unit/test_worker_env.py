@@ -1,6 +1,7 @@
 """The environment the ranks start with, and how GPUs are named: pure functions over fake
 environments (no GPU needed), and torch.cuda's queries replaced where a rank describes itself."""
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import torch
 
 from xdit_backend.distributed import runtime
 from xdit_backend.errors import LaunchError
-from xdit_backend.launch import gpus
+from xdit_backend.launch import gpus, worker_env
 from xdit_backend.launch.options import LaunchOptions
 from xdit_backend.launch.worker_env import worker_environment
 
@@ -124,9 +125,31 @@ def test_a_timeout_dump_has_a_buffer_to_dump_and_lands_beside_the_socket():
     """TORCH_NCCL_DUMP_ON_TIMEOUT dumps nothing without a flight-recorder buffer; the dump must
     outlive the restart that clears the per-rank error files."""
     env = ranks_env({})
-    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert int(env[worker_env.trace_buffer_env()]) > 0
     assert Path(env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent == SOCKET.parent
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in ranks_env({"TORCH_FR_BUFFER_SIZE": "50"})  # the user's, newer name
+    assert "TORCH_FR_BUFFER_SIZE" not in ranks_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"})  # the user's, older name
+
+
+@pytest.mark.parametrize("version,name", [("2.7.1+cu128", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                                          ("2.8.0", "TORCH_FR_BUFFER_SIZE"), ("2.13.0+cpu", "TORCH_FR_BUFFER_SIZE")])
+def test_the_flight_recorder_buffer_takes_the_name_the_installed_torch_reads(version, name):
+    """The newer name from 2.8 on (the older one warns there, twice per rank); the older one on 2.7."""
+    assert worker_env.trace_buffer_env(version) == name
+
+
+def test_this_torch_reads_the_chosen_name_without_a_warning(tmp_path):
+    """A gloo group started with the chosen variable set, on the pinned torch: no deprecation warning in its output."""
+    import subprocess
+    import sys
+
+    script = ("import os, torch.distributed as dist; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0');"
+              "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0');"
+              "dist.destroy_process_group()")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, worker_env.trace_buffer_env(): "2000"})
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr
     assert ranks_env({"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"})["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/t_"
 
 

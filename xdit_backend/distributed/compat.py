@@ -20,6 +20,10 @@ What is newer than 2.7 and how it is bridged:
   integer tensor refuses ("only Tensors of floating point dtype can require gradients"; seen on 2.11 by
   tools/torch-range.sh, 2.12 not tried). parallel/shard.py then keeps a GGUF model's quantized matrices whole on
   every rank and shards the rest (``fsdp_shards_integer_parameters``).
+- The flight recorder's buffer variable: ``TORCH_FR_BUFFER_SIZE`` from 2.8 on, ``TORCH_NCCL_TRACE_BUFFER_SIZE``
+  before (newer releases warn at the older name; NVIDIA/nvidia-resiliency-ext#163 splits them at 2.8):
+  launch/worker_env.trace_buffer_env, which reads the installed version without importing torch (the launcher
+  does not import it on a CPU start).
 - ``init_device_mesh(backend_override=)`` and ``DeviceMesh._flatten`` (2.9; private): not used.
   distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
   ``DeviceMesh.from_group``, both the same from 2.7 on.

@@ -235,7 +235,8 @@ class ParallelConfig:
             f"the parallel degrees multiply to {self.world_size} ({factors}), "
             f"but the backend runs {world_size} rank{'s' if world_size != 1 else ''}{on}; "
             "dp × cfg × pipefusion × ring × ulysses must equal the number of ranks",
-            f"{fix_degree}or start the backend with --nproc {self.world_size}; or use --parallel auto")
+            f"{fix_degree}or stop the backend (`xdit-backend stop`) and start it with --nproc {self.world_size}; or "
+            "use --parallel auto")
 
     # ------------------------------------------------------------------ auto
 

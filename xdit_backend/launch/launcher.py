@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import EXIT_PEER_LOST
+from ..errors import EXIT_PEER_LOST, UsageError
 from ..wire import endpoint, paths
 from ..wire.protocol import Message
 from .options import LaunchError, LaunchOptions, cuda_device_count  # noqa: F401  (what start and serve take and raise)
@@ -226,7 +226,9 @@ def start(options: LaunchOptions, timeout: float = 180.0, environment: dict[str,
     paths.ensure_private_dir(sock.parent)
     live = endpoint.answers(sock)
     if live is not None:
-        raise LaunchError(f"a backend (pid {live['pid']}) already answers at {sock}")
+        raise UsageError(f"a backend (pid {live['pid']}) already answers at {sock}",
+                         "use it as it is (`xdit-backend status`), or stop it first (`xdit-backend stop`) to start "
+                         "one with other flags")
     log_path = paths.log_file(sock)
     paths.state_file(sock).unlink(missing_ok=True)
     process = (spawn or _spawn_serve)(options.to_argv(), {**os.environ, **(environment or {})}, log_path)

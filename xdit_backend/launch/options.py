@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..errors import LaunchError
+from ..errors import LaunchError, UsageError
 from ..wire import paths
 from .gpus import VISIBLE_ENV, available_gpus, chosen_gpus
 from .idle import NODES_STOP_AFTER_S, NODES_UNLOAD_AFTER_S
@@ -151,10 +151,20 @@ class LaunchOptions:
 
     def resolved(self) -> LaunchOptions:
         """Fill in the device, the number of ranks and the token file from what this machine has."""
-        device = self.device or ("cuda" if cuda_device_count() else "cpu")
+        gpu_count = cuda_device_count() if self.device != "cpu" else 0
+        device = self.device or ("cuda" if gpu_count else "cpu")
         nproc = self.nproc
+        if device == "cuda" and not gpu_count:
+            raise UsageError(f"--device cuda, but this machine sees no CUDA device ({cuda_absence()})",
+                             "use --device cpu (or leave --device out), or run on a machine with an NVIDIA GPU and "
+                             "torch's CUDA build")
+        if device == "cpu" and self.gpus:
+            raise UsageError(f"--gpus {_text(self.gpus)} names GPUs, but the ranks run on the CPU"
+                             f"{' (--device cpu)' if self.device else ' (no CUDA device here)'}",
+                             "leave --gpus out (--nproc N sets the CPU ranks), or use --device cuda where GPUs are "
+                             "visible")
         if device == "cuda":  # the GPUs this process sees, counted as the ranks will (gpus.py)
-            available = available_gpus(os.environ, cuda_device_count())
+            available = available_gpus(os.environ, gpu_count)
             if self.gpus:
                 chosen_gpus(os.environ, self.gpus, len(available))  # refuses an index the list lacks
             elif VISIBLE_ENV in os.environ:
@@ -214,3 +224,12 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_absence() -> str:
+    """Why torch sees no GPU here, for a message: a CPU build, or a CUDA build without a usable device."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, but finds no usable GPU or driver"
