@@ -45,7 +45,7 @@ def test_a_sample_mistake_is_a_message_with_exit_code_2(argv, message, made, soc
 
 
 def test_cuda_where_torch_sees_none_says_so(socket, tmp_path, capsys, monkeypatch):
-    """--device cuda on a machine without a usable GPU (simulated here): the reason, not "--nproc must be at least 1"."""
+    """--device cuda on a machine without a usable GPU (simulated): the reason, not "--nproc must be at least 1"."""
     monkeypatch.setattr("xdit_backend.launch.options.cuda_device_count", lambda: 0)
     code = cli.main([*SAMPLE, "--socket", str(socket), "--out", str(tmp_path / "o.safetensors"), "--device", "cuda"])
     err = capsys.readouterr().err
