@@ -55,11 +55,13 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
     def define_schema(cls):
         import folder_paths
 
+        from xdit_backend.models.registry import family_names
+
         return io.Schema(
             node_id="XDiTLoadDiffusionModel",
             display_name="xDiT Load Diffusion Model",
             category=CATEGORY,
-            description="Chooses the diffusion model the xDiT backend runs (Flux, SD3/3.5, PixArt, Wan), from "
+            description=f"Chooses the diffusion model the xDiT backend runs ({', '.join(family_names())}), from "
                         "diffusion_models or checkpoints. Nothing is loaded here: the backend loads it on "
                         "every GPU when a sampler first runs, and keeps it loaded.",
             inputs=[

@@ -11,6 +11,8 @@ from .comfy_types import CATEGORY, XDiTParallel
 class XDiTParallelConfig(io.ComfyNode):
     @classmethod
     def define_schema(cls):
+        from xdit_backend.models.registry import family_names
+
         return io.Schema(
             node_id="XDiTParallelConfig",
             display_name="xDiT Parallel Config",
@@ -23,7 +25,8 @@ class XDiTParallelConfig(io.ComfyNode):
                 io.Boolean.Input("auto", default=True, tooltip="let the backend choose the layout"),
                 io.Int.Input("ulysses", default=1, min=1, max=64, tooltip="sequence parallel: heads exchanged all-to-all"),
                 io.Int.Input("ring", default=1, min=1, max=64, tooltip="sequence parallel: K/V passed around a ring"),
-                io.Int.Input("pipefusion", default=1, min=1, max=64, tooltip="pipeline stages over the blocks (Flux)"),
+                io.Int.Input("pipefusion", default=1, min=1, max=64,
+                             tooltip="pipeline stages over the blocks (" + ", ".join(family_names("pipefusion")) + ")"),
                 io.Int.Input("num_pipeline_patch", default=0, min=0, max=64,
                              tooltip="PipeFusion patches per step; 0: as many as stages (more overlaps better)"),
                 io.Int.Input("warmup_steps", default=1, min=0, max=1000, tooltip="PipeFusion's exact first steps"),

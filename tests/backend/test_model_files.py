@@ -251,6 +251,26 @@ def test_a_file_with_non_finite_weights_is_refused_at_load_naming_the_tensor(tin
     assert "re-download" in info.value.hint
 
 
+@pytest.mark.parametrize("name", ["model.ckpt", "model.pt"])
+def test_a_pytorch_pickle_is_named_as_one_not_as_a_damaged_file(tmp_path, name):
+    """Issue 30: a .ckpt was told it "may be truncated … re-download it"; it is a pickle, which is not loaded."""
+    path = tmp_path / name
+    torch.save({"state_dict": {"weight": torch.zeros(2)}}, str(path))
+    with pytest.raises(ModelError) as info:
+        registry.resolve(str(path))
+    assert "is a PyTorch pickle" in info.value.message and "truncated" not in str(info.value)
+    assert ".safetensors" in info.value.hint
+
+
+def test_a_folder_whose_config_names_no_class_says_so(tmp_path):
+    """Issue 30: a config.json without _class_name was told it "holds a None"."""
+    (tmp_path / "config.json").write_text('{"num_layers": 2}')
+    with pytest.raises(ModelError) as info:
+        registry.resolve(str(tmp_path))
+    assert "names no model class (no _class_name)" in info.value.message and "None" not in info.value.message
+    assert "FluxTransformer2DModel" in info.value.hint
+
+
 def test_shapes_matching_no_variant_are_named(tiny, tmp_path):
     weights = bfl_state_dict(tiny.transformer)
     weights["double_blocks.0.img_mlp.0.weight"] = torch.zeros(100, 64)

@@ -42,6 +42,20 @@ def test_the_pack_registers_its_nodes_in_comfyui(host):
     assert lines and not any("IMPORT FAILED" in line for line in lines), lines
 
 
+def test_the_nodes_lists_of_families_are_the_registrys(host):
+    """Issue 30: the loader's description named 4 of the families and the pipefusion tooltip "(Flux)". Both are
+    made from the registry: each family in it is listed, and each listed name is a family's."""
+    from xdit_backend.models.registry import FAMILIES, family_names
+
+    info = host.get("/object_info")
+    described = info["XDiTLoadDiffusionModel"]["description"]
+    listed = described[described.index("runs (") + len("runs ("):described.index("), from")]
+    assert listed == ", ".join(family_names()) and len(family_names()) == len(FAMILIES)
+    tooltip = info["XDiTParallelConfig"]["input"]["required"]["pipefusion"][1]["tooltip"]
+    assert tooltip.endswith("(" + ", ".join(family_names("pipefusion")) + ")")
+    assert "LTX-2" not in tooltip and "Qwen-Image 2.1" in tooltip  # LTX-2 refuses PipeFusion, 2.1 runs it
+
+
 # The saved latent's frame axes, as KSampler gives them: Qwen-Image's latent format is Wan 2.1's,
 # a video format (latent_dimensions 3), so ComfyUI samples an EmptySD3LatentImage as one frame,
 # [B, 16, 1, h, w] (comfy/sample.py fix_empty_latent_channels; comfy/latent_formats.py Wan21).

@@ -54,6 +54,16 @@ def test_memory_inside_each_rank_entry_and_an_unsharded_model_without_loras():
     assert "  flux-tiny: storage float32, compute float32, not sharded; per rank 3 MiB, 3 MiB" in text
 
 
+def test_a_pipefusion_copy_of_a_model_is_told_apart_from_the_whole_one():
+    """Issue 30: the stages of a PipeFusion run (each rank its blocks) read as a second identical flux-tiny."""
+    whole = {"name": "flux-tiny", "storage_dtype": "float32", "compute_dtype": "float32", "sharded": False,
+             "pipefusion_stages": False, "bytes_per_rank": [3 << 20, 3 << 20]}
+    stages = {**whole, "pipefusion_stages": True, "bytes_per_rank": [2 << 20, 1 << 20]}
+    lines = [line for line in describe({**BASE, "models": [whole, stages]}).splitlines() if "flux-tiny" in line]
+    assert len(lines) == 2 and lines[0] != lines[1]
+    assert "PipeFusion stages" in lines[1] and "PipeFusion" not in lines[0]
+
+
 def test_no_models():
     assert describe({**BASE, "models": []}).endswith("models loaded: none")
 

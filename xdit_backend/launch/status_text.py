@@ -61,7 +61,8 @@ def model_line(model) -> str:
         return str(model)
     parts = [f"storage {model['storage_dtype']}" if model.get("storage_dtype") else "",
              f"compute {model['compute_dtype']}" if model.get("compute_dtype") else "",
-             "sharded" if model.get("sharded") else "not sharded" if "sharded" in model else ""]
+             "sharded" if model.get("sharded") else "not sharded" if "sharded" in model else "",
+             "PipeFusion stages (each rank its blocks)" if model.get("pipefusion_stages") else ""]
     loras = model.get("loras") or []
     if loras:
         parts.append("LoRA " + ", ".join(lora_text(lora) for lora in loras))

@@ -37,6 +37,17 @@ def not_a_file(path: str) -> str | None:
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
+PICKLE_MAGICS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save's zip, pickles
+
+
+def pickled(path: str) -> bool:
+    """Whether ``path`` is a PyTorch pickle (``torch.save``'s zip archive, or an older raw pickle: a .ckpt, .pt,
+    .pth or .bin), told from its first bytes."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    return any(head.startswith(magic) for magic in PICKLE_MAGICS)
+
+
 def file_entries(entries, what: str, limit: int, example: dict, folder: str, names=()) -> list[tuple[str, float]]:
     """A request's list of files with strengths (LoRAs, model patches), checked: [{"path": str, "strength": number
     in -10..10 (1 when left out)}, …], at most ``limit``; each path a regular file (or one of ``names``, built-ins),

@@ -16,6 +16,7 @@ from ..errors import UserError
 from . import (
     chroma_checkpoint,
     cogvideox_checkpoint,
+    file_kind,
     flux2_checkpoint,
     flux_checkpoint,
     folder,
@@ -113,6 +114,13 @@ FAMILIES = {family.name: family for family in (
 SUPPORTED = "; ".join(f.describes for f in FAMILIES.values())
 
 
+def family_names(method: str | None = None) -> list[str]:
+    """Each family's short name ("Flux.1", "Wan 2.1 T2V, Wan 2.2", …: its description without the brackets), every
+    one or those that run ``method`` (a degree: "pipefusion", …), for lists people read (the nodes' descriptions)."""
+    return [re.sub(r" \([^)]*\)", "", f.describes) for f in FAMILIES.values()
+            if method is None or method in f.spec_class.parallel_methods]
+
+
 class ModelError(UserError):
     """A model argument that cannot be resolved or loaded; the hint says what to pass instead."""
 
@@ -162,6 +170,10 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
             return _resolve_shapes(path, gguf_file.shapes(gguf_blocks.open_reader(path), path), gguf=True)
         except UserError as exc:
             raise ModelError(exc.message, exc.hint) from None
+    if file_kind.pickled(path):
+        raise ModelError(f"{path} is a PyTorch pickle (a .ckpt / .pt / .bin file), which the backend does not load: "
+                         "unpickling can run code the file carries",
+                         "use the model's .safetensors (or GGUF) file; ComfyUI's and the makers' releases have one")
     try:
         with safetensors_file.open_file(path) as handle:
             shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
@@ -209,9 +221,13 @@ def _resolve_folder(path: str) -> ModelSource:
         raise ModelError(f"{path}: no readable diffusers config.json ({exc})",
                          "a diffusers model folder holds config.json and its safetensors") from None
     family = next((f for f in FAMILIES.values() if f.diffusers_class == config.get("_class_name")), None)
+    supported = f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders"
+    if "_class_name" not in config:
+        raise ModelError(f"{config_file}: names no model class (no _class_name), so it is not a diffusers model's "
+                         "config", f"give the folder of a diffusers transformer (its config.json names the class); "
+                                   f"{supported}")
     if family is None:
-        raise ModelError(f"{path} holds a {config.get('_class_name')!r}, not a supported model",
-                         f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders")
+        raise ModelError(f"{path} holds a {config['_class_name']!r}, not a supported model", supported)
     init = {k: v for k, v in config.items() if not k.startswith("_")}
     return ModelSource("folder", str(config_file.parent), family.name, init,
                        describes=f"{family.name} (diffusers folder)")
