@@ -40,6 +40,22 @@ def gguf_names() -> list[str]:
     return sorted(names)
 
 
+def missing_file(model_name: str) -> str | None:
+    """What is missing of the loader's model, said for ComfyUI's validation message; None when it is there."""
+    from xdit_backend.models.registry import BUILTINS
+
+    if model_name.startswith(TEST_PREFIX) and model_name.removeprefix(TEST_PREFIX) not in BUILTINS:
+        return (f"model_name {model_name!r}: no such built-in test model; the built-ins are "
+                f"{', '.join(TEST_PREFIX + name for name in BUILTINS)}")
+    try:
+        model_path(model_name)
+    except FileNotFoundError:
+        where = "checkpoints" if model_name.startswith(CHECKPOINTS) else "diffusion_models (or unet)"
+        return (f"model_name {model_name!r} is not in ComfyUI's models/{where}: put the file there (then refresh "
+                "the page, R), or choose one the list shows")
+    return None
+
+
 def model_path(name: str) -> str:
     import folder_paths
 
@@ -98,6 +114,13 @@ class XDiTLoadDiffusionModel(io.ComfyNode):
         return choice
 
     @classmethod
+    def validate_inputs(cls, model_name) -> bool | str:
+        """ComfyUI's check when the prompt is queued (its input validation), not only when it runs: a model file
+        that is not where the loader looks is refused then, with the way out (only model_name is named here, so
+        ComfyUI still checks the other inputs' ranges itself)."""
+        return missing_file(model_name) or True
+
+    @classmethod
     def fingerprint_inputs(cls, **inputs):
         return cls.choice(**inputs).fingerprint()
 
@@ -125,6 +148,16 @@ class XDiTLoraLoader(io.ComfyNode):
             ],
             outputs=[XDiTModel.Output(display_name="XDIT_MODEL")],
         )
+
+    @classmethod
+    def validate_inputs(cls, lora_name) -> bool | str:
+        """When the prompt is queued: a LoRA file that is not in models/loras is refused then, not when it runs."""
+        import folder_paths
+
+        if folder_paths.get_full_path("loras", lora_name) is None:
+            return (f"lora_name {lora_name!r} is not in ComfyUI's models/loras: put the file there (then refresh the "
+                    "page, R), or choose one the list shows")
+        return True
 
     @classmethod
     def fingerprint_inputs(cls, model, lora_name, strength):

@@ -56,6 +56,21 @@ def test_the_nodes_lists_of_families_are_the_registrys(host):
     assert "LTX-2" not in tooltip and "Qwen-Image 2.1" in tooltip  # LTX-2 refuses PipeFusion, 2.1 runs it
 
 
+@pytest.mark.parametrize("name,missing", [("gone.safetensors", "is not in ComfyUI's models/diffusion_models"),
+                                          ("[test] no-such-tiny", "no such built-in test model")])
+def test_a_missing_model_file_is_refused_when_the_prompt_is_queued(host, name, missing):
+    """Issue 30: the loader's file was only found missing when the prompt ran; ComfyUI's validation now refuses the
+    prompt when it is queued (400, the node's error), and a file that is there passes it."""
+    prompt = load_api("xdit-tiny.api.json")
+    loader = nodes_of(prompt, "XDiTLoadDiffusionModel")[0]
+    prompt[loader]["inputs"]["model_name"] = name
+    with pytest.raises(AssertionError) as refused:
+        host.queue(prompt)
+    assert "400" in str(refused.value) and missing in str(refused.value) and "custom_validation_failed" in str(
+        refused.value)
+    assert str(refused.value).count(missing) == 1  # said once: for model_name, not for every input
+
+
 # The saved latent's frame axes, as KSampler gives them: Qwen-Image's latent format is Wan 2.1's,
 # a video format (latent_dimensions 3), so ComfyUI samples an EmptySD3LatentImage as one frame,
 # [B, 16, 1, h, w] (comfy/sample.py fix_empty_latent_channels; comfy/latent_formats.py Wan21).
