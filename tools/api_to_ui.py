@@ -1,6 +1,6 @@
 """Build a workflow's UI file (what ComfyUI's page and template browser open) from its API twin.
 
-    python tools/api_to_ui.py workflows/NAME.api.json --object-info http://127.0.0.1:8188 \
+    python tools/api_to_ui.py workflows/api/NAME.api.json --object-info http://127.0.0.1:8188 \
         --note "Model files" "Put the files in …" [--note TITLE TEXT …]
 
 Each node's inputs and outputs come from the running ComfyUI's /object_info (the pack loaded in it): linked
@@ -126,7 +126,8 @@ def main() -> None:
     parser.add_argument("--note", nargs=2, action="append", default=[], metavar=("TITLE", "TEXT"))
     args = parser.parse_args()
     ui = build(json.loads(args.api.read_text()), args.object_info, [tuple(n) for n in args.note])
-    args.api.with_name(args.api.name.replace(".api.json", ".json")).write_text(json.dumps(ui, indent=1) + "\n")
+    folder = args.api.parent.parent if args.api.parent.name == "api" else args.api.parent  # workflows/api/ → workflows/
+    (folder / args.api.name.replace(".api.json", ".json")).write_text(json.dumps(ui, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ its custom_nodes, and the pack's backend uses a private socket.
 import json
 import os
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkou
 
 
 def load_api(name: str) -> dict:
-    return json.loads((WORKFLOWS / name).read_text())
+    return json.loads((WORKFLOWS / "api" / name).read_text())
 
 
 def nodes_of(prompt: dict, class_type: str) -> list[str]:
@@ -54,6 +55,20 @@ def test_the_nodes_lists_of_families_are_the_registrys(host):
     tooltip = info["XDiTParallelConfig"]["input"]["required"]["pipefusion"][1]["tooltip"]
     assert tooltip.endswith("(" + ", ".join(family_names("pipefusion")) + ")")
     assert "LTX-2" not in tooltip and "Qwen-Image 2.1" in tooltip  # LTX-2 refuses PipeFusion, 2.1 runs it
+
+
+def test_the_template_browser_lists_the_ui_workflows_only_each_loading_with_its_thumbnail(host):
+    """Issue 30: the browser listed the API twins too, which empty the canvas ("does not contain a valid version").
+    Each listed template loads through the route the page uses, is a UI workflow (a version, nodes and links), and
+    has its thumbnail."""
+    listed = host.get("/workflow_templates")["comfyui-xdit"]
+    expected = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
+    assert sorted(listed) == expected and not any(name.endswith(".api") for name in listed)
+    for name in listed:
+        workflow = host.get(f"/api/workflow_templates/comfyui-xdit/{name}.json")
+        assert "version" in workflow and workflow["nodes"] and "links" in workflow, name
+        with urllib.request.urlopen(f"{host.url}/api/workflow_templates/comfyui-xdit/{name}.jpg", timeout=30) as reply:
+            assert reply.read(3) == b"\xff\xd8\xff", name  # a JPEG
 
 
 @pytest.mark.parametrize("name,missing", [("gone.safetensors", "is not in ComfyUI's models/diffusion_models"),

@@ -83,7 +83,7 @@ def run_with_control(host, node: dict, prefix: str, workflow: str = "qwen-image-
     """A tiny workflow (3 steps; Qwen-Image's unless told) with a control node (class and inputs) between the loader
     and the sampler, through ComfyUI's HTTP API: its latent [B, 16, h, w] (one frame) and the serial request it asked
     for."""
-    prompt = json.loads((WORKFLOWS / f"{workflow}.api.json").read_text())
+    prompt = json.loads((WORKFLOWS / "api" / f"{workflow}.api.json").read_text())
     kind = {node["class_type"]: key for key, node in prompt.items()}
     prompt["control"] = {"class_type": node["class_type"],
                          "inputs": {"model": [kind["XDiTLoadDiffusionModel"], 0], **node["inputs"]}}

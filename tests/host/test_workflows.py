@@ -32,12 +32,15 @@ FRONTEND_WIDGETS = {"IMAGEUPLOAD"}
 MODEL_EXTENSIONS = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl", ".gguf")
 
 
+API = WORKFLOWS / "api"  # the API twins: a sub-folder, which ComfyUI's template browser does not list
+
+
 def ui_files() -> list[Path]:
-    return sorted(path for path in WORKFLOWS.glob("*.json") if not path.name.endswith(".api.json"))
+    return sorted(WORKFLOWS.glob("*.json"))
 
 
 def twin_of(path: Path) -> Path:
-    return path.with_name(path.stem + ".api.json")
+    return API / (path.stem + ".api.json")
 
 
 NAMES = [path.stem for path in ui_files()]
@@ -48,7 +51,7 @@ def load_ui(name: str) -> dict:
 
 
 def load_api(name: str) -> dict:
-    return json.loads((WORKFLOWS / f"{name}.api.json").read_text())
+    return json.loads((API / f"{name}.api.json").read_text())
 
 
 def widget_values(node: dict) -> dict:
@@ -128,11 +131,13 @@ def notes(ui: dict) -> str:
 
 
 def test_every_workflow_is_a_ui_file_with_an_api_twin():
-    """Each UI file has its .api.json twin and each twin its UI file."""
+    """Each UI file has its api/<name>.api.json twin and each twin its UI file; no twin beside the UI files (the
+    template browser would list it, and it does not load there)."""
     assert NAMES, "no workflows in workflows/"
     for path in ui_files():
-        assert twin_of(path).exists(), f"{path.name} has no {twin_of(path).name}"
-    for path in WORKFLOWS.glob("*.api.json"):
+        assert twin_of(path).exists(), f"{path.name} has no api/{twin_of(path).name}"
+        assert not path.name.endswith(".api.json"), f"{path.name} belongs in workflows/api/"
+    for path in API.glob("*.api.json"):
         assert (WORKFLOWS / path.name.replace(".api.json", ".json")).exists(), f"{path.name} has no UI file"
 
 

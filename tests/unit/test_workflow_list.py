@@ -7,8 +7,25 @@ WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 
 
 def test_the_workflow_table_lists_each_workflow_once_and_no_other():
-    ui = sorted(p.name.removesuffix(".json") for p in WORKFLOWS.glob("*.json") if not p.name.endswith(".api.json"))
-    api = sorted(p.name.removesuffix(".api.json") for p in WORKFLOWS.glob("*.api.json"))
+    ui = sorted(p.name.removesuffix(".json") for p in WORKFLOWS.glob("*.json"))
+    api = sorted(p.name.removesuffix(".api.json") for p in (WORKFLOWS / "api").glob("*.api.json"))
     rows = re.findall(r"^\| `([^`]+)` \|", (WORKFLOWS / "README.md").read_text(), re.M)
     assert ui == api  # each UI file has its API twin
     assert sorted(rows) == ui and len(rows) == len(set(rows))
+
+
+def test_each_workflow_has_its_thumbnail_drawn_from_its_current_file():
+    """ComfyUI's template browser shows <name>.jpg as <name>.json's thumbnail; each JPEG's comment is the digest of
+    the UI file it was drawn from (python tools/workflow_thumbnails.py draws them again)."""
+    import hashlib
+
+    from PIL import Image
+
+    for path in sorted(WORKFLOWS.glob("*.json")):
+        thumbnail = path.with_suffix(".jpg")
+        assert thumbnail.exists(), f"{path.name} has no thumbnail: run python tools/workflow_thumbnails.py {path}"
+        with Image.open(thumbnail) as image:
+            assert image.format == "JPEG" and image.size == (512, 384)
+            drawn_from = image.info.get("comment", b"").decode()
+        assert drawn_from == hashlib.sha256(path.read_bytes()).hexdigest(), (
+            f"{thumbnail.name} was drawn from an older {path.name}: run python tools/workflow_thumbnails.py {path}")
