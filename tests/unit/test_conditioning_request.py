@@ -9,6 +9,7 @@ import torch
 from fake_family import EditSpec
 
 from xdit_backend import schema
+from xdit_backend.errors import UsageError
 from xdit_backend.models import registry
 from xdit_backend.service.request import RequestError, SampleRequest
 from xdit_backend.wire import protocol
@@ -186,7 +187,7 @@ def test_the_cli_sends_each_reference_latent_file_in_order(tmp_path):
     assert torch.equal(positive["reference_0"], first) and torch.equal(negative["reference_1"], second)
     save_file({"other": first}, str(tmp_path / "c.safetensors"))
     args = cli.build_parser().parse_args([*argv, "--reference-latent", str(tmp_path / "c.safetensors")])
-    with pytest.raises(SystemExit, match="c.safetensors holds neither 'samples' nor 'latent'"):
+    with pytest.raises(UsageError, match="c.safetensors holds neither 'samples' nor 'latent'"):
         cli.sample_tensors(args)
 
 
@@ -241,7 +242,7 @@ def test_the_cli_sends_a_noise_mask_and_the_request_checks_it(tmp_path):
                 flux)
     save_file({"other": mask}, str(tmp_path / "other.safetensors"))
     args = cli.build_parser().parse_args([*argv, "--noise-mask", str(tmp_path / "other.safetensors")])
-    with pytest.raises(SystemExit, match="holds neither 'mask' nor 'noise_mask'"):
+    with pytest.raises(UsageError, match="holds neither 'mask' nor 'noise_mask'"):
         cli.sample_tensors(args)
 
 

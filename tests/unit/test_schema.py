@@ -9,6 +9,7 @@ import torch
 
 from xdit_backend import cli, schema
 from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.errors import UsageError
 from xdit_backend.service.request import SampleRequest
 from xdit_backend.wire import protocol
 from xdit_backend.wire.protocol import Message
@@ -145,7 +146,7 @@ def test_control_options_belong_to_the_control_before_them(tmp_path, capsys):
         sample_parser().parse_args([*flags, "--control-strength", "0.5", "--control", "a"])
     assert "--control-strength comes after the --control it belongs to" in capsys.readouterr().err
     args = sample_parser().parse_args([*flags, "--control", "a", "--control-image", "canny.png"])
-    with pytest.raises(SystemExit, match="a takes the image's VAE latent, and the backend has no VAE. Encode it"):
+    with pytest.raises(UsageError, match="a takes the image's VAE latent, and the backend has no VAE"):
         cli.sample_tensors(args)
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from xdit_backend.distributed.config import ConfigError, MemoryFit, ModelFacts, ParallelConfig, RequestFacts
+from xdit_backend.errors import UsageError
 
 FLUX = ModelFacts("flux-tiny", heads=4, supports=frozenset({"cfg", "ulysses", "ring", "dp", "pipefusion"}), blocks=7)
 REQUEST = RequestFacts(batch=2, image_tokens=32, cfg_scale=3.5, has_negative=True, token_rows=4)
@@ -46,7 +47,7 @@ def sample_args(*flags):
 
 def test_the_cli_flag_asks_for_sharding_with_degrees_only():
     assert sample_args("--ulysses", "2", "--shard-weights")["parallel"] == {"ulysses": 2, "shard_weights": True}
-    with pytest.raises(SystemExit, match="--shard-weights goes with degrees"):
+    with pytest.raises(UsageError, match="--shard-weights without degrees"):
         sample_args("--shard-weights")
 
 
