@@ -7,4 +7,6 @@ the node definitions are imported when ComfyUI asks for them, the backend when a
 
 from .nodes import comfy_entrypoint
 
-__all__ = ["comfy_entrypoint"]
+WEB_DIRECTORY = "./web"  # web/xdit.js: the text the xDiT nodes return (status, the layout that ran) shown on them
+
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

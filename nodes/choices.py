@@ -103,6 +103,8 @@ def _mtime(path: str) -> int:
 class ParallelChoice:
     degrees: dict | None = field(default=None, hash=False)  # None: the backend picks (auto)
     gpus: tuple[int, ...] | None = None  # None: every GPU (the backend's default)
+    # with auto on: the degree widgets set anyway ("ulysses=2, ring=2"), which auto does not use (the sampler says so)
+    explicit: str = field(default="", compare=False)
 
     def request_value(self):
         return "auto" if self.degrees is None else dict(self.degrees)

@@ -65,7 +65,11 @@ class XDiTParallelConfig(io.ComfyNode):
             if shard_weights:
                 degrees["shard_weights"] = True
             ParallelConfig.from_json(degrees)  # the per-layout rules, before anything runs (ConfigError)
-        return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus)))
+        ignored = "" if not auto else ", ".join(f"{name}={value}" for name, value in (
+            ("ulysses", ulysses), ("ring", ring), ("pipefusion", pipefusion), ("dp", dp)) if value > 1)
+        if auto and cfg_parallel:
+            ignored = ", ".join(part for part in (ignored, "cfg_parallel") if part)
+        return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus), explicit=ignored))
 
 
 def parse_gpus(text: str) -> tuple[int, ...] | None:

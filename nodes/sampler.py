@@ -7,11 +7,12 @@ ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend ca
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from socket import gethostname
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from xdit_backend import schema
 from xdit_backend.schema import FIELDS, MAX_STEPS, SEED_RANGE
@@ -79,8 +80,9 @@ class XDiTSampler(io.ComfyNode):
                 positive=None, negative=None, parallel=None) -> io.NodeOutput:
         fields = schema.fields(seed=seed, steps=steps, cfg=cfg, sampler=sampler_name, scheduler=scheduler,
                                denoise=denoise)
-        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields,
-                                 graph=(cls.hidden.prompt, cls.hidden.unique_id)))
+        latent, text = run(model, parallel, positive, negative, latent_image, fields,
+                           graph=(cls.hidden.prompt, cls.hidden.unique_id))
+        return io.NodeOutput(latent, ui=ui.PreviewText(text))
 
 
 class XDiTSamplerAdvanced(io.ComfyNode):
@@ -123,14 +125,15 @@ class XDiTSamplerAdvanced(io.ComfyNode):
         if sigmas is not None:
             extra["sigmas"] = sigmas.detach().to("cpu").float().contiguous()
             fields["steps"] = len(sigmas) - 1
-        return io.NodeOutput(run(model, parallel, positive, negative, latent_image, fields, extra,
-                                 graph=(cls.hidden.prompt, cls.hidden.unique_id)))
+        latent, text = run(model, parallel, positive, negative, latent_image, fields, extra,
+                           graph=(cls.hidden.prompt, cls.hidden.unique_id))
+        return io.NodeOutput(latent, ui=ui.PreviewText(text))
 
 
 def run(model, parallel: ParallelChoice | None, positive, negative, latent_image: dict, fields: dict,
-        extra: dict | None = None, graph: tuple = (None, None)) -> dict:
-    """One backend request for a sampler node; returns ComfyUI's LATENT. ``graph``: the prompt and the node's id,
-    where Apply ControlNet's files are found (comfy_controls)."""
+        extra: dict | None = None, graph: tuple = (None, None)) -> tuple[dict, str]:
+    """One backend request for a sampler node; returns ComfyUI's LATENT and what the node shows of the run
+    (ran_text). ``graph``: the prompt and the node's id, where Apply ControlNet's files are found (comfy_controls)."""
     import comfy.model_management as mm
     import comfy.utils
 
@@ -178,10 +181,23 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
         mm.unload_all_models()
         mm.soft_empty_cache()
     progress = comfy.utils.ProgressBar(fields.get("steps", 1))
+    started = time.perf_counter()
     with comfyui_errors():
-        result, _ = client.sample(request, tensors, on_progress=lambda step, total, _: progress.update_absolute(step, total),
-                                  should_cancel=mm.processing_interrupted)
-    return {"samples": translate.to_comfyui(result, spec)}
+        result, info = client.sample(request, tensors, should_cancel=mm.processing_interrupted,
+                                     on_progress=lambda step, total, _: progress.update_absolute(step, total))
+    return {"samples": translate.to_comfyui(result, spec)}, ran_text(info, time.perf_counter() - started, parallel)
+
+
+def ran_text(info: dict, elapsed: float, parallel: ParallelChoice | None) -> str:
+    """What the sampler shows on its node after a run: the layout that ran (and why, when auto chose it), the
+    time, the step cache's counts; with auto on, that the degree widgets of its xDiT Parallel Config were not used."""
+    lines = [f"world {info.get('world_size')}: {info.get('layout', '')}", f"{elapsed:.1f} s, including the queue"]
+    if "cache" in info:
+        lines.append(f"step cache: {info['cache']['computed']} steps computed, {info['cache']['reused']} reused")
+    if parallel is not None and parallel.degrees is None and parallel.explicit:
+        lines.append(f"auto is on, so {parallel.explicit} on the xDiT Parallel Config are not used: turn auto off "
+                     "to run them")
+    return "\n".join(lines)
 
 
 @contextmanager

@@ -71,6 +71,21 @@ def test_the_template_browser_lists_the_ui_workflows_only_each_loading_with_its_
             assert reply.read(3) == b"\xff\xd8\xff", name  # a JPEG
 
 
+def test_the_sampler_and_the_backend_node_return_their_text_for_the_node(host):
+    """Issue 30: the layout that ran (and auto's reason), the time, and — with auto on and degrees set anyway — that
+    those degrees were not used; the page shows it on the node (web/xdit.js, which ComfyUI serves)."""
+    prompt = load_api("xdit-tiny.api.json")
+    config = nodes_of(prompt, "XDiTParallelConfig")[0]
+    prompt[config]["inputs"].update(auto=True, ulysses=2)
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    outputs = host.history(prompt_id)["outputs"]
+    text = "\n".join(outputs[nodes_of(prompt, "XDiTSampler")[0]]["text"])
+    assert text.startswith("world ") and "auto" in text and " s, including the queue" in text
+    assert "auto is on, so ulysses=2 on the xDiT Parallel Config are not used" in text
+    assert "/extensions/comfyui-xdit/xdit.js" in host.get("/extensions")
+
+
 @pytest.mark.parametrize("name,missing", [("gone.safetensors", "is not in ComfyUI's models/diffusion_models"),
                                           ("[test] no-such-tiny", "no such built-in test model")])
 def test_a_missing_model_file_is_refused_when_the_prompt_is_queued(host, name, missing):
