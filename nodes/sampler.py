@@ -6,6 +6,7 @@ ComfyUI's progress bar on every step and turn ComfyUI's Cancel into a backend ca
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ from . import comfy_controls, translate
 from .choices import ParallelChoice
 from .control import control_latent
 from .comfy_types import CATEGORY, XDiTModel, XDiTParallel
+
+log = logging.getLogger("comfyui-xdit")
 
 
 def sampler_names() -> list[str]:
@@ -184,8 +187,22 @@ def run(model, parallel: ParallelChoice | None, positive, negative, latent_image
     started = time.perf_counter()
     with comfyui_errors():
         result, info = client.sample(request, tensors, should_cancel=mm.processing_interrupted,
-                                     on_progress=lambda step, total, _: progress.update_absolute(step, total))
+                                     on_progress=lambda step, total, _: progress.update_absolute(step, total),
+                                     on_note=lambda text: tell(text, graph[1]))
     return {"samples": translate.to_comfyui(result, spec)}, ran_text(info, time.perf_counter() - started, parallel)
+
+
+def tell(text: str, node_id) -> None:
+    """What the sampler waits for before its first step (the backend starting, the model loading), in ComfyUI's
+    console and on the node (the page shows a node's progress text under it), never a silent 0 %."""
+    log.info("xDiT: %s", text)
+    try:
+        from server import PromptServer
+
+        if node_id is not None and PromptServer.instance is not None:
+            PromptServer.instance.send_progress_text(text, node_id)
+    except (ImportError, AttributeError):  # a ComfyUI without progress text: the console has it
+        pass
 
 
 def ran_text(info: dict, elapsed: float, parallel: ParallelChoice | None) -> str:

@@ -180,7 +180,8 @@ class Sample:
             launcher.start(options)
         try:
             started = time.perf_counter()
-            result, info = client.sample(fields, tensors, on_progress=print_progress)
+            result, info = client.sample(fields, tensors, on_progress=print_progress,
+                                         on_note=lambda text: print(f"  {text}", file=sys.stderr))
             elapsed = time.perf_counter() - started
         finally:
             if ephemeral:

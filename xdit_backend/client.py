@@ -29,6 +29,7 @@ DEATH_REPORT_WAIT_S = 15.0  # how long to wait for the launcher to record which 
 
 
 ProgressCallback = Callable[[int, int, float], None]
+NoteCallback = Callable[[str], None]  # a line of what the wait is (a backend starting, a model loading)
 
 
 class Client:
@@ -65,13 +66,19 @@ class Client:
             raise BackendError.from_message(reply)
         return conn
 
-    def _connect_or_start(self) -> Connection:
+    def _connect_or_start(self, on_note: NoteCallback | None = None) -> Connection:
         try:
             return self._connect()
         except NoBackend:
             if not self.auto_start:
                 raise
-        launcher.start(self._launch_options())
+        started = time.monotonic()
+        if on_note:
+            on_note(f"starting the xDiT backend at {self.socket_path}: each rank imports torch and the model code "
+                    "first (tens of seconds)")
+        status = launcher.start(self._launch_options())
+        if on_note:
+            on_note(f"backend ready in {time.monotonic() - started:.0f} s: {status.get('world_size')} ranks")
         return self._connect()
 
     def _launch_options(self) -> LaunchOptions:
@@ -121,13 +128,15 @@ class Client:
 
     def sample(self, fields: dict, tensors: dict[str, torch.Tensor] | None = None, *,
                on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
-               timeout: float | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+               timeout: float | None = None,
+               on_note: NoteCallback | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Run one generation; returns (tensors, info). Raises Cancelled, BackendDied or BackendError.
 
         ``on_progress(step, total, elapsed_s)`` is called for every step; ``should_cancel()`` is polled
-        while waiting and, once it returns True, the request is cancelled on every rank.
+        while waiting and, once it returns True, the request is cancelled on every rank; ``on_note(text)`` gets
+        what the wait before the first step is (a backend starting, a model loading, blocks compiling).
         """
-        return self._request("sample", fields, tensors or {}, on_progress, should_cancel, timeout)
+        return self._request("sample", fields, tensors or {}, on_progress, should_cancel, timeout, on_note)
 
     def evaluate(self, fields: dict, tensors: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], *,
                  should_cancel: Callable[[], bool] | None = None) -> tuple[torch.Tensor, dict]:
@@ -150,9 +159,10 @@ class Client:
         return result["output"], info
 
     def _request(self, kind: str, fields: dict, tensors: dict, on_progress: ProgressCallback | None,
-                 should_cancel: Callable[[], bool] | None, timeout: float | None) -> tuple[dict, dict]:
+                 should_cancel: Callable[[], bool] | None, timeout: float | None,
+                 on_note: NoteCallback | None = None) -> tuple[dict, dict]:
         request_id = uuid.uuid4().hex
-        conn = self._connect_or_start()
+        conn = self._connect_or_start(on_note)
         deadline = time.monotonic() + timeout if timeout else None
         cancel_sent = False
         try:
@@ -172,6 +182,8 @@ class Client:
                     continue  # the acknowledgement of our cancel
                 if reply.type == "progress" and on_progress:
                     on_progress(reply.fields["step"], reply.fields["total"], reply.fields["elapsed_s"])
+                elif reply.type == "note" and on_note:
+                    on_note(reply.fields["text"])
                 elif reply.type == "result":
                     return reply.tensors, reply.fields.get("info", {})
                 elif reply.type == "error":

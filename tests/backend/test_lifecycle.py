@@ -71,6 +71,7 @@ def test_sample_world_1_and_2_seeds(sock, started2, tmp_path):
                     "--out", tmp_path / "w1.st")
     assert ephemeral.returncode == 0, ephemeral.stderr
     assert "starting one for this request" in ephemeral.stderr
+    assert "loading flux-tiny on 1 ranks (the model's first run" in ephemeral.stderr  # not a silent wait
     assert Client(sock).hello_or_none() is None, "the ephemeral backend must be stopped after the request"
     out["w1"] = load_file(tmp_path / "w1.st")["samples"]
 

@@ -66,3 +66,15 @@ def test_every_rank_parses_what_rank_0_was_sent(backend2, requests):
         assert [record["rank"] for record in info["profile"]] == [0, 1]
         for rank, fields in enumerate(ran):
             assert fields == expected, f"{sent['model']}: rank {rank} ran {fields}, not {expected}"
+
+
+def test_the_wait_before_the_first_step_is_told_a_model_to_load_once(backend):
+    """Issue 30: a model's first run sat at 0 % while it loaded. The backend tells the client what it waits for (a
+    "note" before the steps): the model loading, on its first run only."""
+    client = backend(2)
+    fields = {"model": "pixart-tiny", "width": 64, "height": 64, "steps": 1, "seed": 1}
+    client.unload("pixart-tiny")
+    first, again = [], []
+    client.sample(fields, on_note=first.append)
+    client.sample(fields, on_note=again.append)
+    assert [note for note in first if note.startswith("loading pixart-tiny on 2 ranks")] and not again

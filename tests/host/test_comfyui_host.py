@@ -84,6 +84,10 @@ def test_the_sampler_and_the_backend_node_return_their_text_for_the_node(host):
     assert text.startswith("world ") and "auto" in text and " s, including the queue" in text
     assert "auto is on, so ulysses=2 on the xDiT Parallel Config are not used" in text
     assert "/extensions/comfyui-xdit/xdit.js" in host.get("/extensions")
+    # the waits before the first step were told (console; on the page, under the node): this module's first prompt
+    # started the backend (its socket is the module's own), and each model's first run loads it
+    log = (host.base / "comfyui.log").read_text()
+    assert "xDiT: starting the xDiT backend" in log and "xDiT: backend ready in" in log
 
 
 @pytest.mark.parametrize("name,missing", [("gone.safetensors", "is not in ComfyUI's models/diffusion_models"),

@@ -23,6 +23,7 @@ from ..distributed.control import StepGate, broadcast_message, gather_json
 from ..distributed.runtime import Runtime
 from ..errors import UserError
 from ..launch.idle import STOP, UNLOAD, IdleClock
+from ..launch.status_text import human_bytes
 from ..memory import fit as memory_fit
 from ..models import registry
 from ..models import file_kind
@@ -206,6 +207,20 @@ class Leader:
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
 
+    def notes(self, request: SampleRequest) -> list[str]:
+        """What the client is told before the first step, where that wait is long: the model to load (not yet held
+        by the ranks), the blocks to compile."""
+        model = resolve_model(request.model)  # resolved once per file version: already, by resolve
+        notes = []
+        if model.cache_name not in self.executor.cache.names():
+            path = Path(model.source.ref)
+            size = f", {human_bytes(path.stat().st_size)}" if model.source.kind == "file" else ""
+            notes.append(f"loading {path.name if model.source.kind != 'builtin' else request.model} on "
+                         f"{self.rt.world_size} ranks{size} (the model's first run; it stays loaded)")
+        if request.compile:
+            notes.append("compiling the blocks (torch.compile): the first run at a new size takes longer")
+        return notes
+
     def memory_fit(self, request: SampleRequest, model: ResolvedModel, config: ParallelConfig,
                    text_tokens: int) -> MemoryFit | None:
         """What auto weighs to shard the weights: one rank's unsharded weights under ``config`` (the memory
@@ -257,6 +272,8 @@ class Leader:
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
+        for text in self.notes(request):
+            job.note(text)
         broadcast_message(Message("sample", request.to_fields(), request.tensors), self.rt.control)  # follower.py
 
         def after_step(done: int, total: int) -> bool:

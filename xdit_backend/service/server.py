@@ -68,6 +68,10 @@ class Job:
     def fail(self, kind: str, message: str, hint: str = "", **extra) -> None:
         self.reply(error_message(kind, message, hint, **extra))
 
+    def note(self, text: str) -> None:
+        """A line for the person waiting, before the steps start: a model to load, blocks to compile."""
+        self.reply(Message("note", {"text": text}))
+
     def progress(self, step: int, total: int) -> None:
         self.reply(Message("progress", {"step": step, "total": total, "elapsed_s": time.monotonic() - self.started}))
 
