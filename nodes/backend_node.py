@@ -20,18 +20,22 @@ class XDiTBackend(io.ComfyNode):
             description="Shows the xDiT backend's GPUs with their memory, and its loaded models with what each "
                         "holds per GPU; can unload them or stop the backend (the next xDiT Sampler run starts it "
                         "again).",
-            inputs=[io.Combo.Input("action", options=ACTIONS)],
+            inputs=[io.Combo.Input("action", options=ACTIONS),
+                    io.Latent.Input("after", optional=True,
+                                    tooltip="connect a sampler's LATENT to report the backend as that run left it "
+                                            "(ComfyUI then runs this node after the sampler; unconnected, it may "
+                                            "run first)")],
             outputs=[io.String.Output(display_name="status")],
             is_output_node=True,
             not_idempotent=True,
         )
 
     @classmethod
-    def fingerprint_inputs(cls, action):
+    def fingerprint_inputs(cls, action, after=None):
         return float("nan")  # never cached: the backend's state changes outside the graph
 
     @classmethod
-    def execute(cls, action) -> io.NodeOutput:
+    def execute(cls, action, after=None) -> io.NodeOutput:
         from xdit_backend.client import Client
         from xdit_backend.launch.status_text import describe
         from xdit_backend.wire.paths import default_socket

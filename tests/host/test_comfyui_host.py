@@ -289,6 +289,15 @@ def test_the_backend_node_shows_status_unloads_and_stops(host):
     assert "no backend" in run("status")
     assert host.follow(host.queue(xdit_on_tiny_sd3(seed=32)))[0] == "success"  # the next run starts it again
 
+    # its "after" input orders it after a sampler: in the same prompt, it reports the backend that run left
+    run("unload models")
+    prompt = {**xdit_on_tiny_sd3(seed=33)}
+    sampler = next(key for key, node in prompt.items() if node["class_type"] == "XDiTSampler")
+    prompt["backend"] = {"class_type": "XDiTBackend", "inputs": {"action": "status", "after": [sampler, 0]}}
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "success", host.why(prompt_id)
+    assert "tiny-sd3.safetensors" in host.history(prompt_id)["outputs"]["backend"]["text"][0]
+
 
 def test_comfyuis_unload_models_also_unloads_the_backends(host):
     """POST /free {"unload_models": true}, as the page's "Unload Models" sends it: the backend started by
