@@ -286,5 +286,7 @@ def _shares_comfyui_gpu(comfyui_device, running: dict | None) -> bool:
 
 
 def _readable(exc) -> str:
-    hint = getattr(exc, "hint", "")
+    """An error as ComfyUI shows it: the message and the fix in the nodes' words (its ``node_hint``) where the error
+    words one for them, else its hint."""
+    hint = getattr(exc, "node_hint", "") or getattr(exc, "hint", "")
     return f"xDiT: {getattr(exc, 'message', str(exc))}" + (f"\n{hint}" if hint else "")

@@ -2,12 +2,15 @@
 
 
 class UserError(Exception):
-    """``message`` states the rule and the actual values; ``hint`` says how to fix it."""
+    """``message`` states the rule and the actual values; ``hint`` says how to fix it, in the command line's words
+    (its flags); ``node_hint``, where the fix differs in ComfyUI, in the nodes' words (their widgets and actions),
+    which the nodes show instead (the error's one source words itself for both callers)."""
 
-    def __init__(self, message: str, hint: str = ""):
+    def __init__(self, message: str, hint: str = "", *, node_hint: str = ""):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.node_hint = node_hint
 
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message

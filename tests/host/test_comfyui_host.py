@@ -90,6 +90,19 @@ def test_the_sampler_and_the_backend_node_return_their_text_for_the_node(host):
     assert "xDiT: starting the xDiT backend" in log and "xDiT: backend ready in" in log
 
 
+def test_a_layout_error_in_comfyui_speaks_of_the_nodes_not_of_cli_flags(host):
+    """Issue 30: "start the backend with --nproc 3; or use --parallel auto" in ComfyUI, where there is no such flag.
+    The error words its fix for the nodes (the xDiT Parallel Config's widgets, the xDiT Backend node's action)."""
+    prompt = load_api("xdit-tiny.api.json")
+    config = nodes_of(prompt, "XDiTParallelConfig")[0]
+    prompt[config]["inputs"].update(auto=False, ulysses=3)  # the backend the nodes start here has 2 ranks
+    prompt_id = host.queue(prompt)
+    assert host.follow(prompt_id)[0] == "error"
+    said = host.why(prompt_id)
+    assert "multiply to 3" in said and "on the xDiT Parallel Config, set ulysses to 2" in said, said
+    assert "stop backend" in said and "--nproc" not in said and "--parallel" not in said and "xdit-backend" not in said
+
+
 @pytest.mark.parametrize("name,missing", [("gone.safetensors", "is not in ComfyUI's models/diffusion_models"),
                                           ("[test] no-such-tiny", "no such built-in test model")])
 def test_a_missing_model_file_is_refused_when_the_prompt_is_queued(host, name, missing):

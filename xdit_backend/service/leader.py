@@ -254,7 +254,10 @@ class Leader:
             if not paths.inside_roots(path, self.model_roots):
                 raise RequestError(f"{what} {path} is outside the model roots this backend serves "
                                    f"({', '.join(map(str, self.model_roots))})",
-                                   "put the file under one of them, or start the backend with another --model-root")
+                                   "put the file under one of them, or start the backend with another --model-root",
+                                   node_hint="put the file in ComfyUI's models folders (a backend the nodes start "
+                                             "serves those), or stop this backend (xDiT Backend node: stop backend) "
+                                             "so the next run starts one that serves them")
 
     def devices(self) -> str:
         kinds = sorted({r["device_name"] for r in self.ranks})
@@ -265,7 +268,7 @@ class Leader:
             request, layout = self.resolve(job)
         except UserError as exc:
             kind = "config" if isinstance(exc, ConfigError) else "bad_request"
-            job.fail(kind, exc.message, exc.hint)
+            job.fail(kind, exc.message, exc.hint, **node_hint(exc))
             return
         except Exception as exc:  # e.g. out of memory while building the model
             log.exception("request %s could not be prepared", job.id)
@@ -339,7 +342,7 @@ class Leader:
             job.fail("missing_inputs", exc.message, exc.hint)
             return
         except UserError as exc:
-            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint)
+            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint, **node_hint(exc))
             return
         broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
         loaded = self.executor.loaded()
@@ -414,3 +417,8 @@ def non_finite(latent) -> str | None:
     if not nan and not infinite:
         return None
     return f"{nan} NaN and {infinite} infinite values of {latent.numel()}"
+
+
+def node_hint(exc: UserError) -> dict:
+    """An error reply's ``node_hint`` field, where the error words its fix for the ComfyUI nodes too."""
+    return {"node_hint": exc.node_hint} if exc.node_hint else {}

@@ -160,7 +160,7 @@ class SampleRequest:
         try:
             spec.check_size(self.width, self.height, self.frames)
         except UserError as exc:
-            raise RequestError(exc.message, exc.hint) from None
+            raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
         if self.cache != "none" and spec.step_cache_refusal:
             raise RequestError(f"the step cache ({self.cache}) on a {spec.family} model: {spec.step_cache_refusal}, "
                                "and on the steps the cache reuses, the blocks' cached output already holds them",
@@ -453,7 +453,7 @@ def _read(field: schema.Field, fields: dict):
         try:
             return tuple(model_patch.parse(value))
         except UserError as exc:
-            raise RequestError(exc.message, exc.hint) from None
+            raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
     return value
 
 
@@ -475,7 +475,7 @@ def _loras(entries) -> tuple:
     try:
         return tuple(lora.parse(entries))
     except UserError as exc:
-        raise RequestError(exc.message, exc.hint) from None
+        raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
 
 
 def _parallel(value) -> ParallelConfig | None:
@@ -486,7 +486,7 @@ def _parallel(value) -> ParallelConfig | None:
     try:
         return ParallelConfig.from_json(value)
     except ConfigError as exc:
-        raise RequestError(exc.message, exc.hint) from None
+        raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
     except TypeError as exc:
         raise RequestError(f"parallel: {exc}") from None
 

@@ -20,11 +20,13 @@ PROBE_TIMEOUT_S = 5.0  # how long connecting, or waiting for a probe's hello, ma
 class BackendError(Exception):
     """An error reported by (or about) the backend: ``kind``, ``message``, ``hint``, ``rank``."""
 
-    def __init__(self, kind: str, message: str, hint: str = "", rank: int | None = None, traceback: str = ""):
+    def __init__(self, kind: str, message: str, hint: str = "", rank: int | None = None, traceback: str = "",
+                 node_hint: str = ""):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.hint = hint
+        self.node_hint = node_hint  # the fix in the ComfyUI nodes' words, where it differs (errors.UserError)
         self.rank = rank
         self.traceback = traceback
 
@@ -36,7 +38,8 @@ class BackendError(Exception):
         f = reply.fields
         kind = f.get("kind", "error")
         error_cls = {"cancelled": Cancelled}.get(kind, cls)
-        return error_cls(kind, f.get("message", ""), f.get("hint", ""), f.get("rank"), f.get("traceback", ""))
+        return error_cls(kind, f.get("message", ""), f.get("hint", ""), f.get("rank"), f.get("traceback", ""),
+                         f.get("node_hint", ""))
 
 
 class NoBackend(BackendError):

@@ -73,7 +73,7 @@ REPLY_FIELDS: dict[str, dict[str, type | tuple]] = {
     "progress": {"step": int, "total": int, "elapsed_s": _NUM},
     "note": {"text": str},  # a line for the person waiting, before the steps start (a model to load)
     "result": {"elapsed_s": _NUM, "info": dict},
-    "error": {"kind": str, "message": str, "hint": str, "rank": int, "traceback": str},
+    "error": {"kind": str, "message": str, "hint": str, "node_hint": str, "rank": int, "traceback": str},
 }
 
 
