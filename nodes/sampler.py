@@ -224,6 +224,7 @@ def comfyui_errors():
     import comfy.model_management as mm
 
     from xdit_backend.client import BackendError, Cancelled
+    from xdit_backend.errors import UserError
 
     try:
         yield
@@ -231,7 +232,7 @@ def comfyui_errors():
         if mm.processing_interrupted():
             raise mm.InterruptProcessingException() from None
         raise
-    except BackendError as exc:
+    except (BackendError, UserError) as exc:  # UserError: the backend the node starts, refused before it starts
         raise RuntimeError(_readable(exc)) from None
 
 
@@ -264,7 +265,7 @@ def backend_client(parallel: ParallelChoice | None):
     if client.hello_or_none() is None:
         return client, None
     status = client.status()
-    if gpus and cuda_device_count():  # (without a GPU, --gpus only counts the ranks)
+    if gpus and cuda_device_count():  # (without a GPU, gpus are refused when the backend starts: options.py)
         try:
             elsewhere = running_elsewhere(status["ranks"], os.environ, gpus, cuda_device_count(), gethostname())
         except LaunchError as exc:

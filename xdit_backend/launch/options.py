@@ -157,12 +157,14 @@ class LaunchOptions:
         if device == "cuda" and not gpu_count:
             raise UsageError(f"--device cuda, but this machine sees no CUDA device ({cuda_absence()})",
                              "use --device cpu (or leave --device out), or run on a machine with an NVIDIA GPU and "
-                             "torch's CUDA build")
+                             "torch's CUDA build", node_hint="install torch's CUDA build in ComfyUI's Python (its "
+                                                             "GPU build) on a machine with an NVIDIA GPU")
         if device == "cpu" and self.gpus:
             raise UsageError(f"--gpus {_text(self.gpus)} names GPUs, but the ranks run on the CPU"
                              f"{' (--device cpu)' if self.device else ' (no CUDA device here)'}",
                              "leave --gpus out (--nproc N sets the CPU ranks), or use --device cuda where GPUs are "
-                             "visible")
+                             "visible", node_hint="clear the xDiT Parallel Config's gpus: the backend finds no GPU "
+                                                  "here and runs 2 ranks on the CPU")
         if device == "cuda":  # the GPUs this process sees, counted as the ranks will (gpus.py)
             available = available_gpus(os.environ, gpu_count)
             if self.gpus:
