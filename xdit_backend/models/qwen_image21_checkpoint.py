@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .checkpoint import FileShapes, TensorSource, count_blocks, prefix_detector
+from .qwen_image_checkpoint import rope_axes  # the same split of a head: (16, 56, 56) at 128
 
 MARKERS = ("txt_in.text_norm.weight", "modulation.1.weight", "img_in.weight")
 detect_prefix = prefix_detector(MARKERS)
@@ -68,12 +69,6 @@ def config_from_shapes(shapes: dict[str, list[int]], prefix: str, path: str) -> 
         "axes_dims_rope": rope_axes(head_dim),
         "fused_mlp": fused,
     }
-
-
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """The RoPE split of a head: (16, 56, 56) at 128 (ComfyUI's default); the same proportions, even, at others."""
-    side = (7 * head_dim // 16) // 2 * 2
-    return (head_dim - 2 * side, side, side)
 
 
 def variant(config: dict) -> str:
