@@ -103,17 +103,18 @@ class Backends:
     def __init__(self):
         self.started: list[tuple[Path, set[int]]] = []
 
-    def start(self, nproc: int, fresh: bool = False, **options) -> Client:
+    def start(self, nproc: int, fresh: bool = False, environment: dict[str, str] | None = None, **options) -> Client:
         """A CPU backend; without timing its links at start (a test that reads them passes topology_probe="on"),
         so that ``--parallel auto`` keeps its fixed order and the tests' layouts do not depend on the load.
         Its ranks look for an armed fault beside its socket (``arm_fault``) and keep their links' figures there.
         Its launcher is forked from this worker's zygote (tests/zygote.py), or with ``fresh`` started as
-        ``xdit-backend start`` starts one (a new process, its ranks forked from a fork server)."""
+        ``xdit-backend start`` starts one (a new process, its ranks forked from a fork server); ``environment``: more
+        variables for its ranks."""
         options = {"topology_probe": "off", **options}
         sock = short_socket_dir() / "backend.sock"
         status = launcher.start(launcher.LaunchOptions(socket=sock, nproc=nproc, device="cpu", **options),
                                 environment={FAULT_ENV: str(fault_file(sock)),  # links timed afresh, kept beside it
-                                             KEPT_ENV: str(sock.parent / "topology.json")},
+                                             KEPT_ENV: str(sock.parent / "topology.json"), **(environment or {})},
                                 spawn=None if fresh else ZYGOTE.spawn)
         self.started.append((sock, {status["pid"], *(r["pid"] for r in status["ranks"])}))
         return Client(sock)

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from xdit_backend import schema
 from xdit_backend.distributed.config import ParallelConfig
+from xdit_backend.service.load_progress import INTERVAL_ENV
 from xdit_backend.service.request import SampleRequest
 from xdit_backend.wire.protocol import Message
 
@@ -78,3 +79,16 @@ def test_the_wait_before_the_first_step_is_told_a_model_to_load_once(backend):
     client.sample(fields, on_note=first.append)
     client.sample(fields, on_note=again.append)
     assert [note for note in first if note.startswith("loading pixart-tiny on 2 ranks")] and not again
+
+
+def test_a_loading_model_is_told_as_it_is_read(backends):
+    """Issue 30: while the weights are read, the client gets how far (a line at each new tenth; the one-second spacing
+    between lines is lifted here, a tiny model loading in less), ending at 100 %, and a model already loaded gets none."""
+    client = backends.start(1, environment={INTERVAL_ENV: "0"})
+    fields = {"model": "pixart-tiny", "width": 64, "height": 64, "steps": 1, "seed": 1}
+    first, again = [], []
+    client.sample(fields, on_note=first.append)
+    client.sample(fields, on_note=again.append)
+    told = [int(note.split(": ")[1].split(" %")[0]) for note in first if note.startswith("loading pixart-tiny: ")]
+    assert len(told) >= 5 and told == sorted(set(told)) and told[-1] == 100
+    assert not [note for note in again if note.startswith("loading")]

@@ -259,14 +259,15 @@ def spec(ref: str):
 
 
 def build(ref: str, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
-          blocks: tuple[int, int] | None = None, weight_dtype: str = "default", sharding=None):
+          blocks: tuple[int, int] | None = None, weight_dtype: str = "default", sharding=None, progress=None):
     """Build or load the model ``ref`` names (build_source)."""
-    return build_source(resolve(ref), ref, device, dtype, loras, blocks, weight_dtype, sharding)
+    return build_source(resolve(ref), ref, device, dtype, loras, blocks, weight_dtype, sharding, progress)
 
 
 def build_source(source: ModelSource, name: str, device: torch.device, dtype: torch.dtype = torch.float32,
                  loras=(), blocks: tuple[int, int] | None = None, weight_dtype: str = "default",
-                 sharding: weights.BlockSharding | None = None):
+                 sharding: weights.BlockSharding | None = None,
+                 progress: Callable[[int, int], None] | None = None):
     """Build or load a model (called ``name``) onto ``device`` computing in ``dtype`` (seeded weights for a built-in,
     else its file or folder), carrying ``loras`` (lora.LoraSpec) as patches (``model.patches``: lora.py).
 
@@ -280,6 +281,8 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     device for the caller to drop (parallel/pipefusion.keep_stage). ``sharding``: each block's tensors
     are read only in this rank's rows and the block is sharded as soon as they are in (weights.put), so
     the host and the device never hold more than the shards and the layers outside the blocks.
+    ``progress(done, total)``: after each tensor, the parameters of ``keys`` filled so far and in all
+    (service/load_progress.py tells the person waiting).
     """
     family = FAMILIES[source.family]
     fp8 = _weight_dtype(weight_dtype)
@@ -288,6 +291,8 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     transformer = construct(source)
     keys = _stage_keys(transformer, family, blocks)
     with _tensors(source, transformer, keys, device) as tensor_of:
+        if progress is not None:
+            tensor_of = _counted(tensor_of, transformer, keys, progress)
         weights.put(transformer, keys, tensor_of, device, dtype, fp8,
                     sharding and (sharding, _blocks(transformer, family, blocks)))
     broken = storage.non_finite(transformer) if source.kind != "builtin" else []  # a built-in's are drawn, finite
@@ -304,6 +309,25 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     except UserError as exc:
         raise ModelError(exc.message, exc.hint) from None
     return model
+
+
+def _counted(tensor_of: Callable[..., object], transformer, keys: list[str],
+             progress: Callable[[int, int], None]) -> Callable[..., object]:
+    """``tensor_of`` that reports, after each tensor, the parameters read so far (a sharded block's keys are read
+    once each, in this rank's rows: the fraction is of this rank's work) and the total of ``keys``."""
+    wanted = set(keys)
+    sizes = {key: tensor.numel() for key, tensor in transformer.state_dict().items() if key in wanted}  # on meta
+    total = sum(sizes.values())
+    done = 0
+
+    def counted(key: str, part: tuple[int, int] | None = None) -> object:
+        nonlocal done
+        tensor = tensor_of(key, part)
+        done = min(total, done + sizes.get(key, 0))
+        progress(done, total)
+        return tensor
+
+    return counted
 
 
 def _weight_dtype(name: str) -> torch.dtype | None:

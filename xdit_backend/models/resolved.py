@@ -62,9 +62,10 @@ class ResolvedModel:
         return math.prod(registry.attention_geometry(self.source.config))
 
     def build(self, device: torch.device, dtype: torch.dtype = torch.float32, loras=(),
-              blocks: tuple[int, int] | None = None, weight_dtype: str = "default", sharding=None):
+              blocks: tuple[int, int] | None = None, weight_dtype: str = "default", sharding=None, progress=None):
         """The model built or loaded onto ``device`` (registry.build_source)."""
-        return registry.build_source(self.source, self.name, device, dtype, loras, blocks, weight_dtype, sharding)
+        return registry.build_source(self.source, self.name, device, dtype, loras, blocks, weight_dtype, sharding,
+                                     progress)
 
 
 def resolve_model(ref: str) -> ResolvedModel:

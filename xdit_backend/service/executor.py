@@ -62,6 +62,9 @@ class Executor:
         # Rank 0's "stop now" for the running request (its job cancelled, or the backend stopping), asked before
         # every block where a stop there is told to every peer at once (``stops_between_blocks``); None: between steps
         self.stop_requested = None
+        # Rank 0's ``progress(done, total)`` for a model it loads (load_progress.py: the person waiting is told); None
+        # on the other ranks, and between requests
+        self.load_progress = None
 
     @property
     def cache_counts(self) -> dict | None:
@@ -102,7 +105,7 @@ class Executor:
         sharding = None if shard_mesh is None else shard.row_sharding(shard_mesh, self.rt.device, model.source.gguf)
         device = torch.device("cpu") if shard_mesh is not None and sharding is None else self.rt.device
         built = model.build(device, getattr(torch, key.compute_dtype), blocks=key.stage, weight_dtype=key.weight_dtype,
-                            sharding=sharding)
+                            sharding=sharding, progress=self.load_progress)
         blocks = None if key.stage is None else keep_stage(built.transformer, built.spec.stage_plan, *key.stage)
         if shard_mesh is not None:
             shard.shard_blocks(built, shard_mesh, self.rt.device)

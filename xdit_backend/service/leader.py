@@ -37,6 +37,7 @@ from .agreement import run_request
 from .evaluate_request import EvaluateRequest
 from .executor import Executor
 from .input_store import MissingInputs
+from .load_progress import LoadProgress, interval_s
 from .request import RequestError, SampleRequest
 from .server import Job, SocketServer
 
@@ -213,13 +214,22 @@ class Leader:
         model = resolve_model(request.model)  # resolved once per file version: already, by resolve
         notes = []
         if model.cache_name not in self.executor.cache.names():
-            path = Path(model.source.ref)
-            size = f", {human_bytes(path.stat().st_size)}" if model.source.kind == "file" else ""
-            notes.append(f"loading {path.name if model.source.kind != 'builtin' else request.model} on "
-                         f"{self.rt.world_size} ranks{size} (the model's first run; it stays loaded)")
+            size = _file_size(model)
+            notes.append(f"loading {_shown_name(model)} on {self.rt.world_size} ranks"
+                         f"{f', {human_bytes(size)}' if size else ''} (the model's first run; it stays loaded)")
         if request.compile:
             notes.append("compiling the blocks (torch.compile): the first run at a new size takes longer")
         return notes
+
+    def run_telling_loads(self, job: Job, request: SampleRequest | EvaluateRequest, after_step):
+        """agreement.run_request, with the client told how far a model it loads has got (load_progress.py)."""
+        model = resolve_model(request.model)
+        self.executor.load_progress = LoadProgress(job.note, _shown_name(model), _file_size(model),
+                                                   interval_s())
+        try:
+            return run_request(self.rt, self.gate, self.executor, request, after_step, lambda: job.cancelled)
+        finally:
+            self.executor.load_progress = None
 
     def memory_fit(self, request: SampleRequest, model: ResolvedModel, config: ParallelConfig,
                    text_tokens: int) -> MemoryFit | None:
@@ -283,7 +293,7 @@ class Leader:
             job.progress(done, total)
             return self.gate.passes(stop=job.cancelled)
 
-        outcome = run_request(self.rt, self.gate, self.executor, request, after_step, lambda: job.cancelled)
+        outcome = self.run_telling_loads(job, request, after_step)
         self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
         if self.failed(job, outcome, "the result", "latent, reference, conditioning"):
             return
@@ -346,8 +356,7 @@ class Leader:
             return
         broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
         loaded = self.executor.loaded()
-        outcome = run_request(self.rt, self.gate, self.executor, request, lambda done, total: True,
-                              lambda: job.cancelled)
+        outcome = self.run_telling_loads(job, request, lambda done, total: True)
         self.evaluations = dict(self.executor.evaluations)  # a new dict: the server's thread reads the old one whole
         if outcome.failures is not None or self.executor.loaded() != loaded:
             self.refresh_memory()  # a model loaded or evicted (not at every call: a gather on every rank)
@@ -422,3 +431,13 @@ def non_finite(latent) -> str | None:
 def node_hint(exc: UserError) -> dict:
     """An error reply's ``node_hint`` field, where the error words its fix for the ComfyUI nodes too."""
     return {"node_hint": exc.node_hint} if exc.node_hint else {}
+
+
+def _shown_name(model: ResolvedModel) -> str:
+    """A model as the person waiting knows it: its file or folder name, or a built-in's name."""
+    return model.name if model.source.kind == "builtin" else Path(model.source.ref).name
+
+
+def _file_size(model: ResolvedModel) -> int | None:
+    """The bytes of a model that is one file (a folder's or a built-in's: None)."""
+    return Path(model.source.ref).stat().st_size if model.source.kind == "file" else None
