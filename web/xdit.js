@@ -5,6 +5,7 @@ import { ComfyWidgets } from "../../scripts/widgets.js";
 
 const NODES = new Set(["XDiTBackend", "XDiTSampler", "XDiTSamplerAdvanced"]);
 const WIDGET = "xdit_status";
+const WAIT_TEXT = "$$node-text-preview"; // ComfyUI's progress text: what the node waited for before its first step
 
 app.registerExtension({
   name: "comfyui-xdit.node-text",
@@ -22,7 +23,12 @@ app.registerExtension({
         widget.serialize = false; // the node's saved widget values stay its own
       }
       widget.value = text;
-      this.setSize([Math.max(this.size[0], 320), Math.max(this.size[1], this.computeSize()[1])]);
+      const waited = this.widgets.find((w) => w.name === WAIT_TEXT);
+      if (waited && this.removeWidget) this.removeWidget(waited); // the wait is over: its last line would hide the text
+      // room for the whole text (about 50 characters a line at the node's width, 12 px each), up to 10 lines
+      const lines = text.split("\n").reduce((n, line) => n + Math.max(1, Math.ceil(line.length / 50)), 0);
+      const height = this.computeSize()[1] + 12 * Math.min(lines, 10);
+      this.setSize([Math.max(this.size[0], 320), Math.max(this.size[1], height)]);
       app.graph.setDirtyCanvas(true, false);
     };
   },

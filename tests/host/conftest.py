@@ -22,6 +22,8 @@ from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
+FLUX_TINY = "test-flux-tiny_latent-no-downloads_all-gpus"  # the built-in test models' workflows: no model files
+QWEN_TINY = "test-qwen-image-tiny_latent-no-downloads_all-gpus"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
 

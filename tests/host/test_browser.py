@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from host.conftest import FLUX_TINY
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (Debian: apt install chromium); the "
@@ -83,7 +84,7 @@ def page(host, tmp_path):
 
 
 def test_a_template_loads_runs_and_its_sampler_shows_the_layout_on_the_node(page, host, tmp_path):
-    name = "xdit-tiny"
+    name = FLUX_TINY
     count = page.evaluate(f"""(async () => {{
         const reply = await fetch("/api/workflow_templates/comfyui-xdit/{name}.json");
         await window.app.loadGraphData(await reply.json());
@@ -101,9 +102,40 @@ def test_a_template_loads_runs_and_its_sampler_shows_the_layout_on_the_node(page
         const widget = node && node.widgets && node.widgets.find((w) => w.name === "xdit_status");
         return widget ? widget.value : null; })()""", seconds=300)
     assert "world" in text and "s," in text, text  # the layout that ran, its time
+    waits = page.evaluate("""window.app.graph._nodes.find((n) => n.type === "XDiTSampler").widgets
+        .filter((w) => w.name === "$$node-text-preview").length""")
+    assert waits == 0  # the waits' last line ("loading …") is gone once the node shows what ran
     time.sleep(1)  # the canvas draws the widget on its next frame
-    shot = tmp_path / f"{name}-ran.png"
+    shot = tmp_path / "xdit-tiny-ran.png"
     page.screenshot(shot)
     assert shot.stat().st_size > 10_000
+    if os.environ.get("XDIT_SCREENSHOTS"):
+        shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)
+
+
+def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail(page, tmp_path):
+    """Issue 30: ComfyUI's template browser, opened as a user opens it, lists the pack's workflows (only the UI files),
+    each card titled by its name (<family>_<what it makes>_<GPUs>: the page shows nothing else of a custom node's
+    template) with its thumbnail loaded."""
+    expected = sorted(path.stem for path in (Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))
+    page.evaluate("""(() => {
+        document.querySelectorAll(".p-dialog-header-close, .p-dialog-close-button").forEach((b) => b.click());
+        window.app.extensionManager.command.execute("Comfy.BrowseTemplates");
+        return true; })()""")
+    page.wait_for("""(() => { const item = [...document.querySelectorAll("li, [role=option], a, button, span")]
+        .find((e) => e.textContent.trim() === "comfyui-xdit"); if (item) item.click(); return !!item; })()""")
+    # the cards are drawn as they scroll into view: those drawn are the pack's, each titled by its name, its
+    # description that name in words (the page's own), the thumbnails in view loaded (512 × 384: workflow_thumbnails.py)
+    shown = page.wait_for("""(() => {
+        const dialog = document.querySelector(".p-dialog");
+        const thumbnails = [...dialog.querySelectorAll("img")].filter((i) => i.naturalWidth === 512 && i.naturalHeight === 384);
+        return thumbnails.length >= 3 ? {text: dialog.innerText, thumbnails: thumbnails.length} : null; })()""", seconds=60)
+    titles = [line.strip() for line in shown["text"].splitlines() if line.strip() in expected]
+    assert len(titles) >= 3  # and the thumbnails in view loaded (the others load as they scroll into it)
+    assert not [line for line in shown["text"].splitlines() if line.strip().endswith(".api")]  # no API twin
+    assert all(title.replace("-", " ").replace("_", " ") in shown["text"] for title in titles)
+    time.sleep(1)
+    shot = tmp_path / "template-browser.png"
+    page.screenshot(shot)
     if os.environ.get("XDIT_SCREENSHOTS"):
         shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)

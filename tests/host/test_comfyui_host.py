@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from host.conftest import COMFYUI_DIR, WORKFLOWS, Host
+from host.conftest import COMFYUI_DIR, FLUX_TINY, QWEN_TINY, WORKFLOWS, Host
 
 pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkout: set COMFYUI_DIR "
                                 "(and run with a Python that has ComfyUI's requirements) to test the pack in ComfyUI")
@@ -74,7 +74,7 @@ def test_the_template_browser_lists_the_ui_workflows_only_each_loading_with_its_
 def test_the_sampler_and_the_backend_node_return_their_text_for_the_node(host):
     """Issue 30: the layout that ran (and auto's reason), the time, and — with auto on and degrees set anyway — that
     those degrees were not used; the page shows it on the node (web/xdit.js, which ComfyUI serves)."""
-    prompt = load_api("xdit-tiny.api.json")
+    prompt = load_api(f"{FLUX_TINY}.api.json")
     config = nodes_of(prompt, "XDiTParallelConfig")[0]
     prompt[config]["inputs"].update(auto=True, ulysses=2)
     prompt_id = host.queue(prompt)
@@ -93,7 +93,7 @@ def test_the_sampler_and_the_backend_node_return_their_text_for_the_node(host):
 def test_a_layout_error_in_comfyui_speaks_of_the_nodes_not_of_cli_flags(host):
     """Issue 30: "start the backend with --nproc 3; or use --parallel auto" in ComfyUI, where there is no such flag.
     The error words its fix for the nodes (the xDiT Parallel Config's widgets, the xDiT Backend node's action)."""
-    prompt = load_api("xdit-tiny.api.json")
+    prompt = load_api(f"{FLUX_TINY}.api.json")
     config = nodes_of(prompt, "XDiTParallelConfig")[0]
     prompt[config]["inputs"].update(auto=False, ulysses=3)  # the backend the nodes start here has 2 ranks
     prompt_id = host.queue(prompt)
@@ -108,7 +108,7 @@ def test_a_layout_error_in_comfyui_speaks_of_the_nodes_not_of_cli_flags(host):
 def test_a_missing_model_file_is_refused_when_the_prompt_is_queued(host, name, missing):
     """Issue 30: the loader's file was only found missing when the prompt ran; ComfyUI's validation now refuses the
     prompt when it is queued (400, the node's error), and a file that is there passes it."""
-    prompt = load_api("xdit-tiny.api.json")
+    prompt = load_api(f"{FLUX_TINY}.api.json")
     loader = nodes_of(prompt, "XDiTLoadDiffusionModel")[0]
     prompt[loader]["inputs"]["model_name"] = name
     with pytest.raises(AssertionError) as refused:
@@ -121,7 +121,7 @@ def test_a_missing_model_file_is_refused_when_the_prompt_is_queued(host, name, m
 # The saved latent's frame axes, as KSampler gives them: Qwen-Image's latent format is Wan 2.1's,
 # a video format (latent_dimensions 3), so ComfyUI samples an EmptySD3LatentImage as one frame,
 # [B, 16, 1, h, w] (comfy/sample.py fix_empty_latent_channels; comfy/latent_formats.py Wan21).
-TINY_WORKFLOWS = {"xdit-tiny": (), "qwen-image-tiny": (1,)}
+TINY_WORKFLOWS = {FLUX_TINY: (), QWEN_TINY: (1,)}
 
 
 @pytest.mark.parametrize("name", TINY_WORKFLOWS)
@@ -132,7 +132,7 @@ def test_the_tiny_workflow_runs_with_progress_and_a_latent(host, name):
     assert outcome == "success", host.why(prompt_id)
     steps = prompt[nodes_of(prompt, "XDiTSampler")[0]]["inputs"]["steps"]
     assert (steps, steps) in progress and len(progress) >= steps  # the bar moved every step
-    latent = host.latest_latent(name)
+    latent = host.latest_latent(prompt[nodes_of(prompt, "SaveLatent")[0]]["inputs"]["filename_prefix"].split("/")[-1])
     empty = prompt[nodes_of(prompt, "EmptySD3LatentImage")[0]]["inputs"]
     frames = TINY_WORKFLOWS[name]
     assert latent.shape == (empty["batch_size"], 16, *frames, empty["height"] // 8, empty["width"] // 8)
@@ -140,7 +140,7 @@ def test_the_tiny_workflow_runs_with_progress_and_a_latent(host, name):
 
 
 def test_a_bad_parallel_config_reaches_history_readably(host):
-    prompt = load_api("xdit-tiny.api.json")
+    prompt = load_api(f"{FLUX_TINY}.api.json")
     config = nodes_of(prompt, "XDiTParallelConfig")[0]
     prompt[config]["inputs"].update({"auto": False, "ulysses": 3})
     prompt_id = host.queue(prompt)
@@ -150,11 +150,11 @@ def test_a_bad_parallel_config_reaches_history_readably(host):
     assert error["node_type"] == "XDiTSampler"
     assert "ulysses" in error["exception_message"] and "Traceback" not in error["exception_message"]
     # ComfyUI and the backend both keep going: the same workflow, fixed, runs
-    assert host.follow(host.queue(load_api("xdit-tiny.api.json")))[0] == "success"
+    assert host.follow(host.queue(load_api(f"{FLUX_TINY}.api.json")))[0] == "success"
 
 
 def test_interrupt_stops_a_long_run_and_the_backend_keeps_serving(host):
-    prompt = load_api("xdit-tiny.api.json")
+    prompt = load_api(f"{FLUX_TINY}.api.json")
     sampler = nodes_of(prompt, "XDiTSampler")[0]
     prompt[sampler]["inputs"]["steps"] = 2000
     seen = []
@@ -168,7 +168,7 @@ def test_interrupt_stops_a_long_run_and_the_backend_keeps_serving(host):
     outcome, progress = host.follow(host.queue(prompt), on_progress=interrupt_once)
     assert outcome == "interrupted" and progress[-1][0] < 2000
     assert time.monotonic() - started < 120
-    assert host.follow(host.queue(load_api("xdit-tiny.api.json")))[0] == "success"
+    assert host.follow(host.queue(load_api(f"{FLUX_TINY}.api.json")))[0] == "success"
 
 
 def test_xdit_sampler_gives_ksamplers_latent_on_the_same_file(host):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from host.conftest import WORKFLOWS
+from host.conftest import FLUX_TINY, QWEN_TINY, WORKFLOWS
 
 from xdit_backend.models import model_patch
 
@@ -78,7 +78,7 @@ def test_the_control_latent_is_what_comfyuis_patch_encodes(pack, tmp_path, mask_
     assert (ours - patch.encoded_image).abs().max() <= 1e-6
 
 
-def run_with_control(host, node: dict, prefix: str, workflow: str = "qwen-image-tiny",
+def run_with_control(host, node: dict, prefix: str, workflow: str = QWEN_TINY,
                      model: str = "qwen-image-tiny") -> tuple[torch.Tensor, dict]:
     """A tiny workflow (3 steps; Qwen-Image's unless told) with a control node (class and inputs) between the loader
     and the sampler, through ComfyUI's HTTP API: its latent [B, 16, h, w] (one frame) and the serial request it asked
@@ -166,7 +166,7 @@ def test_a_flux_workflow_with_a_union_controlnet_gives_the_serial_latent(host):
 
     latent, fields = run_with_control(host, {"class_type": "XDiTControlNet", "inputs": {
         "control_net": "[test] flux-controlnet-tiny", "strength": 0.6, "start_percent": 0.0, "end_percent": 1.0,
-        "union_type": "canny/lineart/anime_lineart/mlsd"}}, "flux-controlnet", "xdit-tiny", "flux-tiny")
+        "union_type": "canny/lineart/anime_lineart/mlsd"}}, "flux-controlnet", FLUX_TINY, "flux-tiny")
     control = {"path": "flux-controlnet-tiny", "strength": 0.6}
     expected = serial_latent({**fields, "controls": [{**control, "type": 3}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
@@ -180,7 +180,7 @@ def test_an_sd3_workflow_with_its_controlnet_gives_the_serial_latent(host):
 
     latent, fields = run_with_control(host, {"class_type": "XDiTControlNet", "inputs": {
         "control_net": "[test] sd3-controlnet-tiny", "strength": 0.6, "start_percent": 0.5, "end_percent": 1.0}},
-        "sd3-controlnet", "xdit-tiny", "sd3-tiny")
+        "sd3-controlnet", FLUX_TINY, "sd3-tiny")
     control = {"path": "sd3-controlnet-tiny", "strength": 0.6}
     expected = serial_latent({**fields, "controls": [{**control, "start": 0.5, "end": 1.0}]})
     assert (latent - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
