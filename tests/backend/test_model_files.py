@@ -297,8 +297,9 @@ def test_a_model_file_samples_like_the_same_weights_built_in(backend2, tiny, tmp
     from_file, _ = backend2.sample({**fields, "model": str(path)}, tensors)
     built_in, _ = backend2.sample({**fields, "model": "flux-tiny"}, tensors)
     assert (from_file["samples"] - built_in["samples"]).abs().max() <= 1e-5
-    with pytest.raises(Exception, match="needs text conditioning"):
+    with pytest.raises(Exception, match="needs text conditioning") as info:
         backend2.sample({**fields, "model": str(path)})
+    assert "--embeds" in info.value.hint and "CLIP Text Encode" in info.value.node_hint  # each caller's own words
 
 
 def test_conversion_matches_diffusers_own_converter_at_full_width(tmp_path):

@@ -71,6 +71,8 @@ def test_huge_declared_payload_allocates_nothing(backend1):
         sock.sendall(frame({"type": "echo"})[:-8] + struct.pack(">Q", 1 << 40))
         reply = read_reply(sock)
         assert "exceeds the limit" in reply.fields["message"]
+        assert "--max-payload-mb" in reply.fields["hint"]  # the command line's fix; the nodes' names their node
+        assert "xDiT Backend node: stop backend" in reply.fields["node_hint"]
     assert_still_serving(backend1)
 
 

@@ -120,7 +120,9 @@ def test_a_family_without_references_refuses_them():
     tensors = {"context": torch.randn(2, 8, 64), "pooled": torch.randn(2, 32), "reference_0": torch.randn(2, 16, 4, 4)}
     with pytest.raises(RequestError, match=r"reference_0: model flux-tiny \(sd3\) takes no reference latents") as info:
         conditioning(tensors, sd3)
-    assert "edit model" in info.value.hint
+    assert "edit model" in info.value.hint and "--reference-latent" in info.value.hint
+    # in ComfyUI the fix names the nodes that made the reference, never the command line's flag (issue 30)
+    assert "ReferenceLatent" in info.value.node_hint and "--" not in info.value.node_hint
 
 
 def test_the_existing_families_take_what_they_took():

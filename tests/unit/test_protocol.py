@@ -187,3 +187,13 @@ def test_a_long_reply_string_is_read_and_a_long_request_string_refused():
     assert reply.fields["message"] == long
     with pytest.raises(protocol.FrameError, match="field 'model' is longer than 4096 characters"):
         protocol.decode_bytes(protocol.encode_bytes(Message("sample", {"model": long})))
+
+
+def test_the_frame_errors_a_comfyui_user_meets_give_the_fix_in_the_nodes_words():
+    """Issue 30: a backend left running across an upgrade of the pack, or a request over the payload limit: the fix
+    for the command line names its command, the one for ComfyUI the xDiT Backend node's action."""
+    for name in ("wrong version", "payload too long"):
+        with pytest.raises(FrameError) as info:
+            protocol.decode_bytes(MALFORMED[name][0], direction="request")
+        assert "xdit-backend" in info.value.hint or "--" in info.value.hint
+        assert "xDiT Backend node: stop backend" in info.value.node_hint, name

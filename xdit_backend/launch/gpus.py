@@ -46,12 +46,12 @@ def chosen_gpus(env: Mapping[str, str], indices: Sequence[int], device_count: in
     if outside:
         visible = env.get(VISIBLE_ENV)
         seen = (f"{len(available)} GPU(s): {VISIBLE_ENV}={visible} in the environment the backend is started from "
-                "(ComfyUI's --cuda-device sets it), and --gpus counts within that list"
+                "(ComfyUI's --cuda-device sets it), and the GPUs asked for count within that list"
                 if visible is not None else f"{len(available)} GPU(s)")
         fix = f"use indices 0..{len(available) - 1}" if available else "check that torch sees the GPUs"
         if visible is not None:
             fix += f", or start ComfyUI (or the backend) without {VISIBLE_ENV} restricting it"
-        raise LaunchError(f"--gpus {','.join(map(str, indices))}: no GPU {','.join(map(str, outside))} "
+        raise LaunchError(f"gpus {','.join(map(str, indices))}: no GPU {','.join(map(str, outside))} "
                           f"among the {seen}; {fix}")
     return [available[index] for index in indices]
 

@@ -280,7 +280,9 @@ class SampleRequest:
             keys = ", ".join(key for key in spec.conditioning_shapes(1, 1) if key not in spec.optional_conditioning)
             raise RequestError(f"model {self.model} needs text conditioning: send {keys} "
                                "(and the same with a negative_ prefix for cfg > 1)",
-                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)")
+                               "encode the prompt with the model's text encoders (xdit-backend sample --embeds FILE)",
+                               node_hint="connect the prompt's conditioning (CLIP Text Encode) to the sampler's "
+                                         "positive input")
         latent = spec.latent_shape(self.batch, self.width, self.height, self.frames)
         sent = any(REFERENCE.fullmatch(name.removeprefix("negative_")) for name in self.tensors)
         drawn = () if sent else registry.resolve_builtin(self.model).references  # flux-kontext-tiny's own
@@ -363,8 +365,9 @@ class SampleRequest:
             return {}
         if not spec.takes_references:
             raise RequestError(f"{prefix}{names[0][1]}: model {self.model} ({spec.family}) takes no reference latents",
-                               "leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's image, "
-                               "--reference-latent), or use an edit model")
+                               "leave --reference-latent out, or use an edit model",
+                               node_hint="leave the reference images out (ReferenceLatent, TextEncodeQwenImageEdit's "
+                                         "image), or load an edit model in the xDiT loader")
         if len(names) > schema.MAX_REFERENCES:
             which = "negative" if prefix else "positive"
             raise RequestError(f"{len(names)} reference latents on the {which} side; at most "

@@ -262,7 +262,8 @@ class SocketServer:
                 except protocol.ConnectionClosed:
                     return
                 except FrameError as exc:
-                    conn.send(error_message(exc.kind, exc.message, exc.hint))
+                    conn.send(error_message(exc.kind, exc.message, exc.hint,
+                                            **({"node_hint": exc.node_hint} if exc.node_hint else {})))
                     if exc.fatal:
                         return
                     continue

@@ -79,7 +79,9 @@ def exchange(conn: Connection, message: Message, timeout: float, where: Path) ->
         reply = conn.receive(idle_timeout=timeout)
     except (protocol.ConnectionClosed, protocol.FrameError, OSError) as exc:
         raise BackendError("connection", f"the backend at {where} stopped answering ({exc})",
-                           "check `xdit-backend status`; the log is next to the socket") from None
+                           "check `xdit-backend status`; the log is next to the socket",
+                           node_hint="queue again (a backend that died is started again; the xDiT Backend node's "
+                                     "status action shows it); its log is next to the socket") from None
     finally:
         conn.close()
     if reply.type == "error":

@@ -80,10 +80,11 @@ REPLY_FIELDS: dict[str, dict[str, type | tuple]] = {
 class FrameError(Exception):
     """A frame that cannot be accepted; ``fatal`` when the stream cannot be read further."""
 
-    def __init__(self, message: str, hint: str = "", *, fatal: bool, kind: str = "bad_frame"):
+    def __init__(self, message: str, hint: str = "", *, fatal: bool, kind: str = "bad_frame", node_hint: str = ""):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.node_hint = node_hint  # the fix in the ComfyUI nodes' words, where it differs (errors.UserError)
         self.fatal = fatal
         self.kind = kind
 
@@ -161,6 +162,8 @@ def _check_prelude(prelude: bytes, limits: Limits) -> int:
             "restart the backend after upgrading (xdit-backend stop), so client and backend match",
             fatal=True,
             kind="version",
+            node_hint="the backend still running is the pack's older version: stop it (xDiT Backend node: stop "
+                      "backend) and queue again, which starts the upgraded one",
         )
     if header_len > limits.max_header_bytes:
         raise FrameError(
@@ -176,6 +179,9 @@ def _check_payload_length(payload_len: int, limits: Limits) -> None:
             f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}",
             "send smaller tensors, or start the backend with a larger --max-payload-mb",
             fatal=True,
+            node_hint="a smaller size, frame count or batch; or start the backend yourself with a larger limit "
+                      "(xdit-backend start --max-payload-mb N: the nodes use a backend that runs), after stopping this "
+                      "one (xDiT Backend node: stop backend)",
         )
 
 
