@@ -116,7 +116,7 @@ def test_a_template_loads_runs_and_its_sampler_shows_the_layout_on_the_node(page
 def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail(page, tmp_path):
     """Issue 30: ComfyUI's template browser, opened as a user opens it, lists the pack's workflows (only the UI files),
     each card titled by its name (<family>_<what it makes>_<GPUs>: the page shows nothing else of a custom node's
-    template) with its thumbnail loaded."""
+    template) with its thumbnail loaded; one found by the search box and clicked is on the canvas."""
     expected = sorted(path.stem for path in (Path(__file__).resolve().parents[2] / "workflows").glob("*.json"))
     page.evaluate("""(() => {
         document.querySelectorAll(".p-dialog-header-close, .p-dialog-close-button").forEach((b) => b.click());
@@ -136,6 +136,31 @@ def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail
     assert all(title.replace("-", " ").replace("_", " ") in shown["text"] for title in titles)
     time.sleep(1)
     shot = tmp_path / "template-browser.png"
+    page.screenshot(shot)
+    if os.environ.get("XDIT_SCREENSHOTS"):
+        shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)
+    # a card opened as a user opens one: found by the browser's search box, clicked, its workflow on the canvas
+    name = "flux1-dev_text-to-image_all-gpus"
+    page.evaluate(f"""(() => {{
+        const search = document.querySelector(".p-dialog input[placeholder^='Search']");
+        search.value = "{name}";
+        search.dispatchEvent(new Event("input", {{bubbles: true}}));
+        return true; }})()""")
+    page.wait_for(f"""(() => {{ const title = [...document.querySelectorAll(".p-dialog *")]
+        .find((e) => e.children.length === 0 && e.textContent.trim() === "{name}");
+        if (title) title.click(); return !!title; }})()""", seconds=30)
+    nodes = len(json.loads((Path(__file__).resolve().parents[2] / "workflows" / f"{name}.json").read_text())["nodes"])
+    page.wait_for(f"""!document.querySelector(".p-dialog") && window.app.graph._nodes.length === {nodes}
+        && window.app.graph._nodes.some((n) => n.type === "XDiTSampler")""", seconds=30)
+    page.evaluate("""(() => {  // at a zoom where the canvas draws text (fitting it all would draw boxes only)
+        const canvas = window.app.canvas, nodes = window.app.graph._nodes;
+        const left = Math.min(...nodes.map((n) => n.pos[0])), top = Math.min(...nodes.map((n) => n.pos[1]));
+        canvas.ds.scale = 0.8;
+        canvas.ds.offset = [20 / 0.8 - left, 110 / 0.8 - top];  // screen = (graph + offset) · scale
+        canvas.setDirty(true, true);
+        return true; })()""")
+    time.sleep(1)
+    shot = tmp_path / "flux1-dev-workflow.png"
     page.screenshot(shot)
     if os.environ.get("XDIT_SCREENSHOTS"):
         shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)

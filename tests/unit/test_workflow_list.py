@@ -52,3 +52,8 @@ def test_each_name_says_its_family_what_it_makes_and_its_gpus_truly():
                 degrees = (config["dp"] * (2 if config["cfg_parallel"] else 1) * config["pipefusion"]
                            * config["ring"] * config["ulysses"])
                 assert degrees == int(match.group(3)), f"{name}: its layout's degrees multiply to {degrees}"
+
+
+def test_every_workflow_the_readme_names_exists():
+    named = set(re.findall(r"`([a-z0-9-]+_[a-z0-9-]+_(?:all|\d+)-gpus)`", (WORKFLOWS.parent / "README.md").read_text()))
+    assert named and not named - {p.stem for p in WORKFLOWS.glob("*.json")}
