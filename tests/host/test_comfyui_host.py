@@ -297,6 +297,7 @@ def test_the_backend_node_shows_status_unloads_and_stops(host):
     assert host.follow(host.queue(xdit_on_tiny_sd3(seed=31)))[0] == "success"  # a backend with a model loaded
     status = run("status")
     assert "world size 2" in status and "tiny-sd3.safetensors" in status
+    assert "rank 0: cpu" in status and "rank 1: cpu" in status and "  memory: " in status  # ranks, devices, memory
     assert "tiny-sd3.safetensors" in run("unload models")
     assert "stopped" in run("stop backend")
     assert "no backend" in run("status")
