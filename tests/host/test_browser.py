@@ -65,6 +65,14 @@ class Page:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
 
+def keep_screenshot(page: Page, path: Path) -> Path:
+    """The page as it is now, at ``path``; with XDIT_SCREENSHOTS=DIR also in DIR (the README's: docs/images)."""
+    page.screenshot(path)
+    if os.environ.get("XDIT_SCREENSHOTS"):
+        shutil.copy(path, Path(os.environ["XDIT_SCREENSHOTS"]) / path.name)
+    return path
+
+
 @pytest.fixture
 def page(host, tmp_path):
     port = 9400 + os.getpid() % 500
@@ -106,11 +114,7 @@ def test_a_template_loads_runs_and_its_sampler_shows_the_layout_on_the_node(page
         .filter((w) => w.name === "$$node-text-preview").length""")
     assert waits == 0  # the waits' last line ("loading …") is gone once the node shows what ran
     time.sleep(1)  # the canvas draws the widget on its next frame
-    shot = tmp_path / "xdit-tiny-ran.png"
-    page.screenshot(shot)
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("XDIT_SCREENSHOTS"):
-        shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)
+    assert keep_screenshot(page, tmp_path / "xdit-tiny-ran.png").stat().st_size > 10_000
 
 
 def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail(page, tmp_path):
@@ -135,10 +139,7 @@ def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail
     assert not [line for line in shown["text"].splitlines() if line.strip().endswith(".api")]  # no API twin
     assert all(title.replace("-", " ").replace("_", " ") in shown["text"] for title in titles)
     time.sleep(1)
-    shot = tmp_path / "template-browser.png"
-    page.screenshot(shot)
-    if os.environ.get("XDIT_SCREENSHOTS"):
-        shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)
+    keep_screenshot(page, tmp_path / "template-browser.png")
     # a card opened as a user opens one: found by the browser's search box, clicked, its workflow on the canvas
     name = "flux1-dev_text-to-image_all-gpus"
     page.evaluate(f"""(() => {{
@@ -160,7 +161,4 @@ def test_the_template_browser_shows_each_workflow_by_its_name_with_its_thumbnail
         canvas.setDirty(true, true);
         return true; })()""")
     time.sleep(1)
-    shot = tmp_path / "flux1-dev-workflow.png"
-    page.screenshot(shot)
-    if os.environ.get("XDIT_SCREENSHOTS"):
-        shutil.copy(shot, Path(os.environ["XDIT_SCREENSHOTS"]) / shot.name)
+    keep_screenshot(page, tmp_path / "flux1-dev-workflow.png")
