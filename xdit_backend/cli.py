@@ -214,20 +214,28 @@ def print_progress(step: int, total: int, elapsed: float) -> None:
 
 def refuse_other_launch_flags(args, status: dict, socket_path) -> None:
     """Launch flags given to ``sample`` while a backend already serves the socket are its own or refused: they
-    would be silently ignored, the running backend's ranks serving the request."""
+    would be silently ignored, the running backend's ranks serving the request. GPUs are compared as physical ids
+    (launch/gpus.py ``running_elsewhere``, as the nodes compare them), the device by its kind (a rank's is cuda:0)."""
+    from socket import gethostname
+
+    from .launch.gpus import running_elsewhere
+    from .launch.options import cuda_device_count
+
     ranks = status.get("ranks", [])
-    running = {"nproc": status.get("world_size"), "device": ranks[0]["device"] if ranks else None,
-               "gpus": tuple(r["gpu"] for r in ranks) if ranks and all(r.get("gpu") is not None for r in ranks)
-               else None}
-    differ = [(name, given, running[name]) for name, given in (("nproc", args.nproc), ("device", args.device),
-                                                               ("gpus", args.gpus))
-              if given is not None and given != running[name]]
+    device = ranks[0]["device"].split(":")[0] if ranks else None
+    differ = []  # (what was asked, what the running backend has)
+    if args.nproc is not None and args.nproc != status.get("world_size"):
+        differ.append((f"--nproc {args.nproc}", f"nproc {status.get('world_size')}"))
+    if args.device is not None and args.device != device:
+        differ.append((f"--device {args.device}", f"device {device}"))
+    if args.gpus is not None:
+        where = ("its ranks run on the CPU" if device != "cuda"
+                 else running_elsewhere(ranks, os.environ, args.gpus, cuda_device_count(), gethostname()))
+        if where:
+            differ.append((f"--gpus {','.join(map(str, args.gpus))}", where))
     if differ:
-        asked = ", ".join(f"--{name} {','.join(map(str, given)) if isinstance(given, tuple) else given}"
-                          for name, given, _ in differ)
-        has = ", ".join(f"{name} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
-                        for name, _, value in differ)
-        raise UsageError(f"a backend already serves {socket_path} ({has}), and {asked} would be ignored",
+        raise UsageError(f"a backend already serves {socket_path} ({', '.join(has for _, has in differ)}), and "
+                         f"{', '.join(asked for asked, _ in differ)} would be ignored",
                          "stop it first (`xdit-backend stop`) to start one with these flags, or leave them out to "
                          "use the running one")
 

@@ -62,3 +62,24 @@ def test_a_broken_pipe_ends_quietly(monkeypatch, capsys):
     monkeypatch.setattr(cli, "quiet_stdout", lambda: None)  # pytest's captured stdout has no file descriptor
     assert cli.main(["status", "--json"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_launch_flags_that_match_the_running_backend_are_taken(monkeypatch):
+    """`sample --device cuda --gpus 0,1` where a backend already runs on those GPUs: the flags are its own (a rank's
+    device reads cuda:0, its GPU a physical id string), so nothing is refused; other GPUs, a count or the CPU are."""
+    from argparse import Namespace
+    from socket import gethostname
+
+    from xdit_backend.errors import UsageError
+    from xdit_backend.launch import options
+
+    monkeypatch.setattr(options, "cuda_device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    host = gethostname()
+    status = {"world_size": 2, "ranks": [{"device": f"cuda:{i}", "gpu": str(i), "host": host} for i in (0, 1)]}
+    cli.refuse_other_launch_flags(Namespace(nproc=2, device="cuda", gpus=(0, 1)), status, "s.sock")
+    for asked, said in [(dict(gpus=(2, 3)), "GPUs 0,1, this request asks for GPUs 2,3"), (dict(nproc=4), "nproc 2"),
+                        (dict(device="cpu"), "device cuda")]:
+        with pytest.raises(UsageError, match=said):
+            cli.refuse_other_launch_flags(Namespace(**{"nproc": None, "device": None, "gpus": None, **asked}),
+                                          status, "s.sock")

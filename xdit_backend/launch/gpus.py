@@ -92,7 +92,7 @@ def running_elsewhere(ranks: list[dict], env: Mapping[str, str], indices: Sequen
     if sorted(running) == sorted(wanted):
         return None
     within = f" (GPUs {','.join(map(str, indices))} of {VISIBLE_ENV}={env[VISIBLE_ENV]})" if VISIBLE_ENV in env else ""
-    return f"the backend runs on GPUs {','.join(running) or 'none'}, this workflow asks for GPUs {','.join(wanted)}{within}"
+    return f"the backend runs on GPUs {','.join(running) or 'none'}, this request asks for GPUs {','.join(wanted)}{within}"
 
 
 def uses_gpu(ranks: list[dict], uuid: str | None, host: str) -> bool:
