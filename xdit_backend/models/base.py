@@ -325,8 +325,8 @@ class DiffusionModel(ABC):
         yield
 
     def predict_x0(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict, gen) -> torch.Tensor:
-        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]; a latent of parts (``gen.parts``: LTX-2's video
-        and audio) is packed [B, K] here and given to ``output`` as its parts, whose outputs are packed back."""
+        """x0 for ``x`` (model space) at noise levels ``sigma`` [B]; a latent of parts (``gen.parts``: LTX-2's or
+        MiniMax-H3's video and audio) is packed [B, K] here and given to ``output`` as its parts, whose outputs are packed back."""
         sampling = gen.sampling
         model_input = sampling.calculate_input(sigma, x).to(self.dtype)
         parts = getattr(gen, "parts", None)

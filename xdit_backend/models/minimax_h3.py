@@ -6,7 +6,8 @@ comfy_extras/nodes_minimax_h3.py 13a83ce7).
 The latent has two parts, sampled as one (sampling/packed.py): the video's [B, 24, T, H/16, W/16] (T = 2 + 5k for
 5 + 17k frames: the VAE groups 1, 4, 4, 4, 4 frames) and the stereo audio's [B, 32, 2, Ta] (40 latent frames a
 second at 24 fps). Every model call packs one sequence: the text's rows (Qwen3-VL's, through the model's token
-refiner once per conditioning), the audio's 2·Ta rows (channel by channel), then the video's rows (1×2×2 patches);
+refiner once per conditioning), the keyframes' rows (image to video: MiniMaxH3ImageToVideo's first and last frame,
+tagged video), the audio's 2·Ta rows (channel by channel), then the video's rows (1×2×2 patches);
 each row is tagged with its modality (video 0, text 1, audio 2) and a timestep (t = 1 − σ), and one stack of blocks
 attends over all of it, modulated per row by the (timestep, modality) pair. Positions are (t, h, w): text row i at
 (i, 0, 0); from the text's end, the video's frames at 5/3 per pixel frame over a centred grid, the audio's frames one
@@ -226,10 +227,6 @@ class Layout:
     audio: int
     video: int
 
-    @property
-    def rows(self) -> int:
-        return self.text + self.keyframes + self.audio + self.video
-
 
 class MiniMaxH3Model(DiffusionModel):
     """A loaded MiniMax-H3 transformer."""
@@ -334,7 +331,8 @@ class MiniMaxH3Model(DiffusionModel):
         return torch.cat(rows, dim=1), frames[0].float()
 
     def _tags(self, text_tags: torch.Tensor | None, layout: Layout) -> torch.Tensor:
-        """Each row's modality [S]: the text's own tags (1, or 0 for an image's vision tokens), then audio, video."""
+        """Each row's modality [S]: the text's own tags (1, or 0 for an image's vision tokens), then the keyframes
+        (video), the audio, the video."""
         if text_tags is None:
             text = torch.full((layout.text,), TEXT, device=self.device)
         else:

@@ -100,7 +100,8 @@ class Denoiser:
 
     def x0(self, x: torch.Tensor, sigma: torch.Tensor, conditioning: dict | tuple[dict, dict], gen) -> torch.Tensor:
         """Guided denoised estimate, uncond + (cond − uncond)·cfg, for x [B, C, (T,) h, w] at sigma [B],
-        from ``conditioning`` (``self.conditioning``)."""
+        from ``conditioning`` (``self.conditioning``); with guidance beyond CFG (``gen.passes``: LTX-2's STG, modality
+        and audio scales), every pass's estimate combined as sampling/guidance.py says."""
         if gen.passes is not None:
             return self._guided_passes(x, sigma, conditioning, gen)
         if self.cfg_group is not None:

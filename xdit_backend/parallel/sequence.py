@@ -66,8 +66,8 @@ class USPAttention:
             if prefix is not None:  # this Ulysses rank's heads of it, as the all-to-all gave it q's
                 share = q.shape[2]
                 first = dist.get_rank(ug) * share
-                prefix = tuple(torch.nn.functional.pad(t, (0, 0, 0, padded))[:, :, first:first + share]
-                               for t in prefix)  # [B, Lp, H'/U, D]
+                prefix = tuple((torch.nn.functional.pad(t, (0, 0, 0, padded)) if padded else t)[:, :, first:first + share]
+                               for t in prefix)  # [B, Lp, H'/U, D]: no copy of the whole prefix unless padded
         kernel = self.kernel if prefix is None else with_prefix(self.kernel, *prefix)
         kernel = kernel if keys is None else keys.kernel(kernel)
         if self.ring_group is not None:

@@ -42,7 +42,7 @@ class Generation:
     # region stays clean rather than noised (WAN22): FamilySpec.model_reads_noise_mask, masked_timesteps_per_frame
     model_reads_mask: bool = False
     kept_clean: bool = False
-    # a latent of several parts (LTX-2's video and audio), ``latent`` their packed [B, Σ n_i] (packed.py); the noise
+    # a latent of several parts (LTX-2's or MiniMax-H3's video and audio), ``latent`` their packed [B, Σ n_i] (packed.py); the noise
     # mask is the first part's (the video's), the others are made whole
     parts: LatentParts | None = None
     passes: Passes | None = None  # LTX-2's guidance beyond CFG (guidance.py): passes more than cond and uncond

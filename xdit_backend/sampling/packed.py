@@ -1,4 +1,4 @@
-"""A latent of several parts sampled as one: LTX-2's video and audio.
+"""A latent of several parts sampled as one: the video and audio of LTX-2 or MiniMax-H3.
 
 ComfyUI carries such a latent as a NestedTensor (video, audio) and, for its samplers, flattens it
 (comfy/samplers.py ``CFGGuider.sample`` → comfy/utils.py ``pack_latents``): each part [B, ...] becomes
