@@ -208,12 +208,11 @@ class Leader:
         fields = {**job.message.fields, "id": job.id, "parallel": config.to_json()}
         return SampleRequest.parse(Message("sample", fields, tensors)), f"{config.describe()} ({why})"
 
-    def notes(self, request: SampleRequest) -> list[str]:
+    def notes(self, request: SampleRequest, model: ResolvedModel) -> list[str]:
         """What the client is told before the first step, where that wait is long: the model to load (not yet held
         by the ranks), the blocks to compile."""
-        model = resolve_model(request.model)  # resolved once per file version: already, by resolve
         notes = []
-        if model.cache_name not in self.executor.cache.names():
+        if self.to_load(model):
             size = _file_size(model)
             notes.append(f"loading {_shown_name(model)} on {self.rt.world_size} ranks"
                          f"{f', {human_bytes(size)}' if size else ''} (the model's first run; it stays loaded)")
@@ -221,11 +220,13 @@ class Leader:
             notes.append("compiling the blocks (torch.compile): the first run at a new size takes longer")
         return notes
 
-    def run_telling_loads(self, job: Job, request: SampleRequest | EvaluateRequest, after_step):
-        """agreement.run_request, with the client told how far a model it loads has got (load_progress.py)."""
-        model = resolve_model(request.model)
-        self.executor.load_progress = LoadProgress(job.note, _shown_name(model), _file_size(model),
-                                                   interval_s())
+    def to_load(self, model: ResolvedModel) -> bool:
+        return model.cache_name not in self.executor.cache.names()
+
+    def run_telling_loads(self, job: Job, request: SampleRequest | EvaluateRequest, model: ResolvedModel, after_step):
+        """agreement.run_request, with the client told how far the model has got where it loads (load_progress.py)."""
+        if self.to_load(model):
+            self.executor.load_progress = LoadProgress(job.note, _shown_name(model), _file_size(model), interval_s())
         try:
             return run_request(self.rt, self.gate, self.executor, request, after_step, lambda: job.cancelled)
         finally:
@@ -285,7 +286,8 @@ class Leader:
             job.fail("model_error", f"{type(exc).__name__}: {exc}", "see the backend log for the full traceback",
                      rank=self.rt.rank, traceback=traceback.format_exc()[-4000:])
             return
-        for text in self.notes(request):
+        model = resolve_model(request.model)  # its header read once per file version (registry.resolve)
+        for text in self.notes(request, model):
             job.note(text)
         broadcast_message(Message("sample", request.to_fields(), request.tensors), self.rt.control)  # follower.py
 
@@ -293,7 +295,7 @@ class Leader:
             job.progress(done, total)
             return self.gate.passes(stop=job.cancelled)
 
-        outcome = self.run_telling_loads(job, request, after_step)
+        outcome = self.run_telling_loads(job, request, model, after_step)
         self.refresh_memory()  # before the reply: a status asked next sees the models and memory it left
         if self.failed(job, outcome, "the result", "latent, reference, conditioning"):
             return
@@ -304,7 +306,7 @@ class Leader:
         if outcome.profile is not None:
             info["profile"] = outcome.profile
         job.reply(Message("result", {"elapsed_s": time.monotonic() - job.started, "info": info},
-                          request.result(resolve_model(request.model).spec, outcome.latent)))
+                          request.result(model.spec, outcome.latent)))
 
     def resolve_evaluation(self, job: Job) -> tuple[EvaluateRequest, str]:
         """Check a model call and fix its layout, so every rank runs exactly the same; its inputs must be inline or
@@ -356,7 +358,7 @@ class Leader:
             return
         broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
         loaded = self.executor.loaded()
-        outcome = self.run_telling_loads(job, request, lambda done, total: True)
+        outcome = self.run_telling_loads(job, request, resolve_model(request.model), lambda done, total: True)
         self.evaluations = dict(self.executor.evaluations)  # a new dict: the server's thread reads the old one whole
         if outcome.failures is not None or self.executor.loaded() != loaded:
             self.refresh_memory()  # a model loaded or evicted (not at every call: a gather on every rank)
