@@ -274,8 +274,8 @@ def sample_tensors(args) -> dict:
     """The request's tensors from the ``sample`` flags: --embeds' conditioning, the --latent, its --noise-mask, and
     each --reference-latent as reference_<i> (and negative_reference_<i> when the embeds have a negative side), each
     each --control-image as control_<i>."""
-    def latent(path: Path, flag: str):
-        stored = read_tensors(path, flag)
+    def latent(path: Path, flag: str, stored: dict | None = None):
+        stored = read_tensors(path, flag) if stored is None else stored
         samples = stored.get("samples", stored.get("latent"))
         if samples is None:
             raise UsageError(f"{flag} {path} holds neither 'samples' nor 'latent' (it has: {', '.join(stored)})",
@@ -284,8 +284,9 @@ def sample_tensors(args) -> dict:
 
     tensors = read_tensors(args.embeds, "--embeds") if args.embeds else {}
     if args.latent:
-        tensors["latent"] = latent(args.latent, "--latent")
-        audio = read_tensors(args.latent, "--latent").get("audio_samples")  # a video-with-audio model's (--out's)
+        stored = read_tensors(args.latent, "--latent")
+        tensors["latent"] = latent(args.latent, "--latent", stored)
+        audio = stored.get("audio_samples")  # a video-with-audio model's (--out's)
         if audio is not None:
             tensors["audio_latent"] = audio
     if args.noise_mask:
