@@ -279,7 +279,7 @@ class Leader:
             request, layout = self.resolve(job)
         except UserError as exc:
             kind = "config" if isinstance(exc, ConfigError) else "bad_request"
-            job.fail(kind, exc.message, exc.hint, **node_hint(exc))
+            job.fail(kind, exc.message, exc.hint, node_hint=exc.node_hint)
             return
         except Exception as exc:  # e.g. out of memory while building the model
             log.exception("request %s could not be prepared", job.id)
@@ -354,7 +354,7 @@ class Leader:
             job.fail("missing_inputs", exc.message, exc.hint)
             return
         except UserError as exc:
-            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint, **node_hint(exc))
+            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint, node_hint=exc.node_hint)
             return
         broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
         loaded = self.executor.loaded()
@@ -428,11 +428,6 @@ def non_finite(latent) -> str | None:
     if not nan and not infinite:
         return None
     return f"{nan} NaN and {infinite} infinite values of {latent.numel()}"
-
-
-def node_hint(exc: UserError) -> dict:
-    """An error reply's ``node_hint`` field, where the error words its fix for the ComfyUI nodes too."""
-    return {"node_hint": exc.node_hint} if exc.node_hint else {}
 
 
 def _shown_name(model: ResolvedModel) -> str:

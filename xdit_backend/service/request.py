@@ -36,6 +36,11 @@ CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  
 class RequestError(UserError):
     """A request the backend will not run; the message names the field, the value and the rule."""
 
+    @classmethod
+    def of(cls, exc: UserError) -> RequestError:
+        """``exc`` (a model's, a layout's, a file's) as the request's error, its words for both callers kept."""
+        return cls(exc.message, exc.hint, node_hint=exc.node_hint)
+
 
 @dataclass(frozen=True)
 class SampleRequest:
@@ -160,7 +165,7 @@ class SampleRequest:
         try:
             spec.check_size(self.width, self.height, self.frames)
         except UserError as exc:
-            raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
+            raise RequestError.of(exc) from None
         if self.cache != "none" and spec.step_cache_refusal:
             raise RequestError(f"the step cache ({self.cache}) on a {spec.family} model: {spec.step_cache_refusal}, "
                                "and on the steps the cache reuses, the blocks' cached output already holds them",
@@ -456,7 +461,7 @@ def _read(field: schema.Field, fields: dict):
         try:
             return tuple(model_patch.parse(value))
         except UserError as exc:
-            raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
+            raise RequestError.of(exc) from None
     return value
 
 
@@ -478,7 +483,7 @@ def _loras(entries) -> tuple:
     try:
         return tuple(lora.parse(entries))
     except UserError as exc:
-        raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
+        raise RequestError.of(exc) from None
 
 
 def _parallel(value) -> ParallelConfig | None:
@@ -489,7 +494,7 @@ def _parallel(value) -> ParallelConfig | None:
     try:
         return ParallelConfig.from_json(value)
     except ConfigError as exc:
-        raise RequestError(exc.message, exc.hint, node_hint=exc.node_hint) from None
+        raise RequestError.of(exc) from None
     except TypeError as exc:
         raise RequestError(f"parallel: {exc}") from None
 

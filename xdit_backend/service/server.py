@@ -262,8 +262,7 @@ class SocketServer:
                 except protocol.ConnectionClosed:
                     return
                 except FrameError as exc:
-                    conn.send(error_message(exc.kind, exc.message, exc.hint,
-                                            **({"node_hint": exc.node_hint} if exc.node_hint else {})))
+                    conn.send(error_message(exc.kind, exc.message, exc.hint, node_hint=exc.node_hint))
                     if exc.fatal:
                         return
                     continue

@@ -106,9 +106,11 @@ class Message:
         return self.fields.get("id", "")
 
 
-def error_message(kind: str, message: str, hint: str = "", *, id: str = "", **extra) -> Message:
-    """Build an ``error`` reply; ``extra`` may carry ``rank`` and ``traceback``."""
-    return Message("error", {"id": id, "kind": kind, "message": message, "hint": hint, **extra})
+def error_message(kind: str, message: str, hint: str = "", *, id: str = "", node_hint: str = "", **extra) -> Message:
+    """Build an ``error`` reply; ``node_hint``: the fix in the ComfyUI nodes' words, sent where it is given (where it
+    differs from ``hint``); ``extra`` may carry ``rank`` and ``traceback``."""
+    return Message("error", {"id": id, "kind": kind, "message": message, "hint": hint,
+                             **({"node_hint": node_hint} if node_hint else {}), **extra})
 
 
 # --------------------------------------------------------------------------- encoding
