@@ -74,15 +74,17 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
         if options.get(flag) is not True:
             raise TranslationError(f"the {which} conditioning {why}", fix)
     takes = HONOURED | set(family_options) | set(spec.comfy_flags) | (
-        {"reference_latents"} if spec.takes_references else set()) | (
-        {"guide_attention_entries"} if "keyframe_idxs" in family_options and _plain_guides(options, which) else set())
+        {"reference_latents"} if spec.takes_references else set())
+    if "keyframe_idxs" in family_options:  # LTX-2's guides: taken where their attention runs as any token's
+        _check_plain_guides(options, which)
+        takes.add("guide_attention_entries")
     placement = (spec.comfy_model_inputs or {}).get("ref_latents_method")  # how the family places references
     for key, value in options.items():
         if key in takes or (key in ("start_percent",) and value == 0.0) or (key == "end_percent" and value == 1.0):
             continue
         if key == "reference_latents_method" and spec.takes_references and value == placement:
             continue  # the family's own placement (Flux's "offset", FluxKontextMultiReferenceLatentMethod)
-        if value is None or (isinstance(value, (list, tuple)) and not value):
+        if value is None or _nothing(value):
             continue  # an option set to nothing (MiniMaxH3ImageToVideo's keyframes without a frame)
         what = REFUSED.get(key, f"the option {key!r}")
         if key in (path.partition(".")[0] for path in spec.comfy_conditioning):  # the family's, not this model's
@@ -147,16 +149,15 @@ def conditioning(entries, spec, batch: int, which: str) -> Side:
     return side
 
 
-def _plain_guides(options: dict, which: str) -> bool:
-    """LTXVAddGuide's guides at full strength without an attention mask: their attention runs as any token's (ComfyUI
-    builds no guide attention mask then: LTXVModel._build_guide_self_attention_mask)."""
+def _check_plain_guides(options: dict, which: str) -> None:
+    """LTXVAddGuide's guides only at full strength without an attention mask: their attention runs as any token's
+    (ComfyUI builds no guide attention mask then: LTXVModel._build_guide_self_attention_mask)."""
     entries = options.get("guide_attention_entries") or []
     weighted = [entry for entry in entries if entry.get("strength", 1.0) != 1.0 or entry.get("pixel_mask") is not None]
     if weighted:
         raise TranslationError(f"the {which} conditioning carries LTXVAddGuide guides with a strength other than 1 or "
                                "an attention mask (their attention weighted), which the xDiT sampler does not run yet",
                                "set the guides' strength to 1 and leave their attention mask out, or use KSampler")
-    return True
 
 
 def references(latents: list, spec, batch: int, which: str) -> dict[str, torch.Tensor]:
