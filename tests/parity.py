@@ -94,3 +94,21 @@ def serial(fields: dict, name: str | None = None) -> torch.Tensor:
 @cache
 def _serial(fields: str, name: str | None) -> torch.Tensor:
     return serial_latent(json.loads(fields), conditioning(name))
+
+
+def serial_parts(fields: dict, tensors: dict | None = None) -> dict[str, torch.Tensor]:
+    """A video-with-audio request's serial result by part (``samples``, ``audio_samples``), as the backend replies;
+    without tensors of its own, from the serial latent computed once (``serial``)."""
+    from xdit_backend.service.request import SampleRequest
+    from xdit_backend.wire.protocol import Message
+
+    latent = serial(fields) if tensors is None else serial_latent(fields, tensors)
+    request = SampleRequest.parse(Message("sample", fields, tensors or {}))
+    return request.result(registry.spec(fields["model"]), latent)
+
+
+def assert_parts_equal(result: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Each part of a backend's result equals its serial one within the parity bound of that part."""
+    for name in ("samples", "audio_samples"):
+        assert result[name].shape == expected[name].shape, name
+        assert (result[name] - expected[name]).abs().max().item() <= bound(expected[name]), name

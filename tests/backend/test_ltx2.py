@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
+from parity import assert_parts_equal, serial_parts
 
 from xdit_backend.models import registry
 from xdit_backend.service.reference import serial_latent
-from xdit_backend.service.request import SampleRequest
-from xdit_backend.wire.protocol import Message
 
 # 160 × 96 px × 17 frames: 3 × 3 × 5 = 45 video tokens (no degree below divides them: padded shares) and 17 audio
 # latent frames (25 fps); cfg 3 with the built-in's seeded negative
@@ -32,11 +31,6 @@ def image_to_video() -> dict:
     return {"latent": latent, "noise_mask": mask}
 
 
-def serial_parts(fields: dict, tensors: dict | None = None) -> dict[str, torch.Tensor]:
-    request = SampleRequest.parse(Message("sample", fields, tensors or {}))
-    return request.result(registry.spec(fields["model"]), serial_latent(fields, tensors))
-
-
 ROWS = [
     *((LTX23, world, degrees) for world, degrees in [
         (2, {"ulysses": 2}), (2, {"ring": 2}), (2, {"cfg": 2}), (4, {"ulysses": 2, "ring": 2}), (4, {"ulysses": 4})]),
@@ -55,10 +49,7 @@ def test_video_and_audio_equal_serial(fields, world, degrees, backend):
     expected = serial_parts(fields)
     result, info = backend(world).sample({**fields, "parallel": degrees})
     assert info["world_size"] == world
-    for name in ("samples", "audio_samples"):
-        assert result[name].shape == expected[name].shape, name
-        bound = 1e-4 * max(1.0, expected[name].abs().max().item())
-        assert (result[name] - expected[name]).abs().max().item() <= bound, name
+    assert_parts_equal(result, expected)
 
 
 def test_a_guide_frame_equals_serial(backend):
