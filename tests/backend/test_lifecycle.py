@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 from xdit_backend.client import Client
 from xdit_backend.launch import launcher
+from xdit_backend.launch.worker_env import START_FAULT_ENV
 from xdit_backend.wire import paths
 
 
-def cli(*args, timeout=240) -> subprocess.CompletedProcess:
+def cli(*args, timeout=240, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xdit_backend.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -60,6 +61,16 @@ def test_a_rank_that_cannot_start_fails_start_with_its_number(sock):
     assert result.returncode == 1
     assert f"rank {gpus} exited with code 1" in result.stderr
     assert "StartupError" in result.stderr and "visible" in result.stderr
+
+
+def test_a_rank_that_fails_its_start_is_named_with_its_reason(sock):
+    """A rank whose start fails (here rank 1 of 2 CPU ranks, by the test-only START_FAULT_ENV, as a rank whose GPU
+    is missing fails on a GPU machine): start exits 1 naming that rank, its exit code and its StartupError."""
+    result = cli("start", "--socket", sock, "--nproc", 2, "--device", "cpu", "--timeout", 150, timeout=200,
+                 env={START_FAULT_ENV: "1"})
+    assert result.returncode == 1, result.stderr
+    assert "rank 1 exited with code 1" in result.stderr
+    assert "StartupError" in result.stderr and "rank 1 cannot start" in result.stderr
 
 
 def test_sample_world_1_and_2_seeds(sock, started2, tmp_path):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..launch import gpus
 from ..launch.options import LaunchOptions
+from ..launch.worker_env import START_FAULT_ENV
 from . import compat, one_device
 from .control import barrier
 from .topology import Topology, prepare_nccl, probe
@@ -56,6 +57,8 @@ def start_runtime(options: LaunchOptions) -> Runtime:
     too_old = compat.unsupported()
     if too_old:
         raise StartupError(too_old)
+    if os.environ.get(START_FAULT_ENV) == os.environ.get("RANK", "0"):
+        raise StartupError(f"rank {os.environ[START_FAULT_ENV]} cannot start (simulated by {START_FAULT_ENV})")
     if options.device == "cuda":
         if torch.cuda._is_in_bad_fork():  # the launcher's fork server started CUDA before forking this rank
             raise StartupError(

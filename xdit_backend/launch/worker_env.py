@@ -50,6 +50,8 @@ TRACE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # the dump's path prefix; th
 # Tests and the selftest only: a file; "RANK:N" written there makes rank RANK's N-th model call of the next
 # request raise a simulated out-of-memory (service/executor.py)
 FAULT_ENV = "XDIT_TEST_FAULT"
+# Tests only: the rank of this number fails its start as a rank that cannot (its GPU missing) does, on any machine
+START_FAULT_ENV = "XDIT_TEST_START_FAULT"
 THREAD_ENVS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 
 
