@@ -222,7 +222,7 @@ FOLDERS = ("unit", "ranks", "backend", "host")  # by cost: in-process, spawned g
 GROUPS = {  # file: group
     "backend/test_compile.py": "compile", "backend/test_lora_patches.py": "compile",  # the second compiles warm
     "host/test_comfyui_host.py": "host", "host/test_workflows.py": "host",  # one ComfyUI (tests/host/conftest.py)
-    "host/test_xdit_model.py": "host", "host/test_noise_mask.py": "host",
+    "host/test_xdit_model.py": "host", "host/test_noise_mask.py": "host", "host/test_browser.py": "host",
 }
 COSTLIEST = (  # by the CPU seconds of a cold run (docs/benchmarks.md), heaviest first; the rest follow by folder
     "compile", "backend/test_selftest.py", "backend/test_lifecycle.py", "backend/test_faults.py",

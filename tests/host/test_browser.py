@@ -13,11 +13,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from host.conftest import FLUX_TINY
+from conftest import free_port
+from host.conftest import COMFYUI_DIR, FLUX_TINY
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (Debian: apt install chromium); the "
-                                                         "page's checks run where it is installed")
+pytestmark = [
+    pytest.mark.skipif(not COMFYUI_DIR, reason="needs a ComfyUI checkout: set COMFYUI_DIR (README, the tests)"),
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (Debian: apt install chromium); the page's checks "
+                                                "run where it is installed"),
+]
 
 
 class Page:
@@ -75,7 +79,7 @@ def keep_screenshot(page: Page, path: Path) -> Path:
 
 @pytest.fixture
 def page(host, tmp_path):
-    port = 9400 + os.getpid() % 500
+    port = free_port()
     browser = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1500,900",
                                 f"--remote-debugging-port={port}", "--remote-allow-origins=*",
                                 f"--user-data-dir={tmp_path / 'profile'}", "about:blank"],
