@@ -135,8 +135,8 @@ def test_every_workflow_is_a_ui_file_with_an_api_twin():
     template browser would list it, and it does not load there)."""
     assert NAMES, "no workflows in workflows/"
     for path in ui_files():
-        assert twin_of(path).exists(), f"{path.name} has no api/{twin_of(path).name}"
         assert not path.name.endswith(".api.json"), f"{path.name} belongs in workflows/api/"
+        assert twin_of(path).exists(), f"{path.name} has no api/{twin_of(path).name}"
     for path in API.glob("*.api.json"):
         assert (WORKFLOWS / path.name.replace(".api.json", ".json")).exists(), f"{path.name} has no UI file"
 
