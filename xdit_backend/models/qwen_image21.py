@@ -222,9 +222,7 @@ class QwenImage21Model(DiffusionModel):
         """The velocity for x [B, 64, h, w] at σ = ``timestep`` [B], as ComfyUI's Qwen-Image 2.1 computes it."""
         t = self.transformer
         b, channels, h, w = x.shape
-        sigma = ((timestep.to(self.device) * 1000).to(self.dtype) / 1000).to(self.dtype)  # model.py's rounding
-        dtype_of = sigma.new_empty(0)  # the embedding's input dtype: the compute dtype
-        temb = t.time_text_embed(torch.cat([sigma, sigma.new_zeros(1)]), dtype_of)  # [B + 1, D]: [t; 0]
+        temb = self._time_embedding(timestep)  # [B + 1, D]: [t; 0]
         modulation = t.modulation(temb)  # [B + 1, 4·D]: scale1, gate1, scale2, gate2 of each row
         prefix = self._prefix(cond, b, (h, w), modulation[-1:].expand(b, -1))
         tokens = x.flatten(2).transpose(1, 2).to(self.device, self.dtype)  # [B, N, 64]
@@ -235,6 +233,12 @@ class QwenImage21Model(DiffusionModel):
             image = block(hidden_states=image, modulation=modulation[:-1], rotary_emb=rope, layer_cache=kept)
         out = t.proj_out(t.norm_out(image, temb[:-1]))  # [B, N, 64]: gathered under sequence parallelism
         return out.transpose(1, 2).reshape(b, channels, h, w)
+
+    def _time_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
+        """[B + 1, D]: σ = ``timestep`` [B] rounded as model.py rounds it, then a t = 0 row (the prefix's), embedded
+        in the compute dtype."""
+        sigma = ((timestep.to(self.device) * 1000).to(self.dtype) / 1000).to(self.dtype)
+        return self.transformer.time_text_embed(torch.cat([sigma, sigma.new_zeros(1)]), sigma.new_empty(0))
 
     @property
     def _axes(self) -> tuple[int, ...]:
@@ -294,8 +298,7 @@ class QwenImage21Model(DiffusionModel):
     def step_inputs(self, shape, timestep, cond, guidance) -> dict:
         """The time embedding and shared modulation ([t; 0]), the sequence's layout and every token's rotation."""
         t = self.transformer
-        sigma = ((timestep.to(self.device) * 1000).to(self.dtype) / 1000).to(self.dtype)  # model.py's rounding
-        temb = t.time_text_embed(torch.cat([sigma, sigma.new_zeros(1)]), sigma.new_empty(0))  # [B + 1, D]
+        temb = self._time_embedding(timestep)  # [B + 1, D]: [t; 0]
         context = cond["context"]
         refs = [reference_rows(latent, context.shape[0], i) for i, latent in enumerate(references(cond))]
         layout = Layout.of(context.shape[1], self._slots(cond.get("image_slots"), context.shape[1], len(refs)),
