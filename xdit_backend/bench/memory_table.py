@@ -51,8 +51,8 @@ class Architecture:
         from ..models import registry
 
         config = registry.BUILTINS[self.config].config if isinstance(self.config, str) else self.config
-        family = next((f for f in registry.FAMILIES.values() if f.diffusers_class == self.diffusers_class), None)
-        build = family.build if family is not None and family.build else getattr(diffusers, self.diffusers_class)
+        family = registry.family_of_class(self.diffusers_class)
+        build = family.constructor() if family is not None else getattr(diffusers, self.diffusers_class)
         with torch.device("meta"):
             return build(**config)  # LTX-2's with its text connectors (ltx2.build_transformer)
 

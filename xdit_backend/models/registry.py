@@ -85,6 +85,17 @@ class Family:
     def spec(self, config: dict) -> FamilySpec:
         return self.spec_class.from_config(config)
 
+    def constructor(self) -> Callable:
+        """What builds the family's transformer from its config: its own ``build``, else diffusers' class."""
+        import diffusers
+
+        return self.build or getattr(diffusers, self.diffusers_class)
+
+
+def family_of_class(diffusers_class: str | None) -> Family | None:
+    """The family whose transformer is diffusers' ``diffusers_class``; None: no family's."""
+    return next((f for f in FAMILIES.values() if f.diffusers_class == diffusers_class), None)
+
 
 # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one, a Wan VACE file a Wan one's
 FAMILIES = {family.name: family for family in (
@@ -220,7 +231,7 @@ def _resolve_folder(path: str) -> ModelSource:
     except (OSError, ValueError) as exc:
         raise ModelError(f"{path}: no readable diffusers config.json ({exc})",
                          "a diffusers model folder holds config.json and its safetensors") from None
-    family = next((f for f in FAMILIES.values() if f.diffusers_class == config.get("_class_name")), None)
+    family = family_of_class(config.get("_class_name"))
     supported = f"supported: {', '.join(f.diffusers_class for f in FAMILIES.values())} folders"
     if "_class_name" not in config:
         raise ModelError(f"{config_file}: names no model class (no _class_name), so it is not a diffusers model's "
@@ -236,11 +247,7 @@ def _resolve_folder(path: str) -> ModelSource:
 def construct(source: ModelSource):
     """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
-    import diffusers
-
-    family = FAMILIES[source.family]
-    cls = family.build or getattr(diffusers, family.diffusers_class)
-    return weights.construct(cls, source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
+    return weights.construct(FAMILIES[source.family].constructor(), source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
 
 
 def attention_geometry(config) -> tuple[int, int]:
