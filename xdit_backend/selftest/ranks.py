@@ -29,7 +29,9 @@ QUICK_LAYOUTS = {2: ("ulysses=2", "ring=2", "pipefusion=2")}  # the dry run: all
 MODELS = ("flux-tiny", "wan-ti2v-tiny", "flux-kontext-tiny")  # plain; video with per-token timesteps; references
 # controls on Qwen-Image: a model patch (DiffSynth's ControlNet, per token: each rank, and each PipeFusion chunk,
 # controls its own tokens) in every layout, and a ControlNet (its own transformer, split as the model's) in every
-# layout but PipeFusion's (refused with one): (model, request fields, whether it runs under PipeFusion)
+# layout but PipeFusion's (refused with one), in float32; in bf16 under each world's first layout only (the dtype's
+# rounding does not depend on the layout, which float32 checks to 1e-4; the section must stay within one device
+# call): (model, request fields, whether it runs under PipeFusion)
 CONTROLLED = (("qwen-image-tiny", {"controls": [{"path": "qwen-image-diffsynth-tiny", "strength": 0.8}]}, True),
               ("qwen-image-tiny", {"controls": [{"path": "qwen-image-controlnet-tiny", "strength": 0.7}]}, False))
 # more controls, on the GPU under each world's first layout only (the section must stay within one device call):
@@ -132,8 +134,9 @@ def _plan(ctx: Context) -> dict[int, list[tuple]]:
     name, side, wide = FULL_WIDTH
     both = (torch.float32, torch.bfloat16)
     return {world: [(model, dtype, 128, layout, {}) for model in MODELS for dtype in both for layout in layouts]
-            + [(controlled, dtype, 128, layout, control) for controlled, control, pipefusion in CONTROLLED
-               for dtype in both for layout in layouts if pipefusion or "pipefusion" not in layout]
+            + [(controlled, torch.float32, 128, layout, control) for controlled, control, pipefusion in CONTROLLED
+               for layout in layouts if pipefusion or "pipefusion" not in layout]
+            + [(controlled, torch.bfloat16, 128, layouts[0], control) for controlled, control, _ in CONTROLLED]
             + [(controlled, dtype, 128, layouts[0], control) for controlled, control in CONTROLLED_ONCE
                for dtype in both]
             + [(name, torch.bfloat16, side, layout, {}) for layout in wide[world]]
