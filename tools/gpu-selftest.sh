@@ -25,4 +25,8 @@ trap stop_leftovers EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m xdit_backend.cli selftest --out "$out" "$@" 2>&1 | tee "$out/selftest.log"
+# A device call has a time limit (10 minutes on the machines lent here): the selftest starts no section whose
+# planned time (runner.SECTIONS) is more than what is left of XDIT_SELFTEST_BUDGET_S, counted from this script's
+# start (570: a 600 s call less the margin for an overrun and the backends' stop), and names those it left.
+budget=$(( ${XDIT_SELFTEST_BUDGET_S:-570} - SECONDS ))
+python3 -m xdit_backend.cli selftest --out "$out" --budget-s "$budget" "$@" 2>&1 | tee "$out/selftest.log"

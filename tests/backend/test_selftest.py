@@ -6,8 +6,10 @@ tests make sure the suite's own code is sound before a GPU's time is spent on it
 """
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +69,31 @@ def test_a_kernel_with_a_wrong_log_sum_exp_fails_the_kernel_sections(tmp_path, m
 def test_an_unknown_section_is_refused_with_the_list(tmp_path, capsys):
     assert runner.run_selftest(tmp_path, ("attentoin",), cpu=True) == 2
     assert "unknown section(s) attentoin; the sections are: environment, attention" in capsys.readouterr().err
+
+
+def test_a_section_planned_past_what_is_left_of_the_budget_is_not_started(tmp_path, capsys):
+    """environment fits a budget of its plan + 4 s, attention's plan does not and is not started; lora's, after it,
+    still fits and runs; the summary names what to run next."""
+    plan = {section.name: section.gpu_s for section in runner.SECTIONS}
+    budget = plan["environment"] + 4
+    assert plan["attention"] > budget >= plan["environment"] + plan["lora"]
+    assert runner.run_selftest(tmp_path, ("environment", "attention", "lora"), cpu=True, budget_s=budget) == 0
+    results = {r["section"]: r for r in json.loads((tmp_path / "selftest.json").read_text())}
+    assert [results[name]["verdict"] for name in ("environment", "attention", "lora")] == ["PASS", "SKIP", "PASS"]
+    assert results["attention"]["cut"] and results["attention"]["seconds"] == 0
+    assert results["attention"]["reason"].startswith(f"not started: planned {plan['attention']:.0f} s")
+    assert all(results[name]["planned_s"] == plan[name] for name in results)
+    said = capsys.readouterr().out
+    assert "not started for the budget: attention; run them next: xdit-backend selftest --only attention" in said
+
+
+def test_the_whole_plan_fits_the_gpu_scripts_budget():
+    """The whole selftest is meant to run in one device call: the sections' planned seconds (H200 measurements)
+    must fit in tools/gpu-selftest.sh's budget, allowing 30 s for what runs before the first section (the wheels'
+    install, torch's import)."""
+    script = (Path(__file__).parents[2] / "tools" / "gpu-selftest.sh").read_text()
+    budget = int(re.search(r"XDIT_SELFTEST_BUDGET_S:-(\d+)", script)[1])
+    assert sum(section.gpu_s for section in runner.SECTIONS) <= budget - 30
 
 
 def test_the_full_size_sections_measurements_run_on_a_small_flux(tmp_path, zygote_launches):

@@ -20,8 +20,12 @@ class Selftest:
         parser.add_argument("--only", nargs="+", default=(), metavar="SECTION", help="run only these sections")
         parser.add_argument("--cpu", action="store_true",
                             help="a dry run on the CPU: the sections that can run there, at the smallest sizes")
+        parser.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                            help="start no section whose planned time is more than what is left of these seconds "
+                                 "(a call with a time limit: it ends with its figures written, and names the "
+                                 "sections left for the next call)")
 
     def run(self, args: argparse.Namespace) -> int:
         from .runner import run_selftest
 
-        return run_selftest(args.out, tuple(args.only), args.cpu)
+        return run_selftest(args.out, tuple(args.only), args.cpu, args.budget_s)

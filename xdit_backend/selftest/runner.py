@@ -18,28 +18,41 @@ from pathlib import Path
 
 import torch
 
-# (name, module, function), in the order they run: cheap and basic first, so a broken install fails fast
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    module: str  # in this package
+    function: str
+    gpu_s: float  # the time plan: its seconds on one H200 with torch 2.11 (docs/benchmarks.md, GPU figures)
+
+
+# In the order they run: cheap and basic first, so a broken install fails fast; the measured ones last, so a run
+# cut short by its budget loses figures already in docs/benchmarks.md. gpu_s as measured on the H200 (2026-11-27:
+# environment, families, nccl, ranks, shares, step-cache); the others from the first run's totals (2026-11-26:
+# 61 s for attention to memory, about 185 s for backend, fault, compile, full-size and demo once the weights were
+# no longer drawn on the CPU), split by their work. Sections grown since their measurement carry what they added.
 SECTIONS = (
-    ("environment", "kernels", "environment"),
-    ("attention", "kernels", "attention_kernels"),
-    ("ring", "kernels", "ring"),
-    ("families", "models", "families"),
-    ("samplers", "models", "samplers"),
-    ("syncs", "models", "syncs"),
-    ("lora", "models", "lora"),
-    ("storage", "storage", "storage"),
-    ("memory", "memory", "memory"),
-    ("nccl", "nccl", "nccl"),
-    ("ranks", "ranks", "ranks"),
-    ("backend", "service", "backend"),
-    ("fault", "service", "fault"),
-    ("compile", "scale", "compiled"),
-    ("shares", "scale", "shares"),
-    ("full-size", "scale", "full_size"),
-    ("step-cache", "service", "step_cache"),
-    ("demo", "service", "demo"),
+    Section("environment", "kernels", "environment", 1),
+    Section("attention", "kernels", "attention_kernels", 12),
+    Section("ring", "kernels", "ring", 3),
+    Section("families", "models", "families", 27),  # 21 s for 16 families; 4 more since
+    Section("samplers", "models", "samplers", 8),
+    Section("syncs", "models", "syncs", 12),
+    Section("lora", "models", "lora", 3),
+    Section("storage", "storage", "storage", 13),
+    Section("memory", "memory", "memory", 10),
+    Section("nccl", "nccl", "nccl", 48),
+    Section("ranks", "ranks", "ranks", 150),  # 104 s for 66 runs; 32 runs with controls since (~1.3 s each)
+    Section("backend", "service", "backend", 25),
+    Section("fault", "service", "fault", 10),
+    Section("compile", "scale", "compiled", 45),
+    Section("shares", "scale", "shares", 19),
+    Section("full-size", "scale", "full_size", 80),
+    Section("step-cache", "service", "step_cache", 49),
+    Section("demo", "service", "demo", 25),
 )
-NAMES = tuple(name for name, _, _ in SECTIONS)
+NAMES = tuple(section.name for section in SECTIONS)
 
 
 class Skip(Exception):
@@ -78,14 +91,15 @@ class Result:
     seconds: float
     figures: dict
     reason: str = ""
+    planned_s: float = 0.0  # its Section.gpu_s, beside what it took, so the next GPU run can mend the plan
+    cut: bool = False  # not started: its plan was more than what was left of the budget
 
 
-def run_section(name: str, ctx: Context) -> Result:
-    module, function = next((m, f) for n, m, f in SECTIONS if n == name)
-    section = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+def run_section(section: Section, ctx: Context) -> Result:
+    run = getattr(importlib.import_module(f"{__package__}.{section.module}"), section.function)
     checks, started = Checks(), time.perf_counter()
     try:
-        section(ctx, checks)
+        run(ctx, checks)
         verdict, reason = ("FAIL", "; ".join(checks.failed)) if checks.failed else ("PASS", "")
     except Skip as exc:
         verdict, reason = "SKIP", str(exc)
@@ -95,14 +109,15 @@ def run_section(name: str, ctx: Context) -> Result:
     finally:
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-    return Result(name, verdict, time.perf_counter() - started, checks.figures, reason)
+    return Result(section.name, verdict, time.perf_counter() - started, checks.figures, reason)
 
 
 def _line(result: Result) -> str:
     shown = {k: v for k, v in result.figures.items() if k != "traceback" and not isinstance(v, (dict, list))}
     figures = ", ".join(f"{k}={_short(v)}" for k, v in shown.items())
     why = f" — {result.reason}" if result.reason else ""
-    return f"{result.verdict:4}  {result.section:<11} {result.seconds:6.1f} s{why}" + (f"\n      {figures}" if figures else "")
+    took = f"{result.seconds:6.1f} s (plan {result.planned_s:.0f})"
+    return f"{result.verdict:4}  {result.section:<11} {took}{why}" + (f"\n      {figures}" if figures else "")
 
 
 def _short(value) -> str:
@@ -118,8 +133,12 @@ def no_cuda_reason() -> str | None:
     return f"no CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none"
 
 
-def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False) -> int:
-    """Every section (or ``only`` those) on cuda:0, or with ``cpu`` on the CPU; 1 if any section failed."""
+def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False, budget_s: float | None = None) -> int:
+    """Every section (or ``only`` those) on cuda:0, or with ``cpu`` on the CPU; 1 if any section failed.
+
+    With ``budget_s``, a section whose planned time (``Section.gpu_s``) is more than what is left of the budget is
+    not started: it is listed as SKIP with the command that runs it, so a call with a time limit ends with its
+    figures written instead of being cut off inside a section."""
     reason = no_cuda_reason()
     if reason and not cpu:
         print(f"SKIP  selftest — {reason}; run it on a GPU machine "
@@ -130,17 +149,28 @@ def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False) -> in
         print(f"unknown section(s) {', '.join(unknown)}; the sections are: {', '.join(NAMES)}", file=sys.stderr)
         return 2
     ctx = Context(torch.device("cpu") if cpu else torch.device("cuda", 0), out, quick=cpu)
+    chosen = [section for section in SECTIONS if not only or section.name in only]
     out.mkdir(parents=True, exist_ok=True)
     print(f"xDiT selftest on {ctx.device}{' (dry run)' if cpu else ''}; figures in {out / 'selftest.json'}", flush=True)
+    print(f"plan: {len(chosen)} sections, about {sum(s.gpu_s for s in chosen):.0f} s on an H200"
+          + (f"; budget {budget_s:.0f} s" if budget_s is not None else ""), flush=True)
     results, started = [], time.perf_counter()
     with ctx.held:
-        for name in NAMES:
-            if only and name not in only:
-                continue
-            results.append(run_section(name, ctx))
+        for section in chosen:
+            left = None if budget_s is None else budget_s - (time.perf_counter() - started)
+            if left is not None and section.gpu_s > left:
+                results.append(Result(section.name, "SKIP", 0.0, {}, f"not started: planned {section.gpu_s:.0f} s, "
+                                      f"{max(left, 0):.0f} s left of the {budget_s:.0f} s budget", cut=True))
+            else:
+                results.append(run_section(section, ctx))
+            results[-1].planned_s = section.gpu_s
             print(_line(results[-1]), flush=True)
             (out / "selftest.json").write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
     failed = [r.section for r in results if r.verdict == "FAIL"]
+    unstarted = [r.section for r in results if r.cut]
     print(f"\n{len(results) - len(failed)} of {len(results)} sections did not fail "
           f"({time.perf_counter() - started:.0f} s){'; FAILED: ' + ', '.join(failed) if failed else ''}")
+    if unstarted:
+        print(f"not started for the budget: {', '.join(unstarted)}; run them next: "
+              f"xdit-backend selftest --only {' '.join(unstarted)}")
     return 1 if failed else 0
