@@ -104,7 +104,7 @@ class ParallelChoice:
     degrees: dict | None = field(default=None, hash=False)  # None: the backend picks (auto)
     gpus: tuple[int, ...] | None = None  # None: every GPU (the backend's default)
     # with auto on: the degree widgets set anyway ("ulysses=2, ring=2"), which auto does not use (the sampler says so)
-    explicit: str = field(default="", compare=False)
+    unused_with_auto: str = field(default="", compare=False)
 
     def request_value(self):
         return "auto" if self.degrees is None else dict(self.degrees)

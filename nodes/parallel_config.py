@@ -69,7 +69,7 @@ class XDiTParallelConfig(io.ComfyNode):
             ("ulysses", ulysses), ("ring", ring), ("pipefusion", pipefusion), ("dp", dp)) if value > 1)
         if auto and cfg_parallel:
             ignored = ", ".join(part for part in (ignored, "cfg_parallel") if part)
-        return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus), explicit=ignored))
+        return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus), unused_with_auto=ignored))
 
 
 def parse_gpus(text: str) -> tuple[int, ...] | None:

@@ -211,9 +211,9 @@ def ran_text(info: dict, elapsed: float, parallel: ParallelChoice | None) -> str
     lines = [f"world {info.get('world_size')}: {info.get('layout', '')}", f"{elapsed:.1f} s, including the queue"]
     if "cache" in info:
         lines.append(f"step cache: {info['cache']['computed']} steps computed, {info['cache']['reused']} reused")
-    if parallel is not None and parallel.degrees is None and parallel.explicit:
-        lines.append(f"auto is on, so {parallel.explicit} on the xDiT Parallel Config are not used: turn auto off "
-                     "to run them")
+    if parallel is not None and parallel.degrees is None and parallel.unused_with_auto:
+        lines.append(f"auto is on, so {parallel.unused_with_auto} on the xDiT Parallel Config are not used: turn "
+                     "auto off to run them")
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from .gpus import VISIBLE_ENV, available_gpus, chosen_gpus
 from .idle import NODES_STOP_AFTER_S, NODES_UNLOAD_AFTER_S
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+CPU_RANKS = 2  # the ranks of a backend on the CPU when --nproc is not given
 
 log = logging.getLogger("xdit_backend.launch")
 
@@ -164,7 +165,7 @@ class LaunchOptions:
                              f"{' (--device cpu)' if self.device else ' (no CUDA device here)'}",
                              "leave --gpus out (--nproc N sets the CPU ranks), or use --device cuda where GPUs are "
                              "visible", node_hint="clear the xDiT Parallel Config's gpus: the backend finds no GPU "
-                                                  "here and runs 2 ranks on the CPU")
+                                                  f"here and runs {self.nproc or CPU_RANKS} ranks on the CPU")
         if device == "cuda":  # the GPUs this process sees, counted as the ranks will (gpus.py)
             available = available_gpus(os.environ, gpu_count)
             if self.gpus:
@@ -174,7 +175,7 @@ class LaunchOptions:
                             "%s; start without it to use every GPU", VISIBLE_ENV, os.environ[VISIBLE_ENV],
                             len(available), ",".join(available))
         if nproc is None:
-            nproc = len(self.gpus) if self.gpus else (len(available) if device == "cuda" else 2)
+            nproc = len(self.gpus) if self.gpus else (len(available) if device == "cuda" else CPU_RANKS)
         if self.gpus and len(self.gpus) != nproc:
             raise LaunchError(f"--gpus lists {len(self.gpus)} GPUs but --nproc is {nproc}; give one GPU per rank")
         if nproc < 1:
