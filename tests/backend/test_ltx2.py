@@ -537,6 +537,26 @@ def test_the_guidance_passes_equal_serial(world, degrees, backend):
         assert (result[name] - expected[name]).abs().max().item() <= 1e-4 * max(1.0, expected[name].abs().max())
 
 
+def test_the_connectors_run_once_per_side_while_the_passes_alternate(monkeypatch):
+    """Under the guidance passes each side is a model call of its own (cond, uncond, perturbed, isolated: the sides
+    alternate at every step), yet the text connectors run once per side for the whole generation; the latent is the
+    one made with them run at every call."""
+    from xdit_backend.models.base import PerConditioning
+
+    model = registry.build("ltx2-tiny", torch.device("cpu"))
+    runs = []
+    model.transformer.video_embeddings_connector.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args: runs.append(args[0].shape))
+    fields = {**EVEN, **PASSES}
+    kept = serial_latent(fields, model=model)
+    assert len(runs) == 2  # the positive side and the negative
+    monkeypatch.setattr(PerConditioning, "get", lambda self, tensor, derive: derive(tensor))
+    runs.clear()
+    every_call = serial_latent(fields, model=model)
+    assert len(runs) > 2 * fields["steps"]  # four passes a step at first, two once STG has ended
+    assert torch.equal(kept, every_call)
+
+
 def test_guidance_passes_are_refused_on_another_family_and_off_the_blocks(backend):
     from xdit_backend.wire.endpoint import BackendError
 

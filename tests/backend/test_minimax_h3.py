@@ -256,6 +256,29 @@ def test_a_comfy_org_file_loads_as_the_built_in(h3, pruned, tmp_path, stored, fo
         assert torch.equal(loaded[key].float(), want), key
 
 
+def test_the_text_is_refined_once_per_side_when_the_sides_alternate(h3, monkeypatch):
+    """Prompts of different lengths cannot batch, so cond and uncond are calls of their own, one after the other at
+    every step; the token refiner still runs once per side, and the latent is the one made with it run at every
+    call."""
+    from xdit_backend.models.base import PerConditioning
+
+    generator = torch.Generator().manual_seed(2)
+    tensors = {"context": torch.randn(1, 8, 48, generator=generator),
+               "negative_context": torch.randn(1, 5, 48, generator=generator)}
+    runs = []
+    handle = h3.transformer.token_refiner.register_forward_pre_hook(lambda module, args: runs.append(args[0].shape))
+    try:
+        kept = serial_latent(H3, tensors, model=h3)
+        assert [shape[1] for shape in runs] == [8, 5]
+        monkeypatch.setattr(PerConditioning, "get", lambda self, tensor, derive: derive(tensor))
+        runs.clear()
+        every_call = serial_latent(H3, tensors, model=h3)
+        assert len(runs) == 2 * H3["steps"]
+    finally:
+        handle.remove()
+    assert torch.equal(kept, every_call)
+
+
 def test_pipefusion_and_the_step_cache_are_refused_with_the_reason(backend):
     from xdit_backend.wire.endpoint import BackendError
 

@@ -242,6 +242,28 @@ def shape_text(shape: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("any" if d is None else str(d) for d in shape) + "]"
 
 
+class PerConditioning:
+    """What a model derives from a conditioning tensor with its own weights (LTX-2's connected texts, MiniMax-H3's
+    refined text), computed once per tensor. A generation calls the model with the same tensors at every step; where
+    cond and uncond (or guidance passes) run as calls of their own they alternate, so a single kept entry would be
+    computed again at every call. Keyed by identity, each entry holding its tensor, so no identity is reused while it
+    is kept; the last ``keep`` are kept (a generation has two sides), and a later generation's tensors replace them.
+    (``derive`` is passed at each call: a bound method kept here would tie the model in a cycle, which would hold its
+    memory after an unload until the garbage collector ran.)"""
+
+    def __init__(self, keep: int = 4):
+        self._keep = keep
+        self._kept: list[tuple[torch.Tensor, object]] = []
+
+    def get(self, tensor: torch.Tensor, derive):
+        for kept, value in self._kept:
+            if kept is tensor:
+                return value
+        value = derive(tensor)
+        self._kept = [*self._kept, (tensor, value)][-self._keep:]
+        return value
+
+
 class DiffusionModel(ABC):
     """A loaded transformer (whole, or one PipeFusion stage of it) and its family's spec.
 

@@ -41,7 +41,7 @@ from ..errors import UserError
 from ..sampling.guidance import ISOLATED, PERTURBED
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, PerConditioning, SequencePlan, StagePlan
 
 DEFAULT_SHIFT = 2.37  # supported_models.LTXV sampling_settings (LTXAV inherits them)
 DEFAULT_FRAME_RATE = 25.0  # model_base.LTXAV.extra_conds: kwargs.get("frame_rate", 25)
@@ -318,7 +318,7 @@ class LTX2Model(DiffusionModel):
         for module in transformer.modules():
             if isinstance(module, LTX2Attention):
                 module.norm_q.eps = module.norm_k.eps = QK_NORM_EPS
-        self._texts: tuple | None = None  # (context, its connected texts): the last conditioning's, reused
+        self._texts = PerConditioning()  # context → its connected texts (self._connect), once per tensor
         self._pass: tuple = (None, None)  # the guidance pass the calls run now (guidance_pass)
 
     @contextmanager
@@ -380,7 +380,7 @@ class LTX2Model(DiffusionModel):
         coords = t.video_coords(coords)  # [B, 3, N, 2] → this rank's [B, 3, n, 2]
         a_coords = t.audio_rope.prepare_audio_coords(b, audio.shape[2], self.device)  # [B, 1, T, 2], seconds
         audio = audio.shape[2] > 0  # without audio its positions are never read (and RoPE takes no empty grid)
-        v_text, a_text = self._connected(cond["context"])
+        v_text, a_text = self._texts.get(cond["context"], self._connect)
         m = Modulation(
             v_temb, a_temb, embed(t.av_cross_attn_video_scale_shift, v_ts)[0],
             embed(t.av_cross_attn_audio_scale_shift, a_ts)[0],
@@ -443,12 +443,10 @@ class LTX2Model(DiffusionModel):
         out, _ = module(largest, batch_size=b, hidden_dtype=self.dtype)
         return out.view(b, 1, -1)
 
-    def _connected(self, context: torch.Tensor):
+    def _connect(self, context: torch.Tensor):
         """The video's and the audio's texts [B, L', D], [B, L', Da] from the text encoder's features ``context``
-        [B, L, 3840 | 6144] (LTXAVModel.preprocess_text_embeds, then _prepare_context): computed once per
-        conditioning (the last one is kept: a generation calls with the same tensor every step)."""
-        if self._texts is not None and self._texts[0] is context:
-            return self._texts[1]
+        [B, L, 3840 | 6144] (LTXAVModel.preprocess_text_embeds, then _prepare_context); called through
+        ``self._texts``, once per conditioning tensor."""
         t = self.transformer
         features = context.to(self.device, self.dtype)
         if t.config.use_prompt_embeddings:  # 2.0: one 3840 text for both connectors, projected after them
@@ -458,7 +456,6 @@ class LTX2Model(DiffusionModel):
             width = t.config.num_attention_heads * t.config.attention_head_dim
             video = self._connector(t.video_embeddings_connector, features[..., :width])
             audio = self._connector(t.audio_embeddings_connector, features[..., width:])
-        self._texts = (context, (video, audio))
         return video, audio
 
     @staticmethod

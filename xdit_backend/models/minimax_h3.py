@@ -37,7 +37,7 @@ import torch
 from ..errors import UserError
 from ..sampling.model_sampling import FlowSampling
 from . import latent_formats
-from .base import CachePlan, Cut, DiffusionModel, FamilySpec, SequencePlan, StagePlan
+from .base import CachePlan, Cut, DiffusionModel, FamilySpec, PerConditioning, SequencePlan, StagePlan
 
 SHIFT_VIDEO, SHIFT_AUDIO = 12.0, 3.0  # supported_models.MiniMaxH3 sampling_settings (shift, audio_shift)
 FRAMES_PER_LATENT = (1, 4, 4, 4, 4)  # pixel frames each latent frame holds, cycling (model.py FRAME_PER_TOKEN)
@@ -238,7 +238,7 @@ class MiniMaxH3Model(DiffusionModel):
             setattr(transformer, name, torch.nn.Identity())
         self.shift = SHIFT_VIDEO  # the running generation's video shift (predict_x0): the audio's σ and k follow
         self.seed = 0  # and its seed: the keyframes' noise's
-        self._refined: tuple | None = None  # (context, its refined text): the last conditioning's, reused
+        self._refined = PerConditioning()  # context → its refined text (self._refine), once per tensor
 
     @property
     def width(self) -> int:
@@ -262,7 +262,7 @@ class MiniMaxH3Model(DiffusionModel):
         sigma_a = time_shift_sigma(sigma_v, self.shift, SHIFT_AUDIO)
         k = self.shift / SHIFT_AUDIO
         audio = carried.to(self.device, torch.float32) * (sigma_a / sigma_v)  # x_a = y·σa/σv, [B, 32, 2, Ta]
-        text = self._text(cond["context"])  # [B, L, D]
+        text = self._refined.get(cond["context"], self._refine)  # [B, L, D]
         keyframes, keyframe_frames = self._keyframes(cond, h, w)  # [B, K·n, 96], [K]
         layout = Layout(text.shape[1], keyframes.shape[1], STEREO * audio.shape[3], frames * (h // 2) * (w // 2))
         tags = self._tags(cond.get("text_token_tags"), layout)  # [S]
@@ -301,15 +301,12 @@ class MiniMaxH3Model(DiffusionModel):
             return t.time_embedder(unique.to(self.device))
         return t.time_embedder(t.time_proj(unique).to(self.device, torch.float32)).to(self.dtype)
 
-    def _text(self, context: torch.Tensor) -> torch.Tensor:
-        """The text's rows [B, L, D]: Qwen3-VL's states projected and refined (ComfyUI's preprocess_text_embeds, once
-        per conditioning: the last one is kept, a generation calls with the same tensor every step)."""
-        if self._refined is not None and self._refined[0] is context:
-            return self._refined[1]
+    def _refine(self, context: torch.Tensor) -> torch.Tensor:
+        """The text's rows [B, L, D]: Qwen3-VL's states projected and refined (ComfyUI's preprocess_text_embeds);
+        through ``self._refined``, once per conditioning tensor."""
         t = self.transformer
         text = t.token_refiner(t.context_embedder(context.to(self.device, t.context_embedder.weight.dtype)))
-        self._refined = (context, text.to(self.dtype))
-        return self._refined[1]
+        return text.to(self.dtype)
 
     def _keyframes(self, cond: dict, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MiniMaxH3ImageToVideo's keyframes as conditioning rows: each one-frame latent [B, 24, 1, h, w] patchified,
