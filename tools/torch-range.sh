@@ -29,10 +29,10 @@ for version in "${versions[@]}"; do
   echo "torch $version: installed in $((SECONDS - began)) s"
   "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$version', torch.__version__"
   echo "== torch $version"
-  only="not test_layout_equals_serial or (flux-tiny and world2)"
-  case $version in 2.7.*)  # its FSDP2 gathers a float8 block as float8, which gloo (the CPU) cannot; NCCL can
-    only="($only) and not test_a_block_of_fp8_bf16_and_fp32_parameters_shards_and_gathers_exactly";; esac
-  "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${subset[@]}" -k "$only" || failed+=("$version")
+  # (on 2.7, whose FSDP2 gathers a float8 block as float8, which gloo cannot, the tests with a sharded float8 block
+  # leave it out and say so: a skip in tests/ranks/test_shard.py, the scaled-fp8 file in tests/ranks/test_gguf.py)
+  "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${subset[@]}" \
+      -k "not test_layout_equals_serial or (flux-tiny and world2)" || failed+=("$version")
 done
 [ ${#failed[@]} -eq 0 ] || { echo "FAILED on torch ${failed[*]}"; exit 1; }
 echo "passed on torch ${versions[*]}"

@@ -122,13 +122,19 @@ def test_stored_weights_shard_with_fsdp2_on_their_rows(tiny, tmp_path, torch_bef
     gguf_path, fp8_path = tmp_path / "flux-q8.gguf", tmp_path / "flux-scaled.safetensors"
     gguf_file(bfl_state_dict(tiny.transformer), gguf_path, GGML.Q8_0)
     comfy_scaled_file(bfl_state_dict(tiny.transformer), fp8_path, per_row=True)
-    for answers in on_ranks(sharded_against_whole, 2, [str(gguf_path), str(fp8_path)], torch_before_2_13):
-        (q8, q8_rows, q8_difference), (fp8, fp8_rows, fp8_difference) = answers
-        assert q8.startswith("gguf Q8_0") and fp8 == "float8_e4m3fn scaled"
-        assert fp8_rows == 32  # half of to_q's 64 output rows on each rank
+    # torch 2.7's FSDP2 gathers a float8 block as float8, which gloo cannot ("Invalid scalar type"; from 2.8 a block
+    # gathers as bytes): there the scaled-fp8 file is left to NCCL (the GPU selftest's nccl section)
+    paths = [str(gguf_path)] + ([str(fp8_path)] if compat.fsdp_shards_mixed_dtypes() else [])
+    for answers in on_ranks(sharded_against_whole, 2, paths, torch_before_2_13):
+        (q8, q8_rows, q8_difference), *scaled = answers
+        assert q8.startswith("gguf Q8_0")
         whole = torch_before_2_13 or not compat.fsdp_shards_integer_parameters()  # this torch, or one made to act so
         assert q8_rows == (64 if whole else 32)
-        assert q8_difference == 0 and fp8_difference == 0
+        assert q8_difference == 0
+        for fp8, fp8_rows, fp8_difference in scaled:
+            assert fp8 == "float8_e4m3fn scaled"
+            assert fp8_rows == 32  # half of to_q's 64 output rows on each rank
+            assert fp8_difference == 0
 
 
 def test_a_pipefusion_stage_of_a_gguf_file_reads_only_its_blocks(tiny, tmp_path):

@@ -52,6 +52,8 @@ def test_a_sharded_load_reads_only_its_rows_and_holds_less_than_an_unsharded_one
     from diffusers import FluxTransformer2DModel
     from spawned import on_ranks
 
+    from xdit_backend.parallel import shard
+
     torch.manual_seed(0)
     state = bfl_state_dict(FluxTransformer2DModel(**CONFIG).to(torch.bfloat16))
     path = tmp_path / "flux-512.safetensors"
@@ -68,6 +70,10 @@ def test_a_sharded_load_reads_only_its_rows_and_holds_less_than_an_unsharded_one
     # unsharded one at every S.
     halves_mb, quarters_mb = [peak for peak, _ in halves], [peak for peak, _ in quarters]
     assert whole_mb > 2 * file_mb, (whole_mb, file_mb)
+    if shard.builds_whole_first(integer_weights=False):  # torch 2.7 (compat.py): each rank still builds the whole
+        # model first, as the fit check assumes when it sizes such a load against the host (test_host_fit_whole_first)
+        assert min(halves_mb + quarters_mb) > 0.8 * whole_mb, (halves_mb, quarters_mb, whole_mb)
+        return
     assert max(halves_mb) < 0.8 * whole_mb, (halves_mb, whole_mb)
     assert max(quarters_mb) < min(halves_mb) - whole_mb / 10, (quarters_mb, halves_mb, whole_mb)  # ≈ whole/4 less
 
