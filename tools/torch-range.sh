@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The compatibility subset on other torch releases than CI's pinned one: the unit tests, the compat and
-# mesh tests, loading sharded (FSDP2 on meta, filled with each rank's rows), and one world-2 backend parity per
-# parallel method (flux-tiny: ulysses, ring, cfg, dp,
-# PipeFusion, and each with its weights sharded). Each release gets its own venv under $XDIT_TORCH_VENVS
+# mesh tests, loading sharded (FSDP2 on meta, filled with each rank's rows), one world-2 backend parity per
+# parallel method (flux-tiny: ulysses, ring, cfg, dp, PipeFusion, and each with its weights sharded), and the GPU
+# selftest's CPU dry run (its code on this torch before a GPU's time is spent on it). Each release gets its own venv under $XDIT_TORCH_VENVS
 # (default ~/.cache/xdit-torch-range), kept for the next run; pip's cache keeps the wheels.
 #
 #   tools/torch-range.sh              # the oldest supported (2.7.1) and the newest release (2.15.0)
@@ -18,7 +18,8 @@ versions=("$@")
 root=${XDIT_TORCH_VENVS:-$HOME/.cache/xdit-torch-range}
 subset=(tests/unit tests/ranks/test_compat.py tests/ranks/test_mesh_groups.py tests/ranks/test_shard.py
         tests/ranks/test_sharded_loading.py "tests/ranks/test_gguf.py::test_stored_weights_shard_with_fsdp2_on_their_rows"
-        "tests/backend/test_parity.py::test_layout_equals_serial")
+        "tests/backend/test_parity.py::test_layout_equals_serial"
+        "tests/backend/test_selftest.py::test_the_cpu_dry_run_runs_every_section_and_none_fails")
 failed=()
 for version in "${versions[@]}"; do
   venv="$root/torch-$version"

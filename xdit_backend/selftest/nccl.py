@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
+from ..distributed import compat
 from ..distributed.config import ParallelConfig
 from ..distributed.mesh import MeshCache
 from ..models import registry
@@ -98,6 +99,10 @@ def _build(ctx: Context, form: str, directory: Path, mesh=None):
 
 
 def _sharded(ctx: Context, checks: Checks, mesh, form: str, directory: Path, request: dict) -> None:
+    if ctx.device.type == "cpu" and "fp8" in form and not compat.fsdp_shards_mixed_dtypes():  # the dry run, on gloo
+        checks.record(**{f"{form}_skipped": "torch 2.7's FSDP2 gathers a float8 block as float8, which gloo cannot "
+                                            "(NCCL can: this section on a GPU)"})
+        return
     try:
         whole = generation(_build(ctx, form, directory), MODEL, request)
     except ImportError as exc:  # gguf: an optional extra
