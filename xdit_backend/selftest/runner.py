@@ -136,9 +136,9 @@ def no_cuda_reason() -> str | None:
 def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False, budget_s: float | None = None) -> int:
     """Every section (or ``only`` those) on cuda:0, or with ``cpu`` on the CPU; 1 if any section failed.
 
-    With ``budget_s``, a section whose planned time (``Section.gpu_s``) is more than what is left of the budget is
-    not started: it is listed as SKIP with the command that runs it, so a call with a time limit ends with its
-    figures written instead of being cut off inside a section."""
+    With ``budget_s`` (seconds from the suite's first section), a section whose planned time (``Section.gpu_s``) is
+    more than what is left of it is not started: it is listed as SKIP, and the summary gives the command that runs
+    those left, so a call with a time limit ends with its figures written instead of being cut off in a section."""
     reason = no_cuda_reason()
     if reason and not cpu:
         print(f"SKIP  selftest — {reason}; run it on a GPU machine "
