@@ -247,11 +247,11 @@ class PerConditioning:
     refined text), computed once per tensor. A generation calls the model with the same tensors at every step; where
     cond and uncond (or guidance passes) run as calls of their own they alternate, so a single kept entry would be
     computed again at every call. Keyed by identity, each entry holding its tensor, so no identity is reused while it
-    is kept; the last ``keep`` are kept (a generation has two sides), and a later generation's tensors replace them.
+    is kept; the last ``keep`` are kept (a generation's two sides), and a later generation's tensors replace them.
     (``derive`` is passed at each call: a bound method kept here would tie the model in a cycle, which would hold its
     memory after an unload until the garbage collector ran.)"""
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep: int = 2):
         self._keep = keep
         self._kept: list[tuple[torch.Tensor, object]] = []
 

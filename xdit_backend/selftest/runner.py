@@ -109,7 +109,7 @@ def run_section(section: Section, ctx: Context) -> Result:
     finally:
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-    return Result(section.name, verdict, time.perf_counter() - started, checks.figures, reason)
+    return Result(section.name, verdict, time.perf_counter() - started, checks.figures, reason, section.gpu_s)
 
 
 def _line(result: Result) -> str:
@@ -160,10 +160,10 @@ def run_selftest(out: Path, only: tuple[str, ...] = (), cpu: bool = False, budge
             left = None if budget_s is None else budget_s - (time.perf_counter() - started)
             if left is not None and section.gpu_s > left:
                 results.append(Result(section.name, "SKIP", 0.0, {}, f"not started: planned {section.gpu_s:.0f} s, "
-                                      f"{max(left, 0):.0f} s left of the {budget_s:.0f} s budget", cut=True))
+                                      f"{max(left, 0):.0f} s left of the {budget_s:.0f} s budget", section.gpu_s,
+                                      cut=True))
             else:
                 results.append(run_section(section, ctx))
-            results[-1].planned_s = section.gpu_s
             print(_line(results[-1]), flush=True)
             (out / "selftest.json").write_text(json.dumps([asdict(r) for r in results], indent=1, default=str))
     failed = [r.section for r in results if r.verdict == "FAIL"]
