@@ -35,6 +35,16 @@ def test_pack_root_loads_as_comfyui_loads_it_without_side_effects():
     assert report == {"entrypoint": True, "env_changed": False, "threads": 0, "heavy": [], "sockets": []}
 
 
+def test_the_pack_root_imports_alone_as_pytest_imports_it_in_a_clone_named_comfyui_xdit():
+    """pytest imports its rootdir's __init__.py, and where the folder's name is no Python name (the README clones into
+    comfyui-xdit) it imports it alone, outside any package: a relative import there failed every test."""
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('__init__', sys.argv[1]); "
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); print(module.WEB_DIRECTORY)")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "__init__.py")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "./web"
+
+
 def test_nodes_is_not_installed_as_a_top_level_package(tmp_path):
     """ComfyUI owns the top-level name `nodes`; installing this project must not shadow it."""
     code = "import importlib.util; print(importlib.util.find_spec('nodes') is None, " \
