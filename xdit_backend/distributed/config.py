@@ -230,14 +230,16 @@ class ParallelConfig:
             return
         factors = " × ".join(f"{name}={getattr(self, name)}" for name in DEGREES)
         on = f" ({devices})" if devices else ""
-        fix_degree = _largest_fixable(self, world_size)
+        fix = _one_degree_fix(self, world_size)
+        set_flag = f"set {fix[0]}={fix[1]}, " if fix else ""
+        set_widget = f"set {fix[0]} to {fix[1]} (that alone makes it right), " if fix else ""
         raise ConfigError(
             f"the parallel degrees multiply to {self.world_size} ({factors}), "
             f"but the backend runs {world_size} rank{'s' if world_size != 1 else ''}{on}; "
             "dp × cfg × pipefusion × ring × ulysses must equal the number of ranks",
-            f"{fix_degree}or stop the backend (`xdit-backend stop`) and start it with --nproc {self.world_size}; or "
+            f"{set_flag}or stop the backend (`xdit-backend stop`) and start it with --nproc {self.world_size}; or "
             "use --parallel auto",
-            node_hint=f"on the xDiT Parallel Config, {_largest_fixable(self, world_size, node=True) or ''}or set "
+            node_hint=f"on the xDiT Parallel Config, {set_widget}or set "
                       f"degrees whose product is {world_size}, or turn auto on; to run on {self.world_size} GPUs "
                       f"instead, stop the backend (xDiT Backend node: stop backend) and list {self.world_size} GPUs "
                       "in the config's gpus")
@@ -411,12 +413,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _largest_fixable(config: ParallelConfig, world_size: int, node: bool = False) -> str:
-    """A concrete 'set X=…' that would make the product right, when one degree alone can (``node``: as the xDiT
-    Parallel Config's widget says it)."""
+def _one_degree_fix(config: ParallelConfig, world_size: int) -> tuple[str, int] | None:
+    """(degree, value): the one degree whose change alone would make the product right, or None when none can."""
     for name in ("ulysses", "ring", "dp"):
         rest = config.world_size // getattr(config, name)
         if world_size % rest == 0:
-            return f"set {name} to {world_size // rest} ({'that alone' if node else name} makes it right), " if node \
-                else f"set {name}={world_size // rest}, "
-    return ""
+            return name, world_size // rest
+    return None

@@ -91,8 +91,9 @@ class Layout:
 
 
 class PrefixCache:
-    """One prompt's prefix: what it was made from (``key``), its layout, and its keys and values, one (k, v)
-    [B, Lp, H, D] per block, filled by the prefix pass."""
+    """One prompt's prefix: what it was made from (``key``: the call's conditioning tensors, the same objects at every
+    step of a generation, compared by identity, so a lookup costs no device work; then the batch and target size),
+    its layout, and its keys and values, one (k, v) [B, Lp, H, D] per block, filled by the prefix pass."""
 
     def __init__(self, key: tuple, layout: Layout):
         self.key, self.layout = key, layout
@@ -100,7 +101,7 @@ class PrefixCache:
 
     def made_from(self, key: tuple) -> bool:
         return len(key) == len(self.key) and all(
-            a == b if not isinstance(a, torch.Tensor) else (a.shape == b.shape and torch.equal(a, b))
+            a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
             for a, b in zip(key, self.key))
 
 
@@ -108,7 +109,7 @@ class PrefixedAttention:
     """The blocks' attention (a diffusers processor for their ``attn`` modules). In the prefix pass (``layer_cache``
     the PrefixCache being filled) the prefix's tokens attend as its layout allows, whole on every rank, and their keys
     and values are kept; in a step (``layer_cache`` the block's kept pair) the image's tokens attend over [prefix;
-    image] through ``core(q, k, v, prefix=(k, v))`` (USPAttention, or one device's attention)."""
+    image] through ``core(q, k, v, prefix=(k, v))`` (USPAttention, PipeFusion's StaleKV, or one device's attention)."""
 
     def __init__(self, core):
         self.core = core
@@ -124,9 +125,9 @@ class PrefixedAttention:
         k = apply_rotary_emb_qwen(k, rotary_emb, use_real=False)
         if isinstance(layer_cache, PrefixCache):  # the prefix pass: block-causal, kept for the steps
             layer_cache.blocks.append((k, v))
-            allowed = layer_cache.layout.allowed.to(q.device)  # [Lp, Lp]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(  # allowed [Lp, Lp], on the device (_layout)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=layer_cache.layout.allowed).transpose(1, 2)
         else:
             out = self.core(q, k, v, prefix=layer_cache)  # [B, n, H, D]
         out = out.flatten(2, 3).type_as(q)
@@ -249,9 +250,7 @@ class QwenImage21Model(DiffusionModel):
         whole on every rank: its keys and values, computed once per prompt, references and target size in a
         generation (the references' positions are centred on the target's)."""
         context = cond["context"]
-        refs = [reference_rows(latent, batch, i) for i, latent in enumerate(references(cond))]  # [B, 64, h', w']
-        slots = self._slots(cond.get("image_slots"), context.shape[1], len(refs))
-        key = (context, *refs, tuple(slots), target)
+        key = (context, cond.get("image_slots"), *references(cond), batch, target)
         for kept in self._prefixes:
             if kept.made_from(key):
                 return kept
@@ -259,7 +258,7 @@ class QwenImage21Model(DiffusionModel):
             raise UserError("the prompt's conditioning holds NaN or infinite values",
                             "re-encode the prompt with the Qwen-Image 2.1 text encoder (Text Encode Qwen Image 2.1)")
         t = self.transformer
-        layout = Layout.of(context.shape[1], slots, [tuple(r.shape[-2:]) for r in refs], target)
+        refs, layout = self._layout(cond, batch, target)
         hidden = self._prefix_tokens(context, refs, layout)  # [B, Lp, D]
         rope = rope_angles(layout.positions[:layout.prefix], self._axes).to(self.device)  # [Lp, D/2]
         kept = PrefixCache(key, layout)
@@ -277,6 +276,15 @@ class QwenImage21Model(DiffusionModel):
                           t.img_in(self.latent_format.process_in(refs[start].to(self.device, torch.float32))
                                    .flatten(2).transpose(1, 2).to(self.dtype))  # [B, h'·w', D]
                           for kind, start, stop in layout.parts], dim=1)
+
+    def _layout(self, cond: dict, batch: int, target: tuple[int, int]) -> tuple[list[torch.Tensor], Layout]:
+        """The call's reference latents [B, 64, h', w'] each, and its sequence's layout (its mask on the device)."""
+        text = cond["context"].shape[1]
+        refs = [reference_rows(latent, batch, i) for i, latent in enumerate(references(cond))]
+        layout = Layout.of(text, self._slots(cond.get("image_slots"), text, len(refs)),
+                           [tuple(r.shape[-2:]) for r in refs], target)
+        layout.allowed = layout.allowed.to(self.device)  # once: every block's prefix pass reads it
+        return refs, layout
 
     @staticmethod
     def _slots(slots: torch.Tensor | None, text: int, count: int) -> list[int]:
@@ -300,9 +308,7 @@ class QwenImage21Model(DiffusionModel):
         t = self.transformer
         temb = self._time_embedding(timestep)  # [B + 1, D]: [t; 0]
         context = cond["context"]
-        refs = [reference_rows(latent, context.shape[0], i) for i, latent in enumerate(references(cond))]
-        layout = Layout.of(context.shape[1], self._slots(cond.get("image_slots"), context.shape[1], len(refs)),
-                           [tuple(r.shape[-2:]) for r in refs], tuple(shape[-2:]))
+        refs, layout = self._layout(cond, context.shape[0], tuple(shape[-2:]))
         return {"temb": temb, "modulation": t.modulation(temb), "layout": layout, "context": context, "refs": refs,
                 "rope": rope_angles(layout.positions, self._axes).to(self.device)}  # [Lp + N, D/2]
 
