@@ -65,10 +65,9 @@ class XDiTParallelConfig(io.ComfyNode):
             if shard_weights:
                 degrees["shard_weights"] = True
             ParallelConfig.from_json(degrees)  # the per-layout rules, before anything runs (ConfigError)
-        ignored = "" if not auto else ", ".join(f"{name}={value}" for name, value in (
-            ("ulysses", ulysses), ("ring", ring), ("pipefusion", pipefusion), ("dp", dp)) if value > 1)
-        if auto and cfg_parallel:
-            ignored = ", ".join(part for part in (ignored, "cfg_parallel") if part)
+        set_anyway = [f"{name}={value}" for name, value in (("ulysses", ulysses), ("ring", ring),
+                                                            ("pipefusion", pipefusion), ("dp", dp)) if value > 1]
+        ignored = ", ".join(set_anyway + (["cfg_parallel"] if cfg_parallel else [])) if auto else ""
         return io.NodeOutput(ParallelChoice(degrees, parse_gpus(gpus), unused_with_auto=ignored))
 
 

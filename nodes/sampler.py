@@ -211,7 +211,7 @@ def ran_text(info: dict, elapsed: float, parallel: ParallelChoice | None) -> str
     lines = [f"world {info.get('world_size')}: {info.get('layout', '')}", f"{elapsed:.1f} s, including the queue"]
     if "cache" in info:
         lines.append(f"step cache: {info['cache']['computed']} steps computed, {info['cache']['reused']} reused")
-    if parallel is not None and parallel.degrees is None and parallel.unused_with_auto:
+    if parallel is not None and parallel.unused_with_auto:  # set only with auto on
         lines.append(f"auto is on, so {parallel.unused_with_auto} on the xDiT Parallel Config are not used: turn "
                      "auto off to run them")
     return "\n".join(lines)
@@ -265,7 +265,7 @@ def backend_client(parallel: ParallelChoice | None):
     if client.hello_or_none() is None:
         return client, None
     status = client.status()
-    if gpus and cuda_device_count():  # (without a GPU, gpus are refused when the backend starts: options.py)
+    if gpus and cuda_device_count():  # (without a GPU, a backend this node starts refuses gpus: options.py)
         try:
             elsewhere = running_elsewhere(status["ranks"], os.environ, gpus, cuda_device_count(), gethostname())
         except LaunchError as exc:

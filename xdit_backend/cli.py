@@ -405,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command's exit code: 2 for a mistake the command finds in what was asked before it asks a backend
-    (argparse's code for its own), 1 when the backend refused or failed, or could not be started (launch options it
-    cannot start with included), 130 on Ctrl-C; a message, never a traceback, for each."""
+    """The command's exit code: 2 for a mistake in what was asked (a UsageError, argparse's code for its own: a flag,
+    a file, a launch option this machine cannot run or a running backend was not started with), 1 when the backend
+    refused or failed a request, or could not be started, 130 on Ctrl-C; a message, never a traceback, for each."""
     args = build_parser().parse_args(argv)
     try:
         return named(COMMANDS, args.command).run(args)

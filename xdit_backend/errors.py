@@ -1,5 +1,7 @@
 """The base of every error a user can act on: what is wrong, and what to do instead."""
 
+from __future__ import annotations
+
 
 class UserError(Exception):
     """``message`` states the rule and the actual values; ``hint`` says how to fix it, in the command line's words
@@ -11,6 +13,11 @@ class UserError(Exception):
         self.message = message
         self.hint = hint
         self.node_hint = node_hint
+
+    @classmethod
+    def of(cls, exc: UserError):
+        """``exc`` (a file's, a model's, a layout's) recast as this kind of error, its words for both callers kept."""
+        return cls(exc.message, exc.hint, node_hint=exc.node_hint)
 
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message

@@ -180,7 +180,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
         try:
             return _resolve_shapes(path, gguf_file.shapes(gguf_blocks.open_reader(path), path), gguf=True)
         except UserError as exc:
-            raise ModelError(exc.message, exc.hint) from None
+            raise ModelError.of(exc) from None
     if file_kind.pickled(path):
         raise ModelError(f"{path} is a PyTorch pickle (a .ckpt / .pt / .bin file), which the backend does not load: "
                          "unpickling can run code the file carries",
@@ -197,7 +197,7 @@ def _resolve_path(path: str, mtime_ns: int, size: int) -> ModelSource:
         with safetensors_file.open_file(path) as handle:
             scaled_fp8.formats(handle, path)  # refuses quantization formats other than float8, by layer
     except UserError as exc:
-        raise ModelError(exc.message, exc.hint) from None
+        raise ModelError.of(exc) from None
     float8 = float8 or bool(scaled_fp8.MARKER in {key.rpartition(".")[2] for key in shapes})
     return _resolve_shapes(path, scaled_fp8.model_shapes(shapes), float8=float8)  # without scales and markers
 
@@ -216,7 +216,7 @@ def _resolve_shapes(path: str, shapes: dict[str, list[int]], float8: bool = Fals
     try:
         config = family.checkpoint.config_from_shapes(shapes, prefix, path)
     except UserError as exc:
-        raise ModelError(exc.message, exc.hint) from None
+        raise ModelError.of(exc) from None
     except KeyError as exc:
         raise ModelError(f"{path}: {family.name} tensor {exc} is missing", "the file is incomplete: re-download it") from None
     return ModelSource("file", path, family.name, config, prefix, family.checkpoint.variant(config), float8, gguf)
@@ -314,7 +314,7 @@ def build_source(source: ModelSource, name: str, device: torch.device, dtype: to
     try:
         model.lora_reports = model.patches.carry(list(loras), lora.LoraFiles(device)) if loras else []
     except UserError as exc:
-        raise ModelError(exc.message, exc.hint) from None
+        raise ModelError.of(exc) from None
     return model
 
 
@@ -392,7 +392,7 @@ def _tensors(source: ModelSource, transformer, keys: list[str], device: torch.de
             read = (folder.reader(source.ref, stack) if source.kind == "folder"
                     else _file_reader(source, keys, stack))
         except UserError as exc:
-            raise ModelError(exc.message, exc.hint) from None
+            raise ModelError.of(exc) from None
         except (OSError, ValueError, KeyError, TypeError) as exc:  # a damaged header, or a file shorter than it says
             raise unreadable(exc) from None
 
@@ -400,7 +400,7 @@ def _tensors(source: ModelSource, transformer, keys: list[str], device: torch.de
             try:
                 return read(key, part)
             except UserError as exc:
-                raise ModelError(exc.message, exc.hint) from None
+                raise ModelError.of(exc) from None
             except Exception as exc:  # only the read: a device's out-of-memory is not the file's fault
                 raise unreadable(exc) from None
 

@@ -278,8 +278,7 @@ class Leader:
         try:
             request, layout = self.resolve(job)
         except UserError as exc:
-            kind = "config" if isinstance(exc, ConfigError) else "bad_request"
-            job.fail(kind, exc.message, exc.hint, node_hint=exc.node_hint)
+            _refuse(job, exc)
             return
         except Exception as exc:  # e.g. out of memory while building the model
             log.exception("request %s could not be prepared", job.id)
@@ -354,7 +353,7 @@ class Leader:
             job.fail("missing_inputs", exc.message, exc.hint)
             return
         except UserError as exc:
-            job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint, node_hint=exc.node_hint)
+            _refuse(job, exc)
             return
         broadcast_message(Message("evaluate", request.to_fields(), request.tensors), self.rt.control)  # follower.py
         loaded = self.executor.loaded()
@@ -438,3 +437,9 @@ def _shown_name(model: ResolvedModel) -> str:
 def _file_size(model: ResolvedModel) -> int | None:
     """The bytes of a model that is one file (a folder's or a built-in's: None)."""
     return Path(model.source.ref).stat().st_size if model.source.kind == "file" else None
+
+
+def _refuse(job: Job, exc: UserError) -> None:
+    """A request refused before any rank runs it: a layout its rules refuse (``config``), or another mistake in it."""
+    job.fail("config" if isinstance(exc, ConfigError) else "bad_request", exc.message, exc.hint,
+             node_hint=exc.node_hint)

@@ -36,11 +36,6 @@ CHOICES = {"samplers": samplers.SAMPLERS, "schedulers": schedulers.SCHEDULERS}  
 class RequestError(UserError):
     """A request the backend will not run; the message names the field, the value and the rule."""
 
-    @classmethod
-    def of(cls, exc: UserError) -> RequestError:
-        """``exc`` (a model's, a layout's, a file's) as the request's error, its words for both callers kept."""
-        return cls(exc.message, exc.hint, node_hint=exc.node_hint)
-
 
 @dataclass(frozen=True)
 class SampleRequest:
