@@ -147,8 +147,6 @@ def test_sample_layout_flags(sock, started2, tmp_path):
     """--ulysses 2 with no backend starts one of 2 ranks; a running backend of another size refuses by size."""
     request = ["--model", "flux-tiny", "--width", 64, "--height", 64, "--steps", 2]
     common = [*request, "--socket", sock, "--device", "cpu"]
-    missing = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "no" / "i.json")
-    assert missing.returncode == 2 and "the folder" in missing.stderr and "does not exist" in missing.stderr
     result = cli("sample", *common, "--ulysses", 2, "--out", tmp_path / "u.st", "--info", tmp_path / "info.json",
                  "--cache", "fbcache", "--cache-start", 0, "--cache-end", 0)
     assert result.returncode == 0, result.stderr

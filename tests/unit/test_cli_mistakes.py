@@ -33,7 +33,10 @@ ROWS = [  # (argv after the socket and --out, what the message says, a file the 
 
 
 @pytest.mark.parametrize("argv,message,made", ROWS, ids=[" ".join(row[0]).replace("{tmp}/", "") for row in ROWS])
-def test_a_sample_mistake_is_a_message_with_exit_code_2(argv, message, made, socket, tmp_path, capsys):
+def test_a_sample_mistake_is_a_message_with_exit_code_2(argv, message, made, socket, tmp_path, capsys, monkeypatch):
+    from xdit_backend.launch import launcher
+
+    monkeypatch.setattr(launcher, "_spawn_serve", lambda *args, **kwargs: pytest.fail("a backend was started"))
     if made:
         garbage(tmp_path / made)
     argv = [part.format(tmp=tmp_path) for part in argv]
@@ -41,7 +44,7 @@ def test_a_sample_mistake_is_a_message_with_exit_code_2(argv, message, made, soc
     err = capsys.readouterr().err
     assert code == 2, err
     assert message.format(tmp=tmp_path) in err and "hint:" in err and "Traceback" not in err
-    assert not socket.exists()  # refused before any backend was started
+    assert not socket.exists()  # refused before any backend was started (a spawn fails the test too)
 
 
 def test_cuda_where_torch_sees_none_says_so(socket, tmp_path, capsys, monkeypatch):

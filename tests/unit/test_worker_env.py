@@ -1,7 +1,6 @@
 """The environment the ranks start with, and how GPUs are named: pure functions over fake
 environments (no GPU needed), and torch.cuda's queries replaced where a rank describes itself."""
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
