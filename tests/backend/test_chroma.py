@@ -3,15 +3,18 @@ and lodestones') loads as the built-in it was written from, and the model equals
 modulation vectors, their places and the final layer's — with guidance 0 (ComfyUI's default) and FluxGuidance's.
 Every layout's parity with serial: test_parity.py's family rows."""
 
+import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from backend.test_model_files import bfl_blocks
-from xdit_backend.models import registry
+from xdit_backend.models import chroma, registry
+from xdit_backend.selftest import models as selftest
 from xdit_backend.service.reference import serial_latent
 
 TINY = registry.BUILTINS["chroma-tiny"].config
@@ -38,6 +41,30 @@ def original_state_dict(transformer) -> dict[str, torch.Tensor]:
         out[f"distilled_guidance_layer.norms.{i}.scale"] = sd[f"distilled_guidance_layer.norms.{i}.weight"]
     out.update(bfl_blocks(transformer, modulated=False))  # Flux's block names, without the modulation layers
     return {key: value.contiguous() for key, value in out.items()}
+
+
+def sinusoid_frequencies_moved(values: torch.Tensor, channels: int, ulps: int) -> torch.Tensor:
+    """ComfyUI's timestep_embedding ([cos, sin] of 1000·values at 10000^(−k/half), float32) written out, each
+    frequency ``ulps`` float32 ulps up: what a device whose exp rounds otherwise may compute."""
+    half = channels // 2
+    frequencies = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)  # [half]
+    for _ in range(ulps):
+        frequencies = torch.nextafter(frequencies, torch.full_like(frequencies, 2.0))
+    angles = (values.float() * 1000)[:, None] * frequencies[None]  # [len, half]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)  # [len, channels]
+
+
+def test_the_selftests_chroma_bound_covers_one_ulp_of_the_devices_exp(monkeypatch):
+    """The modulation index is sin/cos of up to 344 000 rad in float32, made on the device as ComfyUI makes it:
+    one ulp more in each frequency moves the latent past the selftest's general float32 bound (device against
+    CPU), and within the bound it holds chroma to (selftest/models.py; the H200 measured 1.8e-4)."""
+    index = torch.arange(344)
+    assert torch.equal(sinusoid_frequencies_moved(index, 32, ulps=0), chroma.sinusoid(index, 32))
+    request = selftest.fields("chroma-tiny", SimpleNamespace(quick=False))
+    reference = selftest.run("chroma-tiny", torch.device("cpu"), torch.float32, request)
+    monkeypatch.setattr(chroma, "sinusoid", lambda values, channels: sinusoid_frequencies_moved(values, channels, 1))
+    moved, _ = selftest.distance(selftest.run("chroma-tiny", torch.device("cpu"), torch.float32, request), reference)
+    assert selftest.FLOAT32_TOLERANCE < moved <= selftest.FLOAT32_TOLERANCE_OF["chroma-tiny"]
 
 
 @pytest.fixture(scope="module")

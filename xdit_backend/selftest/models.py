@@ -3,7 +3,8 @@ host synchronisations in the step loop, and a LoRA merged on the device.
 
 The reference is always the CPU in float32. On the device, float32 runs with TF32 off (cuDNN's
 convolutions use it by default: the patch embeddings would differ by ~1e-3) and must agree to
-1e-4; bf16 is reported, not held to a bound.
+1e-4 (a family whose float32 formula itself moves with the device's rounding: its own measured bound);
+bf16 is reported, not held to a bound.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ FAMILIES = ("flux-tiny", "sd3-tiny", "pixart-tiny", "wan-tiny", "hunyuan-dit-tin
             # issue 29's families
             "chroma-tiny", "ltx2-tiny", "minimax-h3-tiny", "qwen-image-2.1-tiny")
 FLOAT32_TOLERANCE = 1e-4  # max |device − cpu| / max(1, max |cpu|)
+# Where a family's own float32 formula moves more than that with the device's rounding: Chroma's approximator
+# takes sin/cos of up to 344 000 rad (ComfyUI's modulation index, made on the device in float32), so one ulp of
+# the device's exp in its frequencies moves chroma-tiny's latent by 1.5e-3 on the CPU (tests/backend/test_chroma.py);
+# the H200 gave 1.8e-4 (2026-11-27). The CPU's own float32 is 3.5e-7 from float64: no other error hides there.
+FLOAT32_TOLERANCE_OF = {"chroma-tiny": 3e-3}
 SAMPLER_TOLERANCE = 1e-3
 
 
@@ -89,7 +95,8 @@ def families(ctx: Context, checks: Checks) -> None:
         checks.record(**{f"{name}_weights_max_diff": weights, f"{name}_fp32_max": scaled, f"{name}_bf16_rel": half_rel})
         checks.expect(weights == 0.0, f"{name}: the built-in drawn on {ctx.device} differs from the CPU's "
                                       f"(max {weights:.2e}): not one model")
-        checks.expect(scaled <= FLOAT32_TOLERANCE, f"{name}: float32 {scaled:.2e} from the CPU (≤ {FLOAT32_TOLERANCE:g})")
+        bound = FLOAT32_TOLERANCE_OF.get(name, FLOAT32_TOLERANCE)
+        checks.expect(scaled <= bound, f"{name}: float32 {scaled:.2e} from the CPU (≤ {bound:g})")
         checks.expect(half_rel == half_rel and half_rel < 0.2, f"{name}: bf16 relative error {half_rel:.3g}")
 
 

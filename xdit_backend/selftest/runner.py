@@ -28,29 +28,28 @@ class Section:
 
 
 # In the order they run: cheap and basic first, so a broken install fails fast; the measured ones last, so a run
-# cut short by its budget loses figures already in docs/benchmarks.md. gpu_s as measured on the H200 (2026-11-27:
-# environment, families, nccl, ranks, shares, step-cache); the others from the first run's totals (2026-11-26:
-# 61 s for attention to memory, about 185 s for backend, fault, compile, full-size and demo once the weights were
-# no longer drawn on the CPU), split by their work. Sections grown since their measurement carry what they added.
+# cut short by its budget loses figures already in docs/benchmarks.md. gpu_s: the seconds each took in the first
+# whole run in one call (H200, torch 2.11, 2026-11-27: 353 s in all), rounded up by about a tenth (compile's first
+# graphs vary more: a third) so that an H100, or a slower start, still runs the whole plan in one call.
 SECTIONS = (
     Section("environment", "kernels", "environment", 1),
-    Section("attention", "kernels", "attention_kernels", 12),
-    Section("ring", "kernels", "ring", 3),
-    Section("families", "models", "families", 27),  # 21 s for 16 families; 4 more since
-    Section("samplers", "models", "samplers", 8),
-    Section("syncs", "models", "syncs", 12),
-    Section("lora", "models", "lora", 3),
-    Section("storage", "storage", "storage", 13),
-    Section("memory", "memory", "memory", 10),
-    Section("nccl", "nccl", "nccl", 48),
-    Section("ranks", "ranks", "ranks", 150),  # 104 s for 66 runs; 32 runs with controls since (~1.3 s each)
-    Section("backend", "service", "backend", 25),
-    Section("fault", "service", "fault", 10),
-    Section("compile", "scale", "compiled", 45),
-    Section("shares", "scale", "shares", 19),
-    Section("full-size", "scale", "full_size", 80),
-    Section("step-cache", "service", "step_cache", 49),
-    Section("demo", "service", "demo", 25),
+    Section("attention", "kernels", "attention_kernels", 20),  # 18.0 s
+    Section("ring", "kernels", "ring", 2),  # 0.9 s
+    Section("families", "models", "families", 18),  # 16.0 s
+    Section("samplers", "models", "samplers", 2),  # 1.1 s
+    Section("syncs", "models", "syncs", 2),  # 0.6 s
+    Section("lora", "models", "lora", 1),  # 0.1 s
+    Section("storage", "storage", "storage", 33),  # 30.2 s
+    Section("memory", "memory", "memory", 10),  # 8.8 s
+    Section("nccl", "nccl", "nccl", 35),  # 31.8 s
+    Section("ranks", "ranks", "ranks", 125),  # 113.0 s
+    Section("backend", "service", "backend", 22),  # 20.1 s
+    Section("fault", "service", "fault", 2),  # 0.6 s
+    Section("compile", "scale", "compiled", 30),  # 20.4 s
+    Section("shares", "scale", "shares", 4),  # 2.5 s
+    Section("full-size", "scale", "full_size", 48),  # 43.0 s
+    Section("step-cache", "service", "step_cache", 25),  # 22.4 s
+    Section("demo", "service", "demo", 25),  # 22.0 s
 )
 NAMES = tuple(section.name for section in SECTIONS)
 
