@@ -28,28 +28,28 @@ class Section:
 
 
 # In the order they run: cheap and basic first, so a broken install fails fast; the measured ones last, so a run
-# cut short by its budget loses figures already in docs/benchmarks.md. gpu_s: the seconds each took in the first
-# whole run in one call (H200, torch 2.11, 2026-11-27: 353 s in all), rounded up by about a tenth (compile's first
-# graphs vary more: a third) so that an H100, or a slower start, still runs the whole plan in one call.
+# cut short by its budget loses figures already in docs/benchmarks.md. gpu_s: the slower of the two whole runs on
+# an H200 with torch 2.11 (2026-11-27, seconds in the comments; the second machine was 10–50 % slower throughout),
+# rounded up; compile's first graphs vary more and keep a margin. 467 s in all: one 10-minute call holds it.
 SECTIONS = (
-    Section("environment", "kernels", "environment", 1),
-    Section("attention", "kernels", "attention_kernels", 20),  # 18.0 s
-    Section("ring", "kernels", "ring", 2),  # 0.9 s
-    Section("families", "models", "families", 18),  # 16.0 s
-    Section("samplers", "models", "samplers", 2),  # 1.1 s
-    Section("syncs", "models", "syncs", 2),  # 0.6 s
-    Section("lora", "models", "lora", 1),  # 0.1 s
-    Section("storage", "storage", "storage", 33),  # 30.2 s
-    Section("memory", "memory", "memory", 10),  # 8.8 s
-    Section("nccl", "nccl", "nccl", 35),  # 31.8 s
-    Section("ranks", "ranks", "ranks", 125),  # 113.0 s
-    Section("backend", "service", "backend", 22),  # 20.1 s
-    Section("fault", "service", "fault", 2),  # 0.6 s
-    Section("compile", "scale", "compiled", 30),  # 20.4 s
-    Section("shares", "scale", "shares", 4),  # 2.5 s
-    Section("full-size", "scale", "full_size", 48),  # 43.0 s
-    Section("step-cache", "service", "step_cache", 25),  # 22.4 s
-    Section("demo", "service", "demo", 25),  # 22.0 s
+    Section("environment", "kernels", "environment", 1),  # 0.0 / 0.0
+    Section("attention", "kernels", "attention_kernels", 24),  # 18.0 / 23.9
+    Section("ring", "kernels", "ring", 2),  # 0.9 / 1.1
+    Section("families", "models", "families", 21),  # 16.0 / 21.0
+    Section("samplers", "models", "samplers", 2),  # 1.1 / 1.8
+    Section("syncs", "models", "syncs", 1),  # 0.6 / 0.9
+    Section("lora", "models", "lora", 1),  # 0.1 / 0.2
+    Section("storage", "storage", "storage", 40),  # 30.2 / 40.0
+    Section("memory", "memory", "memory", 15),  # 8.8 / 14.4
+    Section("nccl", "nccl", "nccl", 50),  # 31.8 / 49.4
+    Section("ranks", "ranks", "ranks", 130),  # 113.0 / 129.0
+    Section("backend", "service", "backend", 26),  # 20.1 / 25.2
+    Section("fault", "service", "fault", 1),  # 0.6 / 0.5
+    Section("compile", "scale", "compiled", 30),  # 20.4 / 23.9
+    Section("shares", "scale", "shares", 3),  # 2.5 / 3.0
+    Section("full-size", "scale", "full_size", 46),  # 43.0 / 45.2
+    Section("step-cache", "service", "step_cache", 49),  # 22.4 after shares drew the model / 48.2 alone
+    Section("demo", "service", "demo", 25),  # 22.0 / not started (that call's budget)
 )
 NAMES = tuple(section.name for section in SECTIONS)
 
