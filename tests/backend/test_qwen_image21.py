@@ -45,11 +45,13 @@ def test_prompts_of_different_lengths_under_ulysses_and_ring(backend):
 
 
 def test_pipefusion_with_patches_is_near_serial(backend):
-    """Two patches after one warm-up step: each attends over the prefix and the other's one-step-stale keys."""
-    expected = serial_latent(Q21)
+    """Two patches after one warm-up step: each attends over the prefix and the other's one-step-stale keys. Inexact,
+    and far closer to serial than another seed is (test_pipefusion.py's rule for the other families)."""
+    expected, other_seed = serial_latent(Q21), serial_latent({**Q21, "seed": 6})
     result, _ = backend(2).sample({**Q21, "parallel": {"pipefusion": 2, "num_pipeline_patch": 2, "warmup_steps": 1}})
-    error = (result["samples"] - expected).abs().max().item() / expected.abs().max().item()
-    assert result["samples"].isfinite().all() and 0 < error < 0.5
+    staleness = (result["samples"] - expected).norm()
+    assert result["samples"].isfinite().all() and staleness > 0
+    assert 10 * staleness < (other_seed - expected).norm()
 
 
 # ComfyUI's Qwen-Image 2.1 forward restated (Comfy-Org/ComfyUI comfy/ldm/qwen_image21/model.py 08f68f09), apart from
