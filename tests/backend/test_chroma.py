@@ -6,6 +6,7 @@ Every layout's parity with serial: test_parity.py's family rows."""
 import math
 import os
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,13 @@ def original_state_dict(transformer) -> dict[str, torch.Tensor]:
         out[f"distilled_guidance_layer.norms.{i}.scale"] = sd[f"distilled_guidance_layer.norms.{i}.weight"]
     out.update(bfl_blocks(transformer, modulated=False))  # Flux's block names, without the modulation layers
     return {key: value.contiguous() for key, value in out.items()}
+
+
+def test_building_the_model_prints_no_deprecation_warning():
+    """diffusers 0.42's ChromaTransformer2DModel builds the FluxPosEmbed it deprecates; a load must not say so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        registry.build("chroma-tiny", torch.device("cpu"))
 
 
 def sinusoid_frequencies_moved(values: torch.Tensor, channels: int, ulps: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ Flux's; the step cache spans the single blocks (the streams join before them).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,16 @@ class ChromaSpec(FamilySpec):
     def conditioning_shapes(self, batch: int, text_tokens: int) -> dict[str, tuple[int | None, ...]]:
         """T5-XXL's hidden states, as CLIPTextEncode with Chroma's CLIP gives them."""
         return {"context": (batch, text_tokens, self.context_dim)}
+
+
+def build_transformer(**config):
+    """diffusers' ChromaTransformer2DModel, without the FutureWarning diffusers 0.42 prints on every load (its class
+    builds the FluxPosEmbed it deprecates: not ours to fix, and a user's console should not show it)."""
+    from diffusers import ChromaTransformer2DModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ChromaTransformer2DModel(**config)
 
 
 def sinusoid(values: torch.Tensor, channels: int) -> torch.Tensor:

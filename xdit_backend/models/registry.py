@@ -42,6 +42,7 @@ from . import (
 from .base import DiffusionModel, FamilySpec
 from .builtins import BUILTINS, BuiltinModel
 from .chroma import ChromaModel, ChromaSpec
+from .chroma import build_transformer as build_chroma
 from .checkpoint import Checkpoint
 from .cogvideox import CogVideoXModel, CogVideoXSpec
 from .flux import FluxModel, FluxSpec
@@ -71,7 +72,7 @@ class Family:
     checkpoint: Checkpoint  # its <family>_checkpoint module
     diffusers_class: str
     describes: str  # the variants, for messages
-    build: Callable | None = None  # builds the transformer from its config, where diffusers' class alone does not
+    build: Callable | None = None  # builds the transformer from its config where diffusers' class alone does not (or not quietly)
 
     @property
     def name(self) -> str:
@@ -100,7 +101,8 @@ def family_of_class(diffusers_class: str | None) -> Family | None:
 # in detection order: a Flux.2 file also holds every key that marks a Flux.1 one, a Wan VACE file a Wan one's
 FAMILIES = {family.name: family for family in (
     Family(Flux2Spec, Flux2Model, flux2_checkpoint, "Flux2Transformer2DModel", "Flux.2 (dev, klein 4B and 9B)"),
-    Family(ChromaSpec, ChromaModel, chroma_checkpoint, "ChromaTransformer2DModel", "Chroma (Chroma1-HD, -Base)"),
+    Family(ChromaSpec, ChromaModel, chroma_checkpoint, "ChromaTransformer2DModel", "Chroma (Chroma1-HD, -Base)",
+           build_chroma),
     Family(FluxSpec, FluxModel, flux_checkpoint, "FluxTransformer2DModel", "Flux.1 (dev, schnell)"),
     Family(SD3Spec, SD3Model, sd3_checkpoint, "SD3Transformer2DModel", "SD3 (medium), SD3.5 (medium, large)"),
     Family(PixArtSpec, PixArtModel, pixart_checkpoint, "PixArtTransformer2DModel", "PixArt-α, PixArt-Σ"),
