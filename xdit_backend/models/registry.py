@@ -72,7 +72,7 @@ class Family:
     checkpoint: Checkpoint  # its <family>_checkpoint module
     diffusers_class: str
     describes: str  # the variants, for messages
-    build: Callable | None = None  # builds the transformer from its config where diffusers' class alone does not (or not quietly)
+    build: Callable | None = None  # builds the transformer where diffusers' class alone does not (or not quietly)
 
     @property
     def name(self) -> str:
