@@ -4,6 +4,7 @@ new tenth, at most one a second."""
 
 import torch
 from safetensors.torch import save_file
+from backend.test_idle import FakeTime
 from backend.test_model_files import bfl_state_dict
 
 from xdit_backend.models import registry
@@ -11,27 +12,19 @@ from xdit_backend.models.resolved import resolve_model
 from xdit_backend.service.load_progress import LoadProgress
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_line_at_each_new_tenth_once_a_second_has_passed():
-    said, clock = [], Clock()
+    said, clock = [], FakeTime()
     tell = LoadProgress(said.append, "flux1-dev.safetensors", 2 << 30, min_interval_s=1.0, clock=clock)
     tell(5, 100)
-    clock.now += 2
+    clock.t += 2
     tell(9, 100)  # still in the first tenth: nothing to say
     tell(25, 100)
     tell(35, 100)  # a new tenth, but within the second after the last line
-    clock.now += 0.5
+    clock.t += 0.5
     tell(38, 100)
-    clock.now += 0.6
+    clock.t += 0.6
     tell(41, 100)
-    clock.now += 5
+    clock.t += 5
     tell(100, 100)
     # 25 % and 41 % of 2 GiB: 512 MiB and 839.68 MiB
     assert said == ["loading flux1-dev.safetensors: 25 % (512 MiB of 2.0 GiB)",
@@ -40,12 +33,12 @@ def test_a_line_at_each_new_tenth_once_a_second_has_passed():
 
 
 def test_a_load_within_the_second_says_nothing_and_a_folder_has_no_size():
-    said, clock = [], Clock()
+    said, clock = [], FakeTime()
     tell = LoadProgress(said.append, "flux-tiny", None, min_interval_s=1.0, clock=clock)
     for done in range(0, 101, 10):
         tell(done, 100)
     assert said == []
-    clock.now += 1
+    clock.t += 1
     tell(100, 100)
     assert said == ["loading flux-tiny: 100 %"]
 

@@ -249,7 +249,8 @@ def _resolve_folder(path: str) -> ModelSource:
 def construct(source: ModelSource):
     """The family's diffusers transformer for ``source``'s config, parameters on the meta device (a
     built-in's: those no module can redraw are drawn from its seed, weights.construct)."""
-    return weights.construct(FAMILIES[source.family].constructor(), source.config, BUILTINS[source.ref].seed if source.kind == "builtin" else None)
+    seed = BUILTINS[source.ref].seed if source.kind == "builtin" else None
+    return weights.construct(FAMILIES[source.family].constructor(), source.config, seed)
 
 
 def attention_geometry(config) -> tuple[int, int]:
