@@ -4,8 +4,12 @@ A backend started as users start one (``xdit-backend start``) spends ~15 CPU-s b
 imports torch and torch.distributed.elastic (~4 s), its fork server torch, the worker and diffusers' transformer
 package (~11 s). On the 2-core CI machine, 30-odd such starts were a third of the suite. Each pytest worker
 starts one zygote instead, when its first test asks for a backend: the zygote imports all that once, and for each
-backend forks a launcher (``launcher.serve(start_method="fork")``, in a new session, its output in the backend's
-log), whose ranks fork from it in turn. What a rank then runs is what it runs under the fork server.
+backend forks a launcher (``launcher.serve``, in a new session, its output in the backend's log). The launcher's
+fork server, which forks the ranks, is in turn a fork of the launcher, taken before the launcher runs a second
+thread (``_fork_the_fork_server``). Ranks were once forked from the launcher itself, which by then runs
+torch.distributed's store threads: one 4-rank backend in a few dozen never became ready, its last rank waiting
+forever on a resolver lock it had inherited held (launcher.start_fork_server). What a rank runs is what it runs
+under a user's fork server.
 
 The way users start a backend stays under test: ``Backends.start(..., fresh=True)``, the CLI's ``start`` in
 test_lifecycle, the selftest, the multi-node tests and the ComfyUI host tests all start fresh processes.
@@ -162,24 +166,70 @@ def _fork_launcher(argv: list[str], env: dict[str, str], log_path: str, server: 
 
 
 def _serve(argv: list[str]) -> int:
-    """``xdit-backend serve argv``, its ranks forked from this process."""
+    """``xdit-backend serve argv``, its fork server forked from this process."""
     from xdit_backend import cli
     from xdit_backend.launch import launcher
     from xdit_backend.launch.options import LaunchError, LaunchOptions
 
-    entry = launcher.rank_main
-
-    def rank_main(rank_argv: list[str]) -> None:
-        _threads_from_environment()
-        entry(rank_argv)
-
-    launcher.rank_main = rank_main  # what serve hands the agent
+    launcher.rank_main = _rank_main  # what serve hands the agent
+    launcher.start_fork_server = _fork_the_fork_server
     try:
-        return launcher.serve(LaunchOptions.from_args(cli.build_parser().parse_args(["serve", *argv])),
-                              start_method="fork")
+        return launcher.serve(LaunchOptions.from_args(cli.build_parser().parse_args(["serve", *argv])))
     except LaunchError as exc:
         print(f"xdit-backend: {exc}", file=sys.stderr)
         return 1
+
+
+def _rank_main(argv: list[str]) -> None:
+    """A rank (module-level: the agent pickles it for the fork server by name, ``__main__._rank_main``)."""
+    from xdit_backend.launch import launcher
+
+    _threads_from_environment()
+    importlib.import_module(launcher.RANK_MODULE).main(argv)
+
+
+def _fork_the_fork_server() -> None:
+    """``launcher.start_fork_server``, with the fork server a fork of this launcher instead of a new interpreter
+    that would import torch, the worker and diffusers again. It must be forked while this process runs one thread:
+    a fork taken while another thread holds a lock keeps it held (launcher.start_fork_server)."""
+    from multiprocessing import forkserver, util
+
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        raise RuntimeError(f"the launcher runs {threads} threads where it forks the ranks' fork server; it must run "
+                           "one (launcher.serve starts the fork server before its rendezvous)")
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_and_run
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
+
+
+def _fork_and_run(path: str, args: list[str], passfds: list[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds`` (``path args`` with only stdio and ``passfds`` open), run in a fork
+    of this process: ``args`` end with ``-c CODE`` (the fork server's main, or the resource tracker's)."""
+    code = args[args.index("-c") + 1]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    exit_code = 1
+    try:
+        keep = sorted({0, 1, 2, *passfds})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)  # as the exec would: the launcher's ends of these pipes above all
+        exec(compile(code, "<fork server>", "exec"), {"__name__": "__main__"})
+        exit_code = 0
+    except SystemExit as exc:  # how the fork server ends once the launcher is gone
+        exit_code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def _threads_from_environment() -> None:

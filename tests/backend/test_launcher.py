@@ -1,4 +1,5 @@
-"""Which failure the launcher reports when several ranks end at once."""
+"""Which failure the launcher reports when several ranks end at once; the environment and the process each rank
+runs in."""
 
 import signal
 from pathlib import Path
@@ -82,3 +83,19 @@ def test_the_ranks_run_in_the_environment_the_launcher_built(backends, monkeypat
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
         assert env["OMP_NUM_THREADS"] == threads == env["TORCHINDUCTOR_COMPILE_THREADS"]
         assert rank["threads"] == int(threads)
+
+
+def test_the_ranks_fork_from_a_one_thread_fork_server_not_from_the_launcher(backend):
+    """A rank forked from the launcher, which runs torch.distributed's store threads, can inherit a lock one of
+    them held and wait on it forever (launcher.start_fork_server). Each rank's parent is the fork server, a child
+    of the launcher that runs one thread (the zygote's backends: its fork server is a fork of the launcher)."""
+    status = backend(2).status()
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    servers = {parent(rank["pid"]) for rank in status["ranks"]}
+    assert len(servers) == 1 and status["pid"] not in servers
+    (server,) = servers
+    assert parent(server) == status["pid"]
+    assert len(list(Path(f"/proc/{server}/task").iterdir())) == 1

@@ -126,10 +126,8 @@ def _describe_failure(rank: int, failure) -> dict:
 # --------------------------------------------------------------------------- serve (foreground)
 
 
-def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
-    """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code.
-    ``start_method="fork"`` forks the ranks from this process instead of a fork server: only for a process
-    that has already imported RANK_PRELOAD and holds no CUDA context (the tests' zygote, tests/zygote.py)."""
+def serve(options: LaunchOptions) -> int:
+    """Run the backend in the foreground until it is stopped or a rank fails; returns an exit code."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -144,6 +142,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
                           f"`xdit-backend stop --socket {sock}` or choose another --socket")
     _hand_down(_ranks_environment(options))  # before the fork server starts: it and every rank inherit this
     multiprocessing.set_forkserver_preload(rank_preload(options.device))
+    start_fork_server()  # while this process runs one thread: the rendezvous' store and the watch add more
     if options.tcp:
         ensure_token(Path(options.token_file))  # resolved() named it
     rank_logs = paths.rank_logs(sock)
@@ -167,7 +166,7 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
         max_restarts=0,  # a failed rank fails the backend; the client restarts it on the next request
         monitor_interval=0.2,
         logs_specs=DefaultLogsSpecs(log_dir=str(rank_logs)),
-        start_method=start_method,  # the ranks fork from one process that imported RANK_PRELOAD
+        start_method="forkserver",  # the ranks fork from one process that imported RANK_PRELOAD
     )
     watch = StoppedRankWatch(paths.rank_pids(sock), patience=options.heartbeat / 2).start()
     try:
@@ -190,6 +189,21 @@ def serve(options: LaunchOptions, start_method: str = "forkserver") -> int:
             sock.unlink(missing_ok=True)
     _write_state(sock, status="stopped", **state)
     return 0
+
+
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server, the process every rank is forked from, if it is not running.
+
+    Here it is a new interpreter (an exec), which inherits no lock. ``serve`` starts it before this process
+    runs a second thread, for the tests' zygote, which replaces this function with one that forks the fork
+    server from this process instead (tests/zygote.py). A process forked while another thread holds a lock
+    keeps that lock held forever: torch.distributed's store serves the rendezvous from threads that resolve
+    the address of each rank that connects, and a rank forked from the launcher at such a moment waited
+    forever in its first ``getaddrinfo`` on glibc's resolver lock (a 4-rank test backend that never became
+    ready, CI of 302dccf)."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
 
 
 def _ranks_environment(options: LaunchOptions) -> dict[str, str]:
