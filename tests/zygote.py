@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -140,13 +141,7 @@ def main(socket_path: str) -> None:
 
 
 def _fork_launcher(argv: list[str], env: dict[str, str], log_path: str, server: socket.socket) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
+    def launcher() -> int:
         server.close()
         os.setsid()  # its own process group, as `start` gives a launcher: `stop` ends it and its ranks together
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its agent waits for its own ranks
@@ -156,7 +151,22 @@ def _fork_launcher(argv: list[str], env: dict[str, str], log_path: str, server: 
         os.dup2(log, 2)
         os.environ.clear()
         os.environ.update(env)
-        code = _serve(argv)
+        return _serve(argv)
+
+    return _fork(launcher)
+
+
+def _fork(child: Callable[[], int]) -> int:
+    """A fork of this process that runs ``child()`` and exits with the code it returns (1, with the traceback, if it
+    raises); its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = child()
     except BaseException:
         traceback.print_exc()
     finally:
@@ -210,26 +220,18 @@ def _fork_and_run(path: str, args: list[str], passfds: list[int]) -> int:
     """``multiprocessing.util.spawnv_passfds`` (``path args`` with only stdio and ``passfds`` open), run in a fork
     of this process: ``args`` end with ``-c CODE`` (the fork server's main, or the resource tracker's)."""
     code = args[args.index("-c") + 1]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    exit_code = 1
-    try:
+
+    def run() -> int:
         keep = sorted({0, 1, 2, *passfds})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)  # as the exec would: the launcher's ends of these pipes above all
-        exec(compile(code, "<fork server>", "exec"), {"__name__": "__main__"})
-        exit_code = 0
-    except SystemExit as exc:  # how the fork server ends once the launcher is gone
-        exit_code = exc.code if isinstance(exc.code, int) else 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        try:
+            exec(compile(code, "<fork server>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:  # how the fork server ends once the launcher is gone
+            return exc.code if isinstance(exc.code, int) else 0
+        return 0
+
+    return _fork(run)
 
 
 def _threads_from_environment() -> None:
