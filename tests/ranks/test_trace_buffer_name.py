@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from xdit_backend.distributed import compat
+from xdit_backend.launch import worker_env
 
 
 def test_this_torch_reads_the_chosen_name_without_a_warning():
@@ -15,6 +15,6 @@ def test_this_torch_reads_the_chosen_name_without_a_warning():
               "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0');"
               "dist.destroy_process_group()")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False,
-                            env={**os.environ, compat.flight_recorder_buffer_env(): "2000"})
+                            env={**os.environ, worker_env.trace_buffer_env(): "2000"})
     assert result.returncode == 0, result.stderr
     assert "deprecated" not in result.stderr

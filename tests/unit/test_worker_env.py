@@ -1,8 +1,6 @@
 """The environment the ranks start with, and how GPUs are named: pure functions over fake
 environments (no GPU needed), and torch.cuda's queries replaced where a rank describes itself."""
 
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xdit_backend.distributed import compat, runtime
+from xdit_backend.distributed import runtime
 from xdit_backend.errors import LaunchError
 from xdit_backend.launch import gpus, worker_env
 from xdit_backend.launch.options import LaunchOptions
@@ -126,7 +124,7 @@ def test_a_timeout_dump_has_a_buffer_to_dump_and_lands_beside_the_socket():
     """TORCH_NCCL_DUMP_ON_TIMEOUT dumps nothing without a flight-recorder buffer; the dump must
     outlive the restart that clears the per-rank error files."""
     env = ranks_env({})
-    assert int(env[compat.flight_recorder_buffer_env()]) > 0
+    assert int(env[worker_env.trace_buffer_env()]) > 0
     assert Path(env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent == SOCKET.parent
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in ranks_env({"TORCH_FR_BUFFER_SIZE": "50"})  # the user's, newer name
     assert "TORCH_FR_BUFFER_SIZE" not in ranks_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"})  # the user's, older name
@@ -137,20 +135,7 @@ def test_a_timeout_dump_has_a_buffer_to_dump_and_lands_beside_the_socket():
                                           ("2.8.0", "TORCH_FR_BUFFER_SIZE"), ("2.13.0+cpu", "TORCH_FR_BUFFER_SIZE")])
 def test_the_flight_recorder_buffer_takes_the_name_the_installed_torch_reads(version, name):
     """The newer name from 2.8 on (the older one warns there, twice per rank); the older one on 2.7."""
-    assert compat.flight_recorder_buffer_env(version) == name
-
-
-def test_the_ranks_environment_is_built_without_importing_torch():
-    """The launcher builds it before it imports torch (launcher._ranks_environment), the flight recorder's name
-    included (compat.py reads the installed version from its metadata): a fresh interpreter that builds it has not
-    imported torch, and names the variable that this torch reads."""
-    script = ("import sys; from xdit_backend.launch.options import LaunchOptions;"
-              "from xdit_backend.launch.worker_env import worker_environment;"
-              "env = worker_environment({}, LaunchOptions(nproc=2, device='cpu', socket=__import__('pathlib').Path('/tmp/x/backend.sock')),"
-              " cpu_count=4, gpu_count=0).env;"
-              "print('torch' in sys.modules, [name for name in env if 'BUFFER_SIZE' in name])")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
-    assert result.stdout.split() == ["False", f"['{compat.flight_recorder_buffer_env(torch.__version__)}']"]
+    assert worker_env.trace_buffer_env(version) == name
 
 
 @pytest.mark.parametrize("cpus,nproc,threads", [(16, 4, "4"), (16, 3, "5"), (2, 8, "1")])

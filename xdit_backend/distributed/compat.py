@@ -22,8 +22,8 @@ What is newer than 2.7 and how it is bridged:
   every rank and shards the rest (``fsdp_shards_integer_parameters``).
 - The flight recorder's buffer variable: ``TORCH_FR_BUFFER_SIZE`` from 2.8 on, ``TORCH_NCCL_TRACE_BUFFER_SIZE``
   before (newer releases warn at the older name; NVIDIA/nvidia-resiliency-ext#163 splits them at 2.8):
-  ``flight_recorder_buffer_env``, which the launcher asks while it builds the ranks' environment, before it
-  imports torch; so this module imports torch only inside the functions that use it.
+  launch/worker_env.trace_buffer_env, which reads the installed version without importing torch (the launcher
+  does not import it on a CPU start).
 - ``init_device_mesh(backend_override=)`` and ``DeviceMesh._flatten`` (2.9; private): not used.
   distributed/mesh.py builds its groups with ``dist.new_group`` and wraps the shard group with
   ``DeviceMesh.from_group``, both the same from 2.7 on.
@@ -34,11 +34,10 @@ tools/torch-range.sh runs a compatibility subset of the suite on the oldest and 
 
 from __future__ import annotations
 
-from importlib import metadata
+import torch
+import torch.distributed as dist
 
 MIN_TORCH = (2, 7)
-FLIGHT_RECORDER_FROM = (2, 8)  # torch reads TORCH_FR_BUFFER_SIZE from 2.8 on and warns at the older name after it
-FLIGHT_RECORDER_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the newer name, the older
 
 # torch.distributed's single-tensor all-gather under each name it has had, newest first
 SINGLE_TENSOR_ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")
@@ -46,22 +45,14 @@ SINGLE_TENSOR_ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")
 
 def version(text: str | None = None) -> tuple[int, int]:
     """(major, minor) of torch's version string (this torch's by default): "2.11.0+cu130" → (2, 11)."""
-    major, minor = (text or _this_torch()).split("+")[0].split(".")[:2]
+    major, minor = (text or torch.__version__).split("+")[0].split(".")[:2]
     return int(major), int(minor)
-
-
-def _this_torch() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def single_tensor_all_gathers() -> tuple[str, ...]:
     """The names under which torch.distributed's single-tensor all-gather can be called here (2.13 has
     both: FSDP2 calls the new one, and the old one calls torch's own, not the attribute, so wrapping
     both counts each gather once)."""
-    import torch.distributed as dist
-
     return tuple(name for name in SINGLE_TENSOR_ALL_GATHER if hasattr(dist, name))
 
 
@@ -77,18 +68,10 @@ def fsdp_shards_integer_parameters() -> bool:
 
 def unsupported(text: str | None = None) -> str | None:
     """Why this torch is too old for the backend, with the fix; None when it is supported."""
-    found = text or _this_torch()
+    found = text or torch.__version__
     if version(found) >= MIN_TORCH:
         return None
     oldest = ".".join(map(str, MIN_TORCH))
     return (f"torch {found} is older than {oldest}, the oldest the backend runs on (FSDP2's ignored_params, "
             f"dynamo's recompile_limit); install torch>={oldest} built for your CUDA, e.g. "
             f"pip install 'torch>={oldest}' --index-url https://download.pytorch.org/whl/cu128")
-
-
-def flight_recorder_buffer_env(text: str | None = None) -> str:
-    """The flight recorder's buffer variable that torch reads without a deprecation warning (each rank warned twice
-    at the older name on 2.13), for the installed torch by default: its version read from the installed package's
-    metadata, without importing torch."""
-    newer = version(text or metadata.version("torch")) >= FLIGHT_RECORDER_FROM
-    return FLIGHT_RECORDER_BUFFER_ENVS[0] if newer else FLIGHT_RECORDER_BUFFER_ENVS[1]

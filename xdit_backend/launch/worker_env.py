@@ -26,7 +26,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..distributed import compat
 from ..wire import paths
 from . import gpus
 from .options import LaunchOptions
@@ -44,6 +43,8 @@ NCCL_DEFAULTS = {
     # die idle minutes later (review gpu-paths-2 B3). The backend watches its ranks itself (heartbeat, gate).
     "TORCH_NCCL_ENABLE_MONITORING": "0",
 }
+TRACE_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the newer name and the older one
+FR_NAME_FROM = (2, 8)  # torch reads TORCH_FR_BUFFER_SIZE from 2.8 on and warns at the older name after it
 TRACE_BUFFER = "2000"  # collectives the flight recorder keeps per rank (without any, nothing is dumped)
 TRACE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # the dump's path prefix; the rank's number is appended
 # Tests and the selftest only: a file; "RANK:N" written there makes rank RANK's N-th model call of the next
@@ -78,13 +79,22 @@ def worker_environment(parent_env: Mapping[str, str], options: LaunchOptions, *,
                          "caching allocator (cudaMallocAsync is ComfyUI's default)")
     for name, value in NCCL_DEFAULTS.items():
         env.setdefault(name, value)
-    if not any(name in env for name in compat.FLIGHT_RECORDER_BUFFER_ENVS):
-        env[compat.flight_recorder_buffer_env()] = TRACE_BUFFER
+    if not any(name in env for name in TRACE_BUFFER_ENVS):
+        env[trace_buffer_env()] = TRACE_BUFFER
     env.setdefault(TRACE_FILE_ENV, str(paths.nccl_trace_prefix(options.socket)))
     threads = str(max(1, cpu_count // options.nproc))  # this node's cores shared between its ranks
     for name in THREAD_ENVS:
         env.setdefault(name, threads)
     return WorkerEnvironment(env, notes)
+
+
+def trace_buffer_env(torch_version: str | None = None) -> str:
+    """The flight recorder's buffer variable the installed torch reads without a deprecation warning (each rank
+    warned twice at the older name on 2.13): from the installed version's number, without importing torch here."""
+    from importlib.metadata import version
+
+    major, minor = (torch_version or version("torch")).split("+")[0].split(".")[:2]
+    return TRACE_BUFFER_ENVS[0] if (int(major), int(minor)) >= FR_NAME_FROM else TRACE_BUFFER_ENVS[1]
 
 
 def without_async_backend(conf: str) -> str:
