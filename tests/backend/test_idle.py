@@ -5,20 +5,13 @@ import time
 
 import pytest
 from conftest import SMALL
+from fake_time import FakeTime
 
 from xdit_backend.client import NoBackend
 from xdit_backend.errors import UserError
 from xdit_backend.launch import launcher
 from xdit_backend.launch.idle import STOP, UNLOAD, IdleClock, nodes_idle_times
 from xdit_backend.launch.options import LaunchError, LaunchOptions
-
-
-class FakeTime:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_the_clock_unloads_then_stops_and_a_request_starts_it_again():

@@ -2,17 +2,12 @@
 decides to stop) is served, not accepted and then failed with ``shutdown``: rank 0's idle step alone, with the
 real socket server's queue and a clock past the deadline."""
 
+from fake_time import FakeTime
+
 from xdit_backend.launch.idle import IdleClock
 from xdit_backend.service.leader import Leader
 from xdit_backend.service.server import Job, SocketServer
 from xdit_backend.wire.protocol import Message
-
-
-class Clock:
-    t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class NoModels:
@@ -26,7 +21,7 @@ class Sent(list):
 
 
 def _rank_0_past_its_deadline(tmp_path) -> tuple[Leader, list]:
-    clock = Clock()
+    clock = FakeTime()
     leader = Leader.__new__(Leader)  # rank 0's idle step needs only these
     leader.idle = IdleClock(unload_after=0.0, stop_after=60.0, now=clock)
     leader.server = SocketServer(tmp_path / "backend.sock", status=dict)

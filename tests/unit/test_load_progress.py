@@ -4,8 +4,8 @@ new tenth, at most one a second."""
 
 import torch
 from safetensors.torch import save_file
-from backend.test_idle import FakeTime
 from backend.test_model_files import bfl_state_dict
+from fake_time import FakeTime
 
 from xdit_backend.models import registry
 from xdit_backend.models.resolved import resolve_model
